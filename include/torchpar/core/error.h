@@ -1,0 +1,64 @@
+#pragma once
+/// torchpar's error family. Every error derives from `torchpar::Error`, which derives
+/// from `c10::Error` so that code catching LibTorch errors (and Python bindings) sees
+/// them too. `what()` is the message alone, without a C++ backtrace.
+///
+/// docs/errors.md says for each error whether it is recoverable and what state the
+/// object that threw is left in.
+
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace torchpar {
+
+/// Base of every torchpar error.
+class Error : public c10::Error {
+ public:
+  explicit Error(std::string msg);
+  const char* what() const noexcept override { return what_without_backtrace(); }
+};
+
+/// A blocking call ran out of time (Python: TimeoutError / multiprocessing.TimeoutError).
+class TimeoutError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// The object (queue, connection, pool) was closed (Python: ValueError "closed", EOFError).
+class ClosedError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A system call failed. Carries the syscall, its errno and the object it acted on
+/// (a path, a shared-memory name, an fd).
+class SystemError : public Error {
+ public:
+  SystemError(std::string syscall, int err, std::string object, std::string detail = {});
+  const std::string& syscall() const noexcept { return syscall_; }
+  int error_code() const noexcept { return errno_; }
+  const std::string& object() const noexcept { return object_; }
+
+ private:
+  std::string syscall_;
+  int errno_;
+  std::string object_;
+};
+
+/// Shared memory could not be created, reserved, mapped or opened. For an exhausted
+/// /dev/shm (or memory, for memfd) the message names the place, the bytes asked and
+/// the bytes free. The process can go on: nothing was mapped.
+class ShmError : public SystemError {
+ public:
+  using SystemError::SystemError;
+};
+
+/// Bytes given to `loads` are not a valid torchpar payload of the requested type
+/// (truncated, corrupted, hostile, or another type). Nothing is leaked.
+class SerializationError : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace torchpar

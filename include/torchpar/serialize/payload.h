@@ -1,0 +1,34 @@
+#pragma once
+/// Payload: what `dumps` produces and `loads` reads, plus moving it over a Unix socket.
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torchpar/core/fd.h"
+
+namespace torchpar {
+
+/// Serialized bytes plus the out-of-band file descriptors (shared-memory segments of the
+/// file_descriptor strategy) they refer to by index. Move-only: it owns the fds.
+struct Payload {
+  std::string bytes;
+  std::vector<UniqueFd> fds;
+};
+
+/// Writes `payload` to the connected Unix stream socket `sock`: a 12-byte frame header,
+/// the fds as SCM_RIGHTS (in groups of at most 250), then the bytes.
+/// Errors: SystemError (e.g. EPIPE when the peer is gone); ClosedError on EOF.
+/// Safety: one writer per socket at a time.
+void send_payload(int sock, const Payload& payload);
+
+/// Reads one payload written by send_payload. Waits at most `timeout` for its first byte
+/// (none: forever). Memory grows with the bytes actually received, never with what a
+/// header claims.
+/// Errors: TimeoutError; ClosedError when the peer closed before a whole frame;
+///         SerializationError for a malformed frame; SystemError for socket errors.
+/// Safety: one reader per socket at a time.
+Payload recv_payload(int sock, std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+
+}  // namespace torchpar

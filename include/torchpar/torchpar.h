@@ -1,0 +1,11 @@
+#pragma once
+/// The umbrella header of torchpar.
+
+#include "torchpar/core/error.h"
+#include "torchpar/core/fd.h"
+#include "torchpar/serialize/payload.h"
+#include "torchpar/serialize/serialize.h"
+#include "torchpar/shm/handle.h"
+#include "torchpar/shm/share.h"
+#include "torchpar/shm/sharing_strategy.h"
+#include "torchpar/version.h"

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs exactly what torchpar needs from Debian's packages.
+# Idempotent: when every package is already installed it returns at once.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake make pkg-config git
+  libtorch-dev            # LibTorch (ATen, c10d, torch::nn)
+  libcereal-dev           # serialization of C++ values
+  libfmt-dev              # formatting
+  libcli11-dev            # command-line parsing
+  nlohmann-json3-dev      # JSON
+  zlib1g-dev              # .gz data files
+  libgtest-dev libgmock-dev googletest   # tests
+  libbenchmark-dev        # benchmarks
+  ccache                  # faster rebuilds
+  clang libclang-rt-14-dev  # libFuzzer target for the fuzz label
+  dataset-fashion-mnist   # the data set of the main job
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,211 @@
+#include "torchpar/serialize/archive.h"
+
+#include <fcntl.h>
+
+#include <fmt/format.h>
+
+#include "torchpar/core/syscall.h"
+
+#include "torchpar/shm/handle.h"
+#include "torchpar/shm/share.h"
+
+namespace torchpar::detail {
+namespace {
+
+constexpr char kMagic[4] = {'T', 'P', 'A', 'R'};
+constexpr uint8_t kFormatVersion = 1;
+
+enum class StorageMode : uint8_t { kCopy = 0, kFd = 1, kName = 2 };
+
+bool supported_dtype(int8_t v) {
+  switch (static_cast<at::ScalarType>(v)) {
+    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
+    case at::kHalf: case at::kFloat: case at::kDouble: case at::kComplexHalf:
+    case at::kComplexFloat: case at::kComplexDouble: case at::kBool: case at::kBFloat16:
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <class T>
+T read(InputArchive& ar) {
+  T v{};
+  ar.loadBinary(&v, sizeof v);
+  return v;
+}
+
+template <class T>
+void write(OutputArchive& ar, T v) {
+  ar.saveBinary(&v, sizeof v);
+}
+
+}  // namespace
+
+OutputArchive::OutputArchive(Payload& out, DumpsOptions opts)
+    : cereal::OutputArchive<OutputArchive, cereal::AllowEmptyClassElision>(this),
+      out_(out),
+      opts_(opts) {
+  saveBinary(kMagic, sizeof kMagic);
+  saveBinary(&kFormatVersion, 1);
+}
+
+std::pair<uint32_t, bool> OutputArchive::storage_id(const c10::StorageImpl* impl) {
+  auto [it, inserted] = storages_.emplace(impl, static_cast<uint32_t>(storages_.size()));
+  return {it->second, inserted};
+}
+
+uint32_t OutputArchive::fd_index(int fd) {
+  auto it = fds_.find(fd);
+  if (it != fds_.end()) return it->second;
+  const auto idx = static_cast<uint32_t>(out_.fds.size());
+  out_.fds.emplace_back(check_syscall("fcntl(F_DUPFD_CLOEXEC)", fmt::format("segment fd {}", fd),
+                                      [&] { return ::fcntl(fd, F_DUPFD_CLOEXEC, 0); }));
+  fds_.emplace(fd, idx);
+  return idx;
+}
+
+InputArchive::InputArchive(const Payload& in)
+    : cereal::InputArchive<InputArchive, cereal::AllowEmptyClassElision>(this), in_(in) {}
+
+InputArchive::DepthGuard::DepthGuard(InputArchive& ar) : ar_(ar) {
+  if (++ar_.depth_ > 256) {
+    --ar_.depth_;
+    throw SerializationError("value nested deeper than 256 levels");
+  }
+}
+
+void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const at::Tensor& tensor) {
+  write<uint8_t>(ar, tensor.defined() ? 1 : 0);
+  if (!tensor.defined()) return;
+  TORCH_CHECK(tensor.device().is_cpu(), "dumps: only CPU tensors can be serialized, got ",
+              tensor.device());
+  TORCH_CHECK(tensor.layout() == at::kStrided && tensor.has_storage() && !tensor.is_quantized(),
+              "dumps: only strided, non-quantized tensors can be serialized");
+  at::Tensor t = tensor.detach();
+  if (t.is_conj() || t.is_neg()) t = t.resolve_conj().resolve_neg();
+  TORCH_CHECK(supported_dtype(static_cast<int8_t>(t.scalar_type())),
+              "dumps: unsupported dtype ", t.scalar_type());
+  write<int8_t>(ar, static_cast<int8_t>(t.scalar_type()));
+  write<uint8_t>(ar, static_cast<uint8_t>(t.dim()));
+  for (auto s : t.sizes()) write<int64_t>(ar, s);
+  for (auto s : t.strides()) write<int64_t>(ar, s);
+  write<int64_t>(ar, t.storage_offset());
+  write<uint8_t>(ar, tensor.requires_grad() ? 1 : 0);
+
+  if (!ar.options().copy_tensor) share_memory_(t);  // in place: the caller's tensor too
+  auto [id, first] = ar.storage_id(t.storage().unsafeGetStorageImpl());
+  write<uint32_t>(ar, id);
+  if (!first) return;
+  const c10::Storage& storage = t.storage();
+  if (ar.options().copy_tensor) {
+    write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kCopy));
+    write<uint64_t>(ar, storage.nbytes());
+    ar.saveBinary(storage.data(), storage.nbytes());
+    return;
+  }
+  StorageHandle h = export_storage(storage);
+  if (h.strategy == SharingStrategy::kFileDescriptor) {
+    write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kFd));
+    write<uint64_t>(ar, h.nbytes);
+    write<uint32_t>(ar, ar.fd_index(h.fd));
+  } else {
+    write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kName));
+    write<uint64_t>(ar, h.nbytes);
+    ar(h.name);
+  }
+  write<uint64_t>(ar, h.segment_bytes);
+  write<uint32_t>(ar, h.block);
+}
+
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, at::Tensor& tensor) {
+  const auto defined = read<uint8_t>(ar);
+  if (defined > 1) throw SerializationError("invalid tensor tag");
+  if (defined == 0) {
+    tensor = at::Tensor();
+    return;
+  }
+  const auto dtype_raw = read<int8_t>(ar);
+  if (!supported_dtype(dtype_raw))
+    throw SerializationError(fmt::format("invalid tensor dtype code {}", dtype_raw));
+  const auto dtype = static_cast<at::ScalarType>(dtype_raw);
+  const auto ndim = read<uint8_t>(ar);
+  if (ndim > 64) throw SerializationError(fmt::format("tensor has {} dims (max 64)", ndim));
+  std::vector<int64_t> sizes(ndim), strides(ndim);
+  for (auto& s : sizes) s = read<int64_t>(ar);
+  for (auto& s : strides) s = read<int64_t>(ar);
+  const auto offset = read<int64_t>(ar);
+  const auto requires_grad = read<uint8_t>(ar);
+  if (requires_grad > 1) throw SerializationError("invalid requires_grad flag");
+  const auto id = read<uint32_t>(ar);
+  auto& storages = ar.storages();
+  if (id > storages.size())
+    throw SerializationError(fmt::format("tensor refers to storage {} before it was defined", id));
+  if (id == storages.size()) {
+    const auto mode = read<uint8_t>(ar);
+    const auto nbytes = read<uint64_t>(ar);
+    if (mode == static_cast<uint8_t>(StorageMode::kCopy)) {
+      if (nbytes > ar.remaining())
+        throw SerializationError(fmt::format("tensor storage of {} bytes exceeds the {} bytes left",
+                                             nbytes, ar.remaining()));
+      c10::Storage st(c10::Storage::use_byte_size_t(), nbytes, at::getCPUAllocator(),
+                      /*resizable=*/true);
+      const char* src = ar.take(nbytes);
+      if (nbytes > 0) std::memcpy(st.data(), src, nbytes);
+      storages.push_back(std::move(st));
+    } else if (mode == static_cast<uint8_t>(StorageMode::kFd) ||
+               mode == static_cast<uint8_t>(StorageMode::kName)) {
+      StorageHandle h;
+      h.nbytes = nbytes;
+      UniqueFd fd;
+      if (mode == static_cast<uint8_t>(StorageMode::kFd)) {
+        h.strategy = SharingStrategy::kFileDescriptor;
+        const auto idx = read<uint32_t>(ar);
+        if (idx >= ar.payload().fds.size())
+          throw SerializationError(fmt::format("tensor refers to fd #{} but the payload has {}",
+                                               idx, ar.payload().fds.size()));
+        if (!ar.payload().fds[idx].valid())
+          throw SerializationError(fmt::format("fd #{} of the payload is not open", idx));
+        fd = ar.payload().fds[idx].dup();
+      } else {
+        h.strategy = SharingStrategy::kFileSystem;
+        ar(h.name);
+      }
+      h.segment_bytes = read<uint64_t>(ar);
+      h.block = read<uint32_t>(ar);
+      storages.push_back(import_storage(h, std::move(fd)));
+    } else {
+      throw SerializationError(fmt::format("invalid tensor storage mode {}", mode));
+    }
+  }
+  const c10::Storage& storage = storages[id];
+  check_view_fits(dtype, sizes, strides, offset, storage.nbytes());
+  tensor = at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, offset, sizes, strides);
+  if (requires_grad != 0 && (at::isFloatingType(dtype) || at::isComplexType(dtype)))
+    tensor.requires_grad_(true);
+}
+
+void load_payload(const Payload& payload, const std::function<void(InputArchive&)>& body) {
+  try {
+    InputArchive ar(payload);
+    char magic[4];
+    uint8_t version = 0;
+    if (payload.bytes.size() < 5)
+      throw SerializationError(fmt::format("payload of {} bytes is too short", payload.bytes.size()));
+    ar.loadBinary(magic, 4);
+    ar.loadBinary(&version, 1);
+    if (std::memcmp(magic, kMagic, 4) != 0) throw SerializationError("not a torchpar payload (bad magic)");
+    if (version != kFormatVersion)
+      throw SerializationError(fmt::format("unsupported payload format version {}", version));
+    body(ar);
+    if (ar.remaining() != 0)
+      throw SerializationError(fmt::format("{} trailing bytes after the value (wrong type?)",
+                                           ar.remaining()));
+  } catch (const SerializationError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw SerializationError(std::string("loads: ") + e.what());
+  }
+}
+
+}  // namespace torchpar::detail

@@ -1,0 +1,139 @@
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "torchpar/core/error.h"
+#include "torchpar/core/syscall.h"
+#include "torchpar/serialize/payload.h"
+
+namespace torchpar {
+namespace {
+
+constexpr uint32_t kFrameMagic = 0x46524150;  // "PARF"
+constexpr size_t kFdsPerMessage = 250;        // below the kernel's SCM_MAX_FD (253)
+constexpr uint32_t kMaxFds = 1 << 16;
+
+struct FrameHeader {
+  uint32_t magic;
+  uint32_t nfds;
+  uint64_t nbytes;
+};
+
+// Sends `len` bytes, attaching `fds` (if any) to the first byte.
+void send_with_fds(int sock, const char* data, size_t len, const int* fds, size_t nfds) {
+  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kFdsPerMessage)];
+  while (len > 0) {
+    struct iovec iov {const_cast<char*>(data), len};
+    struct msghdr msg {};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (nfds > 0) {
+      std::memset(control, 0, sizeof control);
+      msg.msg_control = control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+      struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+      std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+    }
+    ssize_t n = detail::check_syscall("sendmsg", fmt::format("socket fd {}", sock),
+                                      [&] { return ::sendmsg(sock, &msg, MSG_NOSIGNAL); });
+    data += n;
+    len -= static_cast<size_t>(n);
+    nfds = 0;  // the fds went with the first byte
+  }
+}
+
+// Receives exactly `len` bytes; fds that arrive are appended to `fds`.
+void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bool at_start) {
+  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kFdsPerMessage)];
+  size_t got = 0;
+  while (got < len) {
+    struct iovec iov {data + got, len - got};
+    struct msghdr msg {};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t n = detail::check_syscall("recvmsg", fmt::format("socket fd {}", sock),
+                                      [&] { return ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC); });
+    for (struct cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < k; ++i) {
+          int fd = -1;
+          std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+          fds->emplace_back(fd);
+        }
+      }
+    }
+    if ((msg.msg_flags & MSG_CTRUNC) != 0)
+      throw SerializationError("file descriptors were dropped in transit (MSG_CTRUNC); raise "
+                               "RLIMIT_NOFILE");
+    if (n == 0) {
+      if (at_start && got == 0) throw ClosedError("recv_payload: the peer closed the connection");
+      throw ClosedError(fmt::format("recv_payload: the peer closed the connection mid-frame "
+                                    "({} of {} bytes)", got, len));
+    }
+    got += static_cast<size_t>(n);
+  }
+}
+
+}  // namespace
+
+void send_payload(int sock, const Payload& payload) {
+  TORCH_CHECK(payload.fds.size() <= kMaxFds, "send_payload: ", payload.fds.size(),
+              " fds exceed the limit of ", kMaxFds);
+  std::vector<int> raw;
+  raw.reserve(payload.fds.size());
+  for (const auto& fd : payload.fds) raw.push_back(fd.get());
+  FrameHeader h{kFrameMagic, static_cast<uint32_t>(raw.size()), payload.bytes.size()};
+  const size_t first = std::min(raw.size(), kFdsPerMessage);
+  send_with_fds(sock, reinterpret_cast<const char*>(&h), sizeof h, raw.data(), first);
+  for (size_t i = first; i < raw.size(); i += kFdsPerMessage) {
+    const char one = 0;
+    send_with_fds(sock, &one, 1, raw.data() + i, std::min(kFdsPerMessage, raw.size() - i));
+  }
+  send_with_fds(sock, payload.bytes.data(), payload.bytes.size(), nullptr, 0);
+}
+
+Payload recv_payload(int sock, std::optional<std::chrono::milliseconds> timeout) {
+  if (timeout) {
+    struct pollfd pfd {sock, POLLIN, 0};
+    int r = detail::check_syscall("poll", fmt::format("socket fd {}", sock), [&] {
+      return ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(timeout->count(), INT32_MAX)));
+    });
+    if (r == 0)
+      throw TimeoutError(fmt::format("recv_payload: nothing arrived within {} ms", timeout->count()));
+  }
+  Payload p;
+  FrameHeader h{};
+  recv_exact(sock, reinterpret_cast<char*>(&h), sizeof h, &p.fds, /*at_start=*/true);
+  if (h.magic != kFrameMagic) throw SerializationError("recv_payload: bad frame magic");
+  if (h.nfds > kMaxFds) throw SerializationError(fmt::format("recv_payload: frame claims {} fds", h.nfds));
+  while (p.fds.size() < h.nfds) {
+    char one = 0;
+    const size_t before = p.fds.size();
+    recv_exact(sock, &one, 1, &p.fds, false);
+    if (p.fds.size() == before) throw SerializationError("recv_payload: fd message without fds");
+  }
+  if (p.fds.size() != h.nfds)
+    throw SerializationError(fmt::format("recv_payload: expected {} fds, got {}", h.nfds, p.fds.size()));
+  // Grow with what actually arrives: a lying header cannot make us allocate.
+  constexpr size_t kStep = 64 << 20;
+  p.bytes.reserve(std::min<uint64_t>(h.nbytes, kStep));
+  while (p.bytes.size() < h.nbytes) {
+    const size_t old = p.bytes.size();
+    const size_t step = std::min<uint64_t>(h.nbytes - old, kStep);
+    p.bytes.resize(old + step);
+    recv_exact(sock, p.bytes.data() + old, step, &p.fds, false);
+  }
+  return p;
+}
+
+}  // namespace torchpar

@@ -1,0 +1,322 @@
+#include "allocator.h"
+
+#include <pthread.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "torchpar/core/error.h"
+#include "torchpar/core/syscall.h"
+
+namespace torchpar::detail {
+namespace {
+
+constexpr uint64_t kMinBlock = 512;             // smallest slab size class
+constexpr uint64_t kMaxSlabBlock = 256 << 10;   // larger storages get their own segment
+constexpr uint64_t kSlabBytes = 2 << 20;        // data bytes per slab segment
+constexpr uint64_t kLargeRound = 2 << 20;       // large segments round up to 2 MiB
+constexpr size_t kMaxPending = 4096;            // released-but-still-referenced blocks kept
+
+uint64_t cache_limit_bytes() {
+  static const uint64_t limit = []() -> uint64_t {
+    if (const char* v = std::getenv("TORCHPAR_SHM_CACHE_BYTES")) return std::strtoull(v, nullptr, 10);
+    return uint64_t{1} << 30;
+  }();
+  return limit;
+}
+
+int size_class(uint64_t n) {
+  int c = 0;
+  for (uint64_t b = kMinBlock; b < n; b <<= 1) ++c;
+  return c;
+}
+constexpr int kNumClasses = 10;  // 512 B .. 256 KiB
+constexpr int kNumStrategies = 2;
+
+struct Slab {
+  std::shared_ptr<Segment> seg;
+  std::vector<uint32_t> free;
+};
+
+struct Pending {
+  std::shared_ptr<Segment> seg;
+  uint32_t block;
+  Slab* slab;  // nullptr for large segments
+};
+
+struct State {
+  std::mutex mu;
+  // Creator side.
+  std::vector<std::unique_ptr<Slab>> slabs[kNumStrategies][kNumClasses];
+  std::unordered_map<const Segment*, Slab*> slab_of;
+  std::multimap<uint64_t, std::shared_ptr<Segment>> large_cache[kNumStrategies];
+  uint64_t cached_bytes = 0;
+  std::deque<Pending> pending;
+  // Every segment mapped in this process, by cross-process identity.
+  std::unordered_map<std::string, std::weak_ptr<Segment>> mapped;
+  // Live storages.
+  BlockRef* live = nullptr;
+  uint64_t live_count = 0;
+  uint64_t segments_created = 0;
+  uint64_t cache_hits = 0;
+};
+
+State& state() {
+  static State* s = [] {
+    auto* st = new State();  // leaked on purpose: storages may die during static destruction
+    ::pthread_atfork(
+        [] { state().mu.lock(); },
+        [] { state().mu.unlock(); },
+        [] {
+          // In a forked child: inherited storages become ordinary holders of their blocks
+          // (the parent may not reuse them while the child lives), and the parent's free
+          // lists are forgotten so the two processes never hand out the same block.
+          State& s2 = state();
+          for (BlockRef* r = s2.live; r != nullptr; r = r->next) {
+            r->seg->refs(r->block).fetch_add(1);
+            r->local_owner = false;
+          }
+          for (auto& per : s2.slabs)
+            for (auto& v : per)
+              for (auto& slab : v) slab->seg->disown();
+          for (auto& c : s2.large_cache)
+            for (auto& [_, seg] : c) seg->disown();
+          for (auto& p : s2.pending) p.seg->disown();
+          for (BlockRef* r = s2.live; r != nullptr; r = r->next) r->seg->disown();
+          for (auto& per : s2.slabs)
+            for (auto& v : per) v.clear();
+          s2.slab_of.clear();
+          for (auto& c : s2.large_cache) c.clear();
+          s2.cached_bytes = 0;
+          s2.pending.clear();
+          s2.mu.unlock();
+        });
+    return st;
+  }();
+  return *s;
+}
+
+void link_live(State& s, BlockRef* r) {
+  r->next = s.live;
+  if (s.live != nullptr) s.live->prev = r;
+  s.live = r;
+  ++s.live_count;
+}
+
+void unlink_live(State& s, BlockRef* r) {
+  if (r->prev != nullptr) r->prev->next = r->next;
+  else s.live = r->next;
+  if (r->next != nullptr) r->next->prev = r->prev;
+  --s.live_count;
+}
+
+void make_free(State& s, const std::shared_ptr<Segment>& seg, uint32_t block, Slab* slab) {
+  if (slab != nullptr) {
+    slab->free.push_back(block);
+    return;
+  }
+  const int si = static_cast<int>(seg->strategy());
+  if (s.cached_bytes + seg->total_size() > cache_limit_bytes()) return;  // dropped: unmapped
+  s.cached_bytes += seg->total_size();
+  s.large_cache[si].emplace(seg->block_size(), seg);
+}
+
+// Moves pending blocks whose cross-process count reached 0 back to the free lists.
+void reclaim_pending(State& s) {
+  for (auto it = s.pending.begin(); it != s.pending.end();) {
+    if (it->seg->refs(it->block).load() == 0) {
+      make_free(s, it->seg, it->block, it->slab);
+      it = s.pending.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+at::DataPtr make_data_ptr(State& s, std::shared_ptr<Segment> seg, uint32_t block, uint64_t nbytes,
+                          bool local_owner) {
+  auto* ref = new BlockRef();
+  char* p = seg->block_ptr(block);
+  ref->seg = std::move(seg);
+  ref->block = block;
+  ref->nbytes = nbytes;
+  ref->local_owner = local_owner;
+  link_live(s, ref);
+  return at::DataPtr(p, ref, &block_deleter, at::Device(at::kCPU));
+}
+
+void register_mapped(State& s, const std::shared_ptr<Segment>& seg) {
+  if (s.mapped.size() > 1024) {  // drop expired entries now and then
+    for (auto it = s.mapped.begin(); it != s.mapped.end();) {
+      if (it->second.expired()) it = s.mapped.erase(it);
+      else ++it;
+    }
+  }
+  s.mapped[seg->key()] = seg;
+}
+
+}  // namespace
+
+void block_deleter(void* ctx) {
+  auto* ref = static_cast<BlockRef*>(ctx);
+  State& s = state();
+  std::shared_ptr<Segment> seg;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    unlink_live(s, ref);
+    const uint32_t left = ref->seg->refs(ref->block).fetch_sub(1) - 1;
+    if (ref->local_owner && ref->seg->owned_here()) {
+      auto it = s.slab_of.find(ref->seg.get());
+      Slab* slab = it == s.slab_of.end() ? nullptr : it->second;
+      if (left == 0) {
+        make_free(s, ref->seg, ref->block, slab);
+      } else {
+        s.pending.push_back({ref->seg, ref->block, slab});
+        if (s.pending.size() > kMaxPending) s.pending.pop_front();  // give that block up
+      }
+    }
+    seg = std::move(ref->seg);  // a last unmap happens outside the lock
+  }
+  delete ref;
+}
+
+BlockRef* block_of(const c10::Storage& storage) {
+  if (!storage) return nullptr;
+  const auto& dp = storage.data_ptr();
+  if (dp.get_deleter() != &block_deleter) return nullptr;
+  return static_cast<BlockRef*>(dp.get_context());
+}
+
+at::DataPtr shm_allocate(uint64_t nbytes) {
+  const SharingStrategy strategy = current_sharing_strategy();
+  const int si = static_cast<int>(strategy);
+  State& s = state();
+  std::unique_lock<std::mutex> lock(s.mu);
+  if (!s.pending.empty()) reclaim_pending(s);
+
+  if (nbytes <= kMaxSlabBlock) {
+    const int c = size_class(nbytes);
+    auto& slabs = s.slabs[si][c];
+    for (auto& slab : slabs) {
+      if (!slab->free.empty()) {
+        uint32_t b = slab->free.back();
+        slab->free.pop_back();
+        slab->seg->refs(b).store(1);
+        return make_data_ptr(s, slab->seg, b, nbytes, true);
+      }
+    }
+    const uint64_t block_size = kMinBlock << c;
+    const auto nblocks = static_cast<uint32_t>(kSlabBytes / block_size);
+    lock.unlock();  // creating a segment may fork the cleaner and fault memory in
+    auto seg = Segment::create(strategy, block_size, nblocks);
+    lock.lock();
+    ++s.segments_created;
+    auto slab = std::make_unique<Slab>();
+    slab->seg = seg;
+    for (uint32_t b = nblocks; b-- > 1;) slab->free.push_back(b);
+    s.slab_of[seg.get()] = slab.get();
+    slabs.push_back(std::move(slab));
+    register_mapped(s, seg);
+    seg->refs(0).store(1);
+    return make_data_ptr(s, seg, 0, nbytes, true);
+  }
+
+  const uint64_t want = (nbytes + kLargeRound - 1) / kLargeRound * kLargeRound;
+  auto& cache = s.large_cache[si];
+  auto it = cache.lower_bound(want);
+  if (it != cache.end() && it->first <= want + want / 4 + kLargeRound) {
+    auto seg = it->second;
+    cache.erase(it);
+    s.cached_bytes -= seg->total_size();
+    ++s.cache_hits;
+    seg->refs(0).store(1);
+    return make_data_ptr(s, seg, 0, nbytes, true);
+  }
+  lock.unlock();
+  auto seg = Segment::create(strategy, want, 1);
+  lock.lock();
+  ++s.segments_created;
+  register_mapped(s, seg);
+  seg->refs(0).store(1);
+  return make_data_ptr(s, seg, 0, nbytes, true);
+}
+
+at::DataPtr shm_import(SharingStrategy strategy, UniqueFd fd, const std::string& name,
+                       uint64_t segment_bytes, uint32_t block, uint64_t nbytes) {
+  State& s = state();
+  std::shared_ptr<Segment> seg;
+  std::string key;
+  if (strategy == SharingStrategy::kFileDescriptor) {
+    if (!fd.valid()) throw SerializationError("shared tensor handle without its file descriptor");
+    struct stat st {};
+    check_syscall("fstat", fmt::format("received fd {}", fd.get()),
+                  [&] { return ::fstat(fd.get(), &st); });
+    key = fmt::format("fd:{}:{}", st.st_dev, st.st_ino);
+  } else {
+    key = "fs:" + name;
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.mapped.find(key);
+    if (it != s.mapped.end()) seg = it->second.lock();
+  }
+  if (!seg) {
+    seg = strategy == SharingStrategy::kFileDescriptor ? Segment::open_fd(std::move(fd))
+                                                       : Segment::open_name(name);
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.mapped.find(key);
+    if (auto existing = it == s.mapped.end() ? nullptr : it->second.lock()) seg = existing;
+    else register_mapped(s, seg);
+  }
+  if (seg->total_size() != segment_bytes)
+    throw SerializationError(fmt::format("shared tensor handle says its segment has {} bytes, "
+                                         "the segment has {}",
+                                         segment_bytes, seg->total_size()));
+  if (block >= seg->num_blocks() || nbytes > seg->block_size())
+    throw SerializationError(fmt::format("shared tensor handle names block {} of {} bytes; the "
+                                         "segment has {} blocks of {} bytes",
+                                         block, nbytes, seg->num_blocks(), seg->block_size()));
+  std::lock_guard<std::mutex> lock(s.mu);
+  return make_data_ptr(s, std::move(seg), block, nbytes, false);
+}
+
+}  // namespace torchpar::detail
+
+namespace torchpar {
+
+ShmStats shm_stats() {
+  auto& s = detail::state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  ShmStats st;
+  for (auto& [_, w] : s.mapped) {
+    if (auto seg = w.lock()) {
+      ++st.segments;
+      st.mapped_bytes += seg->total_size();
+    }
+  }
+  st.live_blocks = s.live_count;
+  st.cached_bytes = s.cached_bytes;
+  st.segments_created = s.segments_created;
+  st.cache_hits = s.cache_hits;
+  return st;
+}
+
+void empty_shm_cache() {
+  auto& s = detail::state();
+  std::multimap<uint64_t, std::shared_ptr<detail::Segment>> drop[detail::kNumStrategies];
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (int i = 0; i < detail::kNumStrategies; ++i) drop[i].swap(s.large_cache[i]);
+    s.cached_bytes = 0;
+  }
+}
+
+}  // namespace torchpar

@@ -1,0 +1,38 @@
+#pragma once
+// The shared-memory allocator of this process: slab segments for small storages, one
+// segment per large storage with a cache of free ones, a registry of imported segments,
+// and fork handling. All state is behind one mutex.
+
+#include <ATen/ATen.h>
+
+#include <memory>
+
+#include "segment.h"
+#include "torchpar/shm/share.h"
+
+namespace torchpar::detail {
+
+/// DataPtr context of every shared storage.
+struct BlockRef {
+  std::shared_ptr<Segment> seg;
+  uint32_t block = 0;
+  uint64_t nbytes = 0;
+  bool local_owner = false;  // this process's allocator may reuse the block once free
+  BlockRef* prev = nullptr;  // intrusive list of live refs (for fork)
+  BlockRef* next = nullptr;
+};
+
+void block_deleter(void* ctx);
+
+/// The BlockRef behind `storage`, or nullptr when it is not torchpar shared memory.
+BlockRef* block_of(const c10::Storage& storage);
+
+/// Allocates `nbytes` of shared memory in the current sharing strategy.
+at::DataPtr shm_allocate(uint64_t nbytes);
+
+/// Maps (or finds already mapped) the segment of a handle and returns a DataPtr for one
+/// block, adopting one reference. `fd` is consumed.
+at::DataPtr shm_import(SharingStrategy strategy, UniqueFd fd, const std::string& name,
+                       uint64_t segment_bytes, uint32_t block, uint64_t nbytes);
+
+}  // namespace torchpar::detail

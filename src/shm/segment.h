@@ -1,0 +1,93 @@
+#pragma once
+// A shared-memory segment: one memfd or named POSIX shm object, mapped once per process.
+//
+// Layout: a header page (magic, geometry, one 32-bit cross-process reference count per
+// block) followed by `num_blocks` blocks of `block_size` bytes. Large allocations get a
+// segment with one block; small ones are carved out of slab segments of one size class.
+//
+// The reference count of a block counts its holders in every process: the creator while
+// it has a live storage on the block, one per exported-but-not-yet-imported handle, and
+// one per importing storage. Only the creator reuses a block, and only once its count is 0.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "torchpar/core/fd.h"
+#include "torchpar/shm/sharing_strategy.h"
+
+namespace torchpar::detail {
+
+inline constexpr uint64_t kSegmentMagic = 0x314d485352415054ULL;  // "TPARSHM1"
+inline constexpr uint32_t kSegmentVersion = 1;
+inline constexpr size_t kPageSize = 4096;
+
+struct SegmentHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t num_blocks;
+  uint64_t block_size;
+  uint64_t data_offset;
+  uint64_t total_size;
+  int32_t creator_pid;
+  uint32_t reserved;
+  // followed by uint32_t refs[num_blocks]
+};
+
+class Segment {
+ public:
+  /// Creates, reserves (posix_fallocate) and maps a new segment. Throws ShmError when the
+  /// memory is not there (naming the place, bytes asked and free) or a syscall fails.
+  static std::shared_ptr<Segment> create(SharingStrategy strategy, uint64_t block_size,
+                                         uint32_t num_blocks);
+  /// Maps a segment received as an fd (file_descriptor strategy); takes the fd.
+  static std::shared_ptr<Segment> open_fd(UniqueFd fd);
+  /// Maps a named segment (file_system strategy).
+  static std::shared_ptr<Segment> open_name(const std::string& name);
+
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  SharingStrategy strategy() const { return strategy_; }
+  int fd() const { return fd_.get(); }
+  const std::string& name() const { return name_; }
+  /// Identity usable across processes and strategies ("fd:<dev>:<ino>" or "fs:<name>").
+  const std::string& key() const { return key_; }
+  uint64_t total_size() const { return size_; }
+  uint64_t block_size() const { return header()->block_size; }
+  uint32_t num_blocks() const { return header()->num_blocks; }
+  uint64_t block_offset(uint32_t block) const {
+    return header()->data_offset + static_cast<uint64_t>(block) * header()->block_size;
+  }
+  char* block_ptr(uint32_t block) const { return base_ + block_offset(block); }
+  std::atomic_ref<uint32_t> refs(uint32_t block) const {
+    auto* arr = reinterpret_cast<uint32_t*>(base_ + sizeof(SegmentHeader));
+    return std::atomic_ref<uint32_t>(arr[block]);
+  }
+  /// True in the process that created the segment (and not in its forked children).
+  bool owned_here() const;
+  /// Forget ownership (after fork, in the child): never unlink the name.
+  void disown() { owner_pid_ = -1; }
+
+ private:
+  Segment() = default;
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
+  void map(uint64_t size, const std::string& what);
+  void validate(const std::string& what) const;
+
+  SharingStrategy strategy_ = SharingStrategy::kFileDescriptor;
+  UniqueFd fd_;
+  std::string name_;
+  std::string key_;
+  char* base_ = nullptr;
+  uint64_t size_ = 0;
+  int owner_pid_ = -1;
+};
+
+/// Bytes free where a new segment of `strategy` would go (/dev/shm, or MemAvailable for
+/// memfd). Used for the ShmError message and the pre-check.
+uint64_t shm_bytes_free(SharingStrategy strategy);
+
+}  // namespace torchpar::detail

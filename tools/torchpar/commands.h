@@ -1,0 +1,15 @@
+#pragma once
+// Subcommands of the torchpar CLI. Each registers its options on `app` and returns the
+// function to run when it was chosen.
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+
+namespace torchpar::cli {
+
+using Command = std::function<int()>;
+
+Command add_info(CLI::App& app);
+
+}  // namespace torchpar::cli

@@ -1,0 +1,23 @@
+// torchpar: the command-line program. Thin: parses arguments and calls the library.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <exception>
+#include <vector>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"torchpar: shared-memory tensors, processes, pools and collectives for LibTorch"};
+  app.require_subcommand(1);
+  std::vector<torchpar::cli::Command> commands;
+  auto info = torchpar::cli::add_info(app);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (app.got_subcommand("info")) return info();
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "torchpar: error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}
