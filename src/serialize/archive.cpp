@@ -75,7 +75,7 @@ InputArchive::DepthGuard::DepthGuard(InputArchive& ar) : ar_(ar) {
   }
 }
 
-void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const at::Tensor& tensor) {
+void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
   write<uint8_t>(ar, tensor.defined() ? 1 : 0);
   if (!tensor.defined()) return;
   TORCH_CHECK(tensor.device().is_cpu(), "dumps: only CPU tensors can be serialized, got ",
@@ -118,7 +118,7 @@ void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const at::Tensor& tensor) {
   write<uint32_t>(ar, h.block);
 }
 
-void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, at::Tensor& tensor) {
+void load_tensor(InputArchive& ar, at::Tensor& tensor) {
   const auto defined = read<uint8_t>(ar);
   if (defined > 1) throw SerializationError("invalid tensor tag");
   if (defined == 0) {

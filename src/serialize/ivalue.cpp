@@ -68,7 +68,7 @@ T get(InputArchive& ar) {
 
 }  // namespace
 
-void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const c10::IValue& v) {
+void save_ivalue(OutputArchive& ar, const c10::IValue& v) {
   if (v.isNone()) {
     put(ar, Tag::kNone);
   } else if (v.isBool()) {
@@ -119,7 +119,7 @@ void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const c10::IValue& v) {
   }
 }
 
-void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, c10::IValue& v) {
+void load_ivalue(InputArchive& ar, c10::IValue& v) {
   InputArchive::DepthGuard guard(ar);
   const auto tag = get<uint8_t>(ar);
   switch (static_cast<Tag>(tag)) {

@@ -73,17 +73,22 @@ State& state() {
   static State* s = [] {
     auto* st = new State();  // leaked on purpose: storages may die during static destruction
     ::pthread_atfork(
-        [] { state().mu.lock(); },
+        [] {
+          // Before fork: take one reference per live storage on behalf of the child, here
+          // in the parent, so the parent cannot reuse a block before the child runs.
+          // (A failed fork leaves these references behind: those blocks are then never
+          // reused, which costs memory, never correctness.)
+          State& s0 = state();
+          s0.mu.lock();
+          for (BlockRef* r = s0.live; r != nullptr; r = r->next) r->seg->refs(r->block).fetch_add(1);
+        },
         [] { state().mu.unlock(); },
         [] {
-          // In a forked child: inherited storages become ordinary holders of their blocks
-          // (the parent may not reuse them while the child lives), and the parent's free
-          // lists are forgotten so the two processes never hand out the same block.
+          // In a forked child: inherited storages are ordinary holders of their blocks, and
+          // the parent's free lists are forgotten so the two processes never hand out the
+          // same block.
           State& s2 = state();
-          for (BlockRef* r = s2.live; r != nullptr; r = r->next) {
-            r->seg->refs(r->block).fetch_add(1);
-            r->local_owner = false;
-          }
+          for (BlockRef* r = s2.live; r != nullptr; r = r->next) r->local_owner = false;
           for (auto& per : s2.slabs)
             for (auto& v : per)
               for (auto& slab : v) slab->seg->disown();

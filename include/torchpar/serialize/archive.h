@@ -137,11 +137,34 @@ void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, cereal::SizeTag<T>& t) {
   t.size = static_cast<std::remove_reference_t<T>>(n);
 }
 
-// Tensors (archive.cpp) and IValues (ivalue.cpp).
-void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const at::Tensor& t);
-void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, at::Tensor& t);
-void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const c10::IValue& v);
-void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, c10::IValue& v);
+// Tensors (archive.cpp) and IValues (ivalue.cpp). The hooks are templates on the exact
+// type: c10::IValue converts implicitly from tuples, strings, vectors..., and a plain
+// overload would compete with cereal's own functions for those types.
+void save_tensor(OutputArchive& ar, const at::Tensor& t);
+void load_tensor(InputArchive& ar, at::Tensor& t);
+void save_ivalue(OutputArchive& ar, const c10::IValue& v);
+void load_ivalue(InputArchive& ar, c10::IValue& v);
+
+template <class T>
+  requires std::is_same_v<T, at::Tensor>
+void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const T& t) {
+  save_tensor(ar, t);
+}
+template <class T>
+  requires std::is_same_v<T, at::Tensor>
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, T& t) {
+  load_tensor(ar, t);
+}
+template <class T>
+  requires std::is_same_v<T, c10::IValue>
+void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const T& v) {
+  save_ivalue(ar, v);
+}
+template <class T>
+  requires std::is_same_v<T, c10::IValue>
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, T& v) {
+  load_ivalue(ar, v);
+}
 
 /// Runs `body` on an InputArchive over `payload`, checks the header and that every byte
 /// was consumed, and turns any failure into SerializationError.

@@ -1,0 +1,43 @@
+# Installs the build into a prefix and builds a tiny outside project against it with
+# find_package(torchpar REQUIRED), then runs it.
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR}/app)
+execute_process(COMMAND ${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${WORK_DIR}/prefix
+                RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "cmake --install failed: ${rc}")
+endif()
+file(WRITE ${WORK_DIR}/app/CMakeLists.txt [=[
+cmake_minimum_required(VERSION 3.25)
+project(outside CXX)
+set(CMAKE_CXX_STANDARD 20)
+find_package(torchpar REQUIRED)
+add_executable(app main.cpp)
+target_link_libraries(app torchpar::torchpar)
+]=])
+file(WRITE ${WORK_DIR}/app/main.cpp [=[
+#include <torchpar/torchpar.h>
+#include <cstdio>
+int main() {
+  at::Tensor t = at::ones({4});
+  torchpar::share_memory_(t);
+  auto back = torchpar::loads<at::Tensor>(torchpar::dumps(t, {.copy_tensor = false}));
+  std::printf("outside app: torchpar %s shared=%d sum=%g\n", torchpar::version(),
+              int(torchpar::is_shared(back)), back.sum().item<double>());
+  return torchpar::is_shared(back) && back.sum().item<double>() == 4.0 ? 0 : 1;
+}
+]=])
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${WORK_DIR}/app -B ${WORK_DIR}/app/build
+                        -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release
+                RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "configuring the outside project failed: ${rc}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR}/app/build RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "building the outside project failed: ${rc}")
+endif()
+execute_process(COMMAND ${WORK_DIR}/app/build/app RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "the outside app failed: ${rc}")
+endif()

@@ -1,0 +1,315 @@
+// dumps / loads: round trips of every supported type, tensor identity, both tensor modes,
+// hostile input, and payloads over a real socketpair with fd passing.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+
+#include <map>
+#include <optional>
+#include <random>
+#include <tuple>
+#include <unordered_map>
+#include <variant>
+
+#include "support/child.h"
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+
+namespace {
+
+struct Point {
+  int x = 0;
+  double y = 0;
+  std::string label;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(x, y, label);
+  }
+  bool operator==(const Point&) const = default;
+};
+
+struct Batch {
+  at::Tensor data;
+  at::Tensor target;
+  std::vector<Point> points;
+  std::map<std::string, std::vector<int64_t>> meta;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(data, target, points, meta);
+  }
+};
+
+template <class T>
+T round_trip(const T& v, bool copy = true) {
+  return tp::loads<T>(tp::dumps(v, {.copy_tensor = copy}));
+}
+
+}  // namespace
+
+TEST(Serialize, StandardTypesRoundTrip) {
+  EXPECT_EQ(round_trip(42), 42);
+  EXPECT_EQ(round_trip(-1.5), -1.5);
+  EXPECT_EQ(round_trip(true), true);
+  EXPECT_EQ(round_trip(std::string("héllo\0x", 8)), std::string("héllo\0x", 8));
+  EXPECT_EQ(round_trip(std::vector<int>{1, 2, 3}), (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(round_trip(std::vector<std::string>{}), std::vector<std::string>{});
+  std::map<std::string, double> m{{"a", 1}, {"b", 2}};
+  EXPECT_EQ(round_trip(m), m);
+  std::unordered_map<int, std::string> um{{1, "x"}, {2, "y"}};
+  EXPECT_EQ(round_trip(um), um);
+  auto tup = std::make_tuple(1, std::string("s"), 2.5f);
+  EXPECT_EQ(round_trip(tup), tup);
+  auto pr = std::make_pair(std::string("k"), std::vector<double>{1.0});
+  EXPECT_EQ(round_trip(pr), pr);
+  std::optional<int> none, some = 7;
+  EXPECT_EQ(round_trip(none), none);
+  EXPECT_EQ(round_trip(some), some);
+  std::variant<int, std::string> v1 = 3, v2 = std::string("three");
+  EXPECT_EQ(round_trip(v1), v1);
+  EXPECT_EQ(round_trip(v2), v2);
+  Point p{1, 2.5, "p"};
+  EXPECT_EQ(round_trip(p), p);
+  std::vector<std::map<int, std::vector<Point>>> nested{{{1, {p, p}}}, {}};
+  EXPECT_EQ(round_trip(nested), nested);
+}
+
+class SerializeTensor : public ::testing::TestWithParam<bool> {};
+
+TEST_P(SerializeTensor, EveryDtypeAndShape) {
+  const bool copy = GetParam();
+  for (auto dt : {at::kByte, at::kChar, at::kShort, at::kInt, at::kLong, at::kHalf, at::kFloat,
+                  at::kDouble, at::kComplexFloat, at::kComplexDouble, at::kBool, at::kBFloat16}) {
+    for (auto sizes : std::vector<std::vector<int64_t>>{{}, {0}, {5}, {2, 3, 4}}) {
+      at::Tensor t = at::arange(0, c10::multiply_integers(sizes), at::kDouble).reshape(sizes);
+      t = dt == at::kBool ? (t.remainder(2) == 0) : t.to(dt);
+      at::Tensor expect = t.clone();
+      at::Tensor u = round_trip(t, copy);
+      ASSERT_EQ(u.scalar_type(), dt);
+      ASSERT_EQ(u.sizes(), t.sizes());
+      ASSERT_TRUE(at::equal(u, expect)) << dt << " " << t.sizes();
+      ASSERT_EQ(tp::is_shared(u), !copy);
+    }
+  }
+}
+
+TEST_P(SerializeTensor, ViewsKeepStorageIdentityAndLayout) {
+  const bool copy = GetParam();
+  at::Tensor base = at::arange(0, 24, at::kFloat).reshape({4, 6});
+  std::vector<at::Tensor> v{base, base.t(), base.narrow(1, 2, 3), base[2], base};
+  auto back = round_trip(v, copy);
+  ASSERT_EQ(back.size(), 5u);
+  for (size_t i = 0; i < v.size(); ++i) {
+    EXPECT_TRUE(at::equal(back[i], v[i]));
+    EXPECT_EQ(back[i].strides(), v[i].strides());
+    EXPECT_EQ(back[i].storage_offset(), v[i].storage_offset());
+  }
+  // One storage after loads: a write through one view shows through the others.
+  back[1].fill_(-1);
+  EXPECT_EQ(back[0].sum().item<float>(), -24.0f);
+  EXPECT_EQ(back[0].data_ptr(), back[4].data_ptr());
+}
+
+TEST_P(SerializeTensor, UndefinedAndRequiresGrad) {
+  at::Tensor undefined;
+  EXPECT_FALSE(round_trip(undefined, GetParam()).defined());
+  at::Tensor w = at::ones({3}).requires_grad_(true);
+  at::Tensor back = round_trip(w, GetParam());
+  EXPECT_TRUE(back.requires_grad());
+  EXPECT_TRUE(at::equal(back.detach(), w.detach()));
+}
+
+TEST_P(SerializeTensor, UserStructWithTensors) {
+  Batch b{at::randn({8, 3}), at::randint(0, 10, {8}), {{1, 2, "a"}}, {{"ids", {4, 5}}}};
+  Batch back = round_trip(b, GetParam());
+  EXPECT_TRUE(at::equal(back.data, b.data));
+  EXPECT_TRUE(at::equal(back.target, b.target));
+  EXPECT_EQ(back.points, b.points);
+  EXPECT_EQ(back.meta, b.meta);
+}
+
+TEST_P(SerializeTensor, IValues) {
+  at::Tensor t = at::arange(6).reshape({2, 3});
+  c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+  d.insert("tensor", t);
+  d.insert("n", int64_t{3});
+  c10::List<int64_t> ints({1, 2, 3});
+  c10::IValue v = c10::ivalue::Tuple::create(
+      {c10::IValue(), c10::IValue(true), c10::IValue(int64_t{-7}), c10::IValue(2.5),
+       c10::IValue(c10::complex<double>(1, -2)), c10::IValue(std::string("str")), c10::IValue(t),
+       c10::IValue(ints), c10::IValue(d), c10::IValue(c10::List<at::Tensor>({t, t}))});
+  c10::IValue back = round_trip(v, GetParam());
+  ASSERT_TRUE(back.isTuple());
+  const auto& e = back.toTupleRef().elements();
+  ASSERT_EQ(e.size(), 10u);
+  EXPECT_TRUE(e[0].isNone());
+  EXPECT_EQ(e[1].toBool(), true);
+  EXPECT_EQ(e[2].toInt(), -7);
+  EXPECT_EQ(e[3].toDouble(), 2.5);
+  EXPECT_EQ(e[4].toComplexDouble(), c10::complex<double>(1, -2));
+  EXPECT_EQ(e[5].toStringRef(), "str");
+  EXPECT_TRUE(at::equal(e[6].toTensor(), t));
+  EXPECT_EQ(e[7].toIntVector(), (std::vector<int64_t>{1, 2, 3}));
+  auto bd = e[8].toGenericDict();
+  EXPECT_TRUE(at::equal(bd.at("tensor").toTensor(), t));
+  EXPECT_EQ(bd.at("n").toInt(), 3);
+  auto tl = e[9].toTensorVector();
+  ASSERT_EQ(tl.size(), 2u);
+  EXPECT_EQ(tl[0].data_ptr(), tl[1].data_ptr()) << "identity kept inside IValues";
+  EXPECT_EQ(tl[0].data_ptr(), e[6].toTensor().data_ptr());
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SerializeTensor, ::testing::Values(true, false),
+                         [](const auto& param_info) { return param_info.param ? "copy" : "shared"; });
+
+TEST(SerializeHostile, EveryTruncationThrows) {
+  Batch b{at::randn({4, 2}), at::arange(4), {{1, 2, "x"}}, {{"k", {1}}}};
+  tp::Payload full = tp::dumps(b);
+  for (size_t n = 0; n < full.bytes.size(); ++n) {
+    tp::Payload cut{full.bytes.substr(0, n), {}};
+    EXPECT_THROW(tp::loads<Batch>(cut), tp::SerializationError) << "prefix " << n;
+  }
+}
+
+TEST(SerializeHostile, TrailingBytesAndWrongTypeThrow) {
+  tp::Payload p = tp::dumps(std::string("hello"));
+  p.bytes += "x";
+  EXPECT_THROW(tp::loads<std::string>(p), tp::SerializationError);
+  EXPECT_THROW(tp::loads<at::Tensor>(tp::dumps(std::vector<int>{1, 2, 3})), tp::SerializationError);
+  EXPECT_THROW(tp::loads<int>(tp::Payload{"garbage!", {}}), tp::SerializationError);
+}
+
+TEST(SerializeHostile, HugeSizeClaimsDoNotAllocate) {
+  // A vector<double> claiming 2^60 elements: refused by the size check, not by bad_alloc.
+  tp::Payload p = tp::dumps(std::vector<double>{1.0});
+  uint64_t huge = uint64_t{1} << 60;
+  std::memcpy(p.bytes.data() + 5, &huge, 8);
+  try {
+    tp::loads<std::vector<double>>(p);
+    FAIL();
+  } catch (const tp::SerializationError& e) {
+    EXPECT_NE(std::string(e.what()).find("exceeds"), std::string::npos) << e.what();
+  }
+  // A tensor claiming more storage bytes than the payload holds.
+  tp::Payload t = tp::dumps(at::ones({4}));
+  const size_t nbytes_at = t.bytes.size() - 16 - 8;  // 16 data bytes, u64 nbytes before them
+  std::memcpy(t.bytes.data() + nbytes_at, &huge, 8);
+  EXPECT_THROW(tp::loads<at::Tensor>(t), tp::SerializationError);
+}
+
+TEST(SerializeHostile, RandomAndMutatedBytesNeverCrash) {
+  std::mt19937_64 rng(1234);
+  c10::IValue v = c10::ivalue::Tuple::create({c10::IValue(at::ones({3})), c10::IValue("s"),
+                                              c10::IValue(c10::List<int64_t>({1, 2}))});
+  tp::Payload good = tp::dumps(v);
+  int rejected = 0;
+  for (int i = 0; i < 3000; ++i) {
+    tp::Payload p{good.bytes, {}};
+    for (int k = 0; k < 1 + static_cast<int>(rng() % 4); ++k)
+      p.bytes[rng() % p.bytes.size()] = static_cast<char>(rng());
+    try {
+      (void)tp::loads<c10::IValue>(p);
+    } catch (const tp::SerializationError&) {
+      ++rejected;
+    }
+  }
+  EXPECT_GT(rejected, 0);
+  for (int i = 0; i < 1000; ++i) {
+    std::string bytes(rng() % 200, '\0');
+    for (auto& c : bytes) c = static_cast<char>(rng());
+    if (i % 2 == 0 && bytes.size() >= 5) std::memcpy(bytes.data(), "TPAR\1", 5);
+    EXPECT_THROW((void)tp::loads<Batch>(tp::Payload{bytes, {}}), tp::SerializationError);
+  }
+}
+
+TEST(SerializeHostile, DeepNestingIsRefused) {
+  std::string bytes = "TPAR\1";
+  for (int i = 0; i < 100000; ++i) {
+    bytes.push_back(9);  // tuple
+    uint64_t one = 1;
+    bytes.append(reinterpret_cast<const char*>(&one), 8);
+  }
+  EXPECT_THROW((void)tp::loads<c10::IValue>(tp::Payload{bytes, {}}), tp::SerializationError);
+}
+
+TEST(SerializeHostile, SharedHandleWithoutFdOrBadName) {
+  at::Tensor t = at::ones({8});
+  tp::Payload p = tp::dumps(t, {.copy_tensor = false});
+  tp::Payload nofd{p.bytes, {}};
+  EXPECT_THROW((void)tp::loads<at::Tensor>(nofd), tp::SerializationError);
+  // A file that is not a torchpar segment.
+  tp::Payload wrongfd{p.bytes, {}};
+  wrongfd.fds.emplace_back(::memfd_create("notours", 0));
+  ASSERT_EQ(::ftruncate(wrongfd.fds[0].get(), 1 << 16), 0);
+  EXPECT_THROW((void)tp::loads<at::Tensor>(wrongfd), tp::SerializationError);
+  // Consume the reference the first dumps took, as a receiver would.
+  (void)tp::loads<at::Tensor>(p);
+}
+
+TEST(PayloadIo, SocketpairBothModesAcrossProcesses) {
+  for (bool copy : {true, false}) {
+    auto c = tp::testing::fork_child([](int sock) {
+      for (int i = 0; i < 3; ++i) {
+        auto b = tp::loads<Batch>(tp::recv_payload(sock, std::chrono::seconds(30)));
+        b.data.add_(1);  // visible to the parent only in shared mode
+        tp::send_payload(sock, tp::dumps(b.points));
+      }
+      return 0;
+    });
+    Batch b{at::zeros({1000}), at::arange(3), {{7, 8, "p"}}, {}};
+    for (int i = 0; i < 3; ++i) {
+      tp::send_payload(c.sock, tp::dumps(b, {.copy_tensor = copy}));
+      auto pts = tp::loads<std::vector<Point>>(tp::recv_payload(c.sock, std::chrono::seconds(30)));
+      EXPECT_EQ(pts, b.points);
+    }
+    EXPECT_EQ(b.data.sum().item<float>(), copy ? 0.0f : 3000.0f);
+    EXPECT_EQ(tp::testing::wait_child(c), 0);
+  }
+}
+
+TEST(PayloadIo, ManyFdsInOnePayload) {
+  // 600 distinct large segments -> 600 fds, more than one SCM_RIGHTS message carries.
+  std::vector<at::Tensor> ts;
+  for (int i = 0; i < 600; ++i) ts.push_back(tp::empty_shared({300 << 10}, at::kByte).fill_(i % 256));
+  tp::Payload p = tp::dumps(ts, {.copy_tensor = false});
+  EXPECT_EQ(p.fds.size(), 600u);
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  std::thread writer([&] { tp::send_payload(sv[0], p); });
+  tp::Payload q = tp::recv_payload(sv[1], std::chrono::seconds(30));
+  writer.join();
+  auto back = tp::loads<std::vector<at::Tensor>>(q);
+  for (int i = 0; i < 600; i += 37) EXPECT_EQ(back[i][17].item<uint8_t>(), i % 256);
+  ::close(sv[0]);
+  ::close(sv[1]);
+}
+
+TEST(PayloadIo, TimeoutAndClosedPeer) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  EXPECT_THROW(tp::recv_payload(sv[1], std::chrono::milliseconds(50)), tp::TimeoutError);
+  ::close(sv[0]);
+  EXPECT_THROW(tp::recv_payload(sv[1], std::chrono::milliseconds(1000)), tp::ClosedError);
+  ::close(sv[1]);
+  // A frame cut in the middle.
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  tp::Payload p = tp::dumps(std::string(1000, 'x'));
+  std::string wire;
+  {
+    int pv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pv), 0);
+    tp::send_payload(pv[0], p);
+    wire.resize(16 + 100);
+    ASSERT_EQ(::read(pv[1], wire.data(), wire.size()), static_cast<ssize_t>(wire.size()));
+    ::close(pv[0]);
+    ::close(pv[1]);
+  }
+  ASSERT_EQ(::write(sv[0], wire.data(), wire.size()), static_cast<ssize_t>(wire.size()));
+  ::close(sv[0]);
+  EXPECT_THROW(tp::recv_payload(sv[1], std::chrono::milliseconds(1000)), tp::ClosedError);
+  ::close(sv[1]);
+}
