@@ -101,6 +101,7 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
   if (ar.options().copy_tensor) {
     write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kCopy));
     write<uint64_t>(ar, storage.nbytes());
+    ar.reserve_more(storage.nbytes());  // one allocation for the bytes, no doubling copies
     ar.saveBinary(storage.data(), storage.nbytes());
     return;
   }

@@ -39,6 +39,9 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
     out_.bytes.append(static_cast<const char*>(data), size);
   }
   const DumpsOptions& options() const { return opts_; }
+  void reserve_more(size_t n) {
+    if (out_.bytes.capacity() - out_.bytes.size() < n) out_.bytes.reserve(out_.bytes.size() + n + 256);
+  }
   /// Storage identity: returns {id, true} the first time a storage is seen.
   std::pair<uint32_t, bool> storage_id(const c10::StorageImpl* impl);
   /// Index of a borrowed fd in the payload's fd list (dup'ed the first time).

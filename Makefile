@@ -1,0 +1,42 @@
+# torchpar: the two set-up commands are `make demo` and `make test`.
+BUILD ?= build
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+.PHONY: all deps configure build test demo fuzz test-all bench-smoke format clean
+
+all: build
+
+deps:
+	@bash scripts/install-deps.sh
+
+configure: deps
+	@cmake -S . -B $(BUILD) $(CMAKE_FLAGS) > $(BUILD).configure.log 2>&1 || (cat $(BUILD).configure.log; exit 1)
+
+build: configure
+	@cmake --build $(BUILD) -j $(JOBS)
+
+# The fast suite (CTest label `fast`): what CI runs.
+test: build
+	@cd $(BUILD) && ctest -L fast --output-on-failure --timeout 600
+
+# The main job. Until `torchpar train` exists it prints what this machine offers.
+demo: build
+	@$(BUILD)/bin/torchpar info
+
+# libFuzzer on loads for 60 s (needs clang; builds its own tree).
+fuzz: build
+	@cd $(BUILD) && ctest -L fuzz --output-on-failure
+
+# Everything: fast, multiproc, fuzz, bench smoke.
+test-all: build
+	@cd $(BUILD) && ctest --output-on-failure --timeout 1800
+
+bench-smoke: build
+	@cd $(BUILD) && ctest -L bench_smoke --output-on-failure
+
+format:
+	@find include src tests tools bench examples -name '*.h' -o -name '*.cpp' | xargs clang-format -i
+
+clean:
+	@rm -rf $(BUILD) $(BUILD).configure.log
