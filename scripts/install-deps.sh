@@ -14,7 +14,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest   # tests
   libbenchmark-dev        # benchmarks
   ccache                  # faster rebuilds
-  clang libclang-rt-14-dev  # libFuzzer target for the fuzz label
+  libclang-rt-14-dev      # libFuzzer runtime for the fuzz label
   dataset-fashion-mnist   # the data set of the main job
 )
 

@@ -52,7 +52,27 @@ OutputArchive::OutputArchive(Payload& out, DumpsOptions opts)
 
 std::pair<uint32_t, bool> OutputArchive::storage_id(const c10::StorageImpl* impl) {
   auto [it, inserted] = storages_.emplace(impl, static_cast<uint32_t>(storages_.size()));
+  if (inserted) {
+    // Hold the storage until dumps returns: a temporary (resolve_conj) freed early could
+    // hand its address to the next one, which would then alias the wrong id.
+    kept_.emplace_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
+        const_cast<c10::StorageImpl*>(impl)));
+  }
   return {it->second, inserted};
+}
+
+void InputArchive::register_shared(uint32_t id, std::type_index type, std::shared_ptr<void> p) {
+  if (!shared_.emplace(id, std::make_pair(type, std::move(p))).second)
+    throw SerializationError(fmt::format("shared_ptr id {} defined twice", id));
+}
+
+std::shared_ptr<void> InputArchive::get_shared(uint32_t id, std::type_index type) const {
+  auto it = shared_.find(id);
+  if (it == shared_.end())
+    throw SerializationError(fmt::format("shared_ptr id {} used before it was defined", id));
+  if (it->second.first != type)
+    throw SerializationError(fmt::format("shared_ptr id {} refers to an object of another type", id));
+  return it->second.second;
 }
 
 uint32_t OutputArchive::fd_index(int fd) {

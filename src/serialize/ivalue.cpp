@@ -149,7 +149,7 @@ void load_ivalue(InputArchive& ar, c10::IValue& v) {
       c10::impl::GenericList list(type_of(code));
       cereal::size_type n = 0;
       ar(cereal::make_size_tag(n));
-      list.reserve(n);
+      list.reserve(std::min<cereal::size_type>(n, 1024));
       for (cereal::size_type i = 0; i < n; ++i) {
         c10::IValue e;
         ar(e);
@@ -179,7 +179,7 @@ void load_ivalue(InputArchive& ar, c10::IValue& v) {
       cereal::size_type n = 0;
       ar(cereal::make_size_tag(n));
       std::vector<c10::IValue> elems;
-      elems.reserve(n);
+      elems.reserve(std::min<cereal::size_type>(n, 1024));
       for (cereal::size_type i = 0; i < n; ++i) {
         c10::IValue e;
         ar(e);

@@ -2,6 +2,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -49,11 +50,30 @@ void send_with_fds(int sock, const char* data, size_t len, const int* fds, size_
   }
 }
 
+using Clock = std::chrono::steady_clock;
+using Deadline = std::optional<Clock::time_point>;
+
+// Waits until `sock` is readable or the deadline passes (TimeoutError).
+void wait_readable(int sock, const Deadline& deadline) {
+  if (!deadline) return;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
+    struct pollfd pfd {sock, POLLIN, 0};
+    const int r = ::poll(&pfd, 1, static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX)));
+    if (r > 0) return;
+    if (r < 0 && errno != EINTR) detail::throw_system_error("poll", errno, fmt::format("socket fd {}", sock));
+    if (r == 0 && Clock::now() >= *deadline)
+      throw TimeoutError("recv_payload: the frame did not arrive before the deadline");
+  }
+}
+
 // Receives exactly `len` bytes; fds that arrive are appended to `fds`.
-void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bool at_start) {
+void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bool at_start,
+                const Deadline& deadline) {
   alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kFdsPerMessage)];
   size_t got = 0;
   while (got < len) {
+    wait_readable(sock, deadline);
     struct iovec iov {data + got, len - got};
     struct msghdr msg {};
     msg.msg_iov = &iov;
@@ -103,23 +123,17 @@ void send_payload(int sock, const Payload& payload) {
 }
 
 Payload recv_payload(int sock, std::optional<std::chrono::milliseconds> timeout) {
-  if (timeout) {
-    struct pollfd pfd {sock, POLLIN, 0};
-    int r = detail::check_syscall("poll", fmt::format("socket fd {}", sock), [&] {
-      return ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(timeout->count(), INT32_MAX)));
-    });
-    if (r == 0)
-      throw TimeoutError(fmt::format("recv_payload: nothing arrived within {} ms", timeout->count()));
-  }
+  Deadline deadline;
+  if (timeout) deadline = Clock::now() + std::max(*timeout, std::chrono::milliseconds(0));
   Payload p;
   FrameHeader h{};
-  recv_exact(sock, reinterpret_cast<char*>(&h), sizeof h, &p.fds, /*at_start=*/true);
+  recv_exact(sock, reinterpret_cast<char*>(&h), sizeof h, &p.fds, /*at_start=*/true, deadline);
   if (h.magic != kFrameMagic) throw SerializationError("recv_payload: bad frame magic");
   if (h.nfds > kMaxFds) throw SerializationError(fmt::format("recv_payload: frame claims {} fds", h.nfds));
   while (p.fds.size() < h.nfds) {
     char one = 0;
     const size_t before = p.fds.size();
-    recv_exact(sock, &one, 1, &p.fds, false);
+    recv_exact(sock, &one, 1, &p.fds, false, deadline);
     if (p.fds.size() == before) throw SerializationError("recv_payload: fd message without fds");
   }
   if (p.fds.size() != h.nfds)
@@ -131,7 +145,7 @@ Payload recv_payload(int sock, std::optional<std::chrono::milliseconds> timeout)
     const size_t old = p.bytes.size();
     const size_t step = std::min<uint64_t>(h.nbytes - old, kStep);
     p.bytes.resize(old + step);
-    recv_exact(sock, p.bytes.data() + old, step, &p.fds, false);
+    recv_exact(sock, p.bytes.data() + old, step, &p.fds, false, deadline);
   }
   return p;
 }

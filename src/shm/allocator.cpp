@@ -60,6 +60,7 @@ struct State {
   std::multimap<uint64_t, std::shared_ptr<Segment>> large_cache[kNumStrategies];
   uint64_t cached_bytes = 0;
   std::deque<Pending> pending;
+  uint64_t pending_bytes = 0;  // of large segments in `pending`
   // Every segment mapped in this process, by cross-process identity.
   std::unordered_map<std::string, std::weak_ptr<Segment>> mapped;
   // Live storages.
@@ -134,15 +135,34 @@ void make_free(State& s, const std::shared_ptr<Segment>& seg, uint32_t block, Sl
   s.large_cache[si].emplace(seg->block_size(), seg);
 }
 
+uint64_t pending_size(const Pending& p) { return p.slab == nullptr ? p.seg->total_size() : 0; }
+
 // Moves pending blocks whose cross-process count reached 0 back to the free lists.
 void reclaim_pending(State& s) {
   for (auto it = s.pending.begin(); it != s.pending.end();) {
     if (it->seg->refs(it->block).load() == 0) {
+      s.pending_bytes -= pending_size(*it);
       make_free(s, it->seg, it->block, it->slab);
       it = s.pending.erase(it);
     } else {
       ++it;
     }
+  }
+}
+
+// Gives up the oldest pending blocks while the list is over its bounds. Their memory is
+// returned when the other holders let go; a name stays until this process exits (the
+// cleaner unlinks it), so a handle still in flight can be opened.
+void trim_pending(State& s, std::vector<std::shared_ptr<Segment>>& drop) {
+  while (!s.pending.empty() &&
+         (s.pending.size() > kMaxPending || s.pending_bytes > cache_limit_bytes())) {
+    Pending& p = s.pending.front();
+    s.pending_bytes -= pending_size(p);
+    if (p.slab == nullptr) {
+      if (p.seg->refs(p.block).load() != 0) p.seg->disown();
+      drop.push_back(std::move(p.seg));
+    }
+    s.pending.pop_front();
   }
 }
 
@@ -174,6 +194,7 @@ void block_deleter(void* ctx) {
   auto* ref = static_cast<BlockRef*>(ctx);
   State& s = state();
   std::shared_ptr<Segment> seg;
+  std::vector<std::shared_ptr<Segment>> drop;  // unmapped after the lock is released
   {
     std::lock_guard<std::mutex> lock(s.mu);
     unlink_live(s, ref);
@@ -185,7 +206,8 @@ void block_deleter(void* ctx) {
         make_free(s, ref->seg, ref->block, slab);
       } else {
         s.pending.push_back({ref->seg, ref->block, slab});
-        if (s.pending.size() > kMaxPending) s.pending.pop_front();  // give that block up
+        s.pending_bytes += pending_size(s.pending.back());
+        trim_pending(s, drop);
       }
     }
     seg = std::move(ref->seg);  // a last unmap happens outside the lock
@@ -199,6 +221,21 @@ BlockRef* block_of(const c10::Storage& storage) {
   if (dp.get_deleter() != &block_deleter) return nullptr;
   return static_cast<BlockRef*>(dp.get_context());
 }
+
+namespace {
+// Creates a segment; when shared memory is short, gives the cached free segments back to
+// the system and tries once more.
+std::shared_ptr<Segment> create_segment(SharingStrategy strategy, uint64_t block_size,
+                                        uint32_t num_blocks) {
+  try {
+    return Segment::create(strategy, block_size, num_blocks);
+  } catch (const ShmError&) {
+    if (shm_stats().cached_bytes == 0) throw;
+    empty_shm_cache();
+    return Segment::create(strategy, block_size, num_blocks);
+  }
+}
+}  // namespace
 
 at::DataPtr shm_allocate(uint64_t nbytes) {
   const SharingStrategy strategy = current_sharing_strategy();
@@ -221,7 +258,7 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
     const uint64_t block_size = kMinBlock << c;
     const auto nblocks = static_cast<uint32_t>(kSlabBytes / block_size);
     lock.unlock();  // creating a segment may fork the cleaner and fault memory in
-    auto seg = Segment::create(strategy, block_size, nblocks);
+    auto seg = create_segment(strategy, block_size, nblocks);
     lock.lock();
     ++s.segments_created;
     auto slab = std::make_unique<Slab>();
@@ -246,7 +283,7 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
     return make_data_ptr(s, seg, 0, nbytes, true);
   }
   lock.unlock();
-  auto seg = Segment::create(strategy, want, 1);
+  auto seg = create_segment(strategy, want, 1);
   lock.lock();
   ++s.segments_created;
   register_mapped(s, seg);
@@ -289,6 +326,14 @@ at::DataPtr shm_import(SharingStrategy strategy, UniqueFd fd, const std::string&
     throw SerializationError(fmt::format("shared tensor handle names block {} of {} bytes; the "
                                          "segment has {} blocks of {} bytes",
                                          block, nbytes, seg->num_blocks(), seg->block_size()));
+  // Claim one export of the block: the reference it carries becomes this storage's.
+  auto exports = seg->exports(block);
+  uint32_t cur = exports.load();
+  do {
+    if (cur == 0)
+      throw SerializationError("shared tensor handle was already imported, or never exported: "
+                               "a payload made with copy_tensor=false can be loaded once");
+  } while (!exports.compare_exchange_weak(cur, cur - 1));
   std::lock_guard<std::mutex> lock(s.mu);
   return make_data_ptr(s, std::move(seg), block, nbytes, false);
 }

@@ -2,12 +2,14 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 
 #include <fmt/format.h>
 
@@ -16,6 +18,8 @@
 
 namespace torchpar::detail {
 namespace {
+
+constexpr unsigned kSeals = F_SEAL_SHRINK | F_SEAL_GROW;
 
 uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
 
@@ -45,6 +49,24 @@ const char* place(SharingStrategy s) {
                                  : ""));
 }
 
+[[noreturn]] void throw_shm(const char* syscall, int err, const std::string& what,
+                            std::string detail = {}) {
+  throw ShmError(syscall, err, what, std::move(detail));
+}
+
+// Every large segment keeps one fd (file_descriptor strategy): lift the soft fd limit to
+// the hard one, once, so that a thousand large shared tensors do not hit EMFILE.
+void raise_nofile_limit() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct rlimit rl {};
+    if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+      rl.rlim_cur = rl.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &rl);
+    }
+  });
+}
+
 }  // namespace
 
 uint64_t shm_bytes_free(SharingStrategy strategy) {
@@ -56,7 +78,7 @@ uint64_t shm_bytes_free(SharingStrategy strategy) {
 
 std::shared_ptr<Segment> Segment::create(SharingStrategy strategy, uint64_t block_size,
                                          uint32_t num_blocks) {
-  const uint64_t header = round_up(sizeof(SegmentHeader) + 4ULL * num_blocks, kPageSize);
+  const uint64_t header = round_up(sizeof(SegmentHeader) + 8ULL * num_blocks, kPageSize);
   const uint64_t total = header + block_size * num_blocks;
   if (total > shm_bytes_free(strategy)) throw_no_space(strategy, ENOSPC, total);
 
@@ -64,8 +86,13 @@ std::shared_ptr<Segment> Segment::create(SharingStrategy strategy, uint64_t bloc
   seg->strategy_ = strategy;
   int raw = -1;
   if (strategy == SharingStrategy::kFileDescriptor) {
-    raw = check_syscall("memfd_create", "torchpar segment",
-                        [&] { return ::memfd_create("torchpar", MFD_CLOEXEC); });
+    raise_nofile_limit();
+    raw = retry_eintr([&] { return ::memfd_create("torchpar", MFD_CLOEXEC | MFD_ALLOW_SEALING); });
+    if (raw < 0) {
+      const int err = errno;
+      throw_shm("memfd_create", err, "torchpar segment",
+                err == EMFILE ? "too many open files (RLIMIT_NOFILE)" : "");
+    }
   } else {
     ensure_cleaner();
     for (int attempt = 0; raw < 0; ++attempt) {
@@ -73,21 +100,28 @@ std::shared_ptr<Segment> Segment::create(SharingStrategy strategy, uint64_t bloc
       raw = retry_eintr([&] {
         return ::shm_open(seg->name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
       });
-      if (raw < 0 && (errno != EEXIST || attempt > 100))
-        throw_system_error("shm_open", errno, seg->name_);
+      if (raw < 0) {
+        const int err = errno;
+        if (err != EEXIST || attempt > 100) throw_shm("shm_open", err, seg->name_);
+      }
     }
   }
   UniqueFd fd(raw);
   seg->owner_pid_ = static_cast<int>(::getpid());  // from here on the dtor unlinks the name
-  int err = retry_eintr([&] {
+  const std::string what = seg->name_.empty() ? "memfd" : seg->name_;
+  const int err = retry_eintr([&] {
     int e = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(total));
     if (e == EINTR) errno = EINTR;
     return e == EINTR ? -1 : e;
   });
   if (err == ENOSPC || err == ENOMEM) throw_no_space(strategy, err, total);
-  if (err != 0) throw_system_error("posix_fallocate", err, seg->name_.empty() ? "memfd" : seg->name_);
+  if (err != 0) throw_shm("posix_fallocate", err, what);
+  if (strategy == SharingStrategy::kFileDescriptor &&
+      ::fcntl(fd.get(), F_ADD_SEALS, kSeals) != 0) {
+    throw_shm("fcntl(F_ADD_SEALS)", errno, what);
+  }
   seg->fd_ = std::move(fd);
-  seg->map(total, seg->name_.empty() ? "memfd" : seg->name_);
+  seg->map(total, what);
   if (block_size >= (2u << 20)) ::madvise(seg->base_, total, MADV_HUGEPAGE);  // best effort
 
   auto* h = seg->header();
@@ -98,12 +132,15 @@ std::shared_ptr<Segment> Segment::create(SharingStrategy strategy, uint64_t bloc
   h->data_offset = header;
   h->total_size = total;
   h->creator_pid = static_cast<int32_t>(::getpid());
-  struct stat st {};
-  check_syscall("fstat", "torchpar segment", [&] { return ::fstat(seg->fd_.get(), &st); });
+  seg->block_size_ = block_size;
+  seg->num_blocks_ = num_blocks;
+  seg->data_offset_ = header;
   if (strategy == SharingStrategy::kFileSystem) {
     seg->key_ = "fs:" + seg->name_;
     seg->fd_.reset();  // the name travels, not the fd: keep no fd per segment
   } else {
+    struct stat st {};
+    if (::fstat(seg->fd_.get(), &st) != 0) throw_shm("fstat", errno, what);
     seg->key_ = fmt::format("fd:{}:{}", st.st_dev, st.st_ino);
   }
   return seg;
@@ -112,33 +149,39 @@ std::shared_ptr<Segment> Segment::create(SharingStrategy strategy, uint64_t bloc
 std::shared_ptr<Segment> Segment::open_fd(UniqueFd fd) {
   std::shared_ptr<Segment> seg(new Segment());
   seg->strategy_ = SharingStrategy::kFileDescriptor;
+  const std::string what = fmt::format("received fd {}", fd.get());
   struct stat st {};
-  check_syscall("fstat", fmt::format("received fd {}", fd.get()),
-                [&] { return ::fstat(fd.get(), &st); });
+  if (::fstat(fd.get(), &st) != 0) throw_shm("fstat", errno, what);
+  if (!S_ISREG(st.st_mode)) throw_shm("fstat", EINVAL, what, "not a shared-memory file");
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0 || (static_cast<unsigned>(seals) & kSeals) != kSeals)
+    throw_shm("fcntl(F_GET_SEALS)", EINVAL, what, "not a sealed torchpar memfd");
   seg->key_ = fmt::format("fd:{}:{}", st.st_dev, st.st_ino);
   seg->fd_ = std::move(fd);
-  seg->map(static_cast<uint64_t>(st.st_size), "received memfd");
-  seg->validate("received memfd");
+  seg->map(static_cast<uint64_t>(st.st_size), what);
+  seg->validate(what);
   return seg;
 }
 
 std::shared_ptr<Segment> Segment::open_name(const std::string& name) {
   if (name.rfind("/torchpar_", 0) != 0 || name.find('/', 1) != std::string::npos ||
       name.size() > 200)
-    throw ShmError("shm_open", EINVAL, name, "not a torchpar segment name");
+    throw_shm("shm_open", EINVAL, name, "not a torchpar segment name");
   std::shared_ptr<Segment> seg(new Segment());
   seg->strategy_ = SharingStrategy::kFileSystem;
   seg->name_ = name;
   seg->key_ = "fs:" + name;
   int raw = retry_eintr([&] { return ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600); });
-  if (raw < 0)
-    throw ShmError("shm_open", errno, name,
-                   errno == ENOENT ? "the segment is gone: its creating process exited before "
-                                     "the handle was opened"
-                                   : "");
+  if (raw < 0) {
+    const int err = errno;
+    throw_shm("shm_open", err, name,
+              err == ENOENT ? "the segment is gone: its creating process exited before the "
+                              "handle was opened"
+                            : "");
+  }
   UniqueFd fd(raw);
   struct stat st {};
-  check_syscall("fstat", name, [&] { return ::fstat(fd.get(), &st); });
+  if (::fstat(fd.get(), &st) != 0) throw_shm("fstat", errno, name);
   seg->fd_ = std::move(fd);
   seg->map(static_cast<uint64_t>(st.st_size), name);
   seg->fd_.reset();
@@ -147,33 +190,37 @@ std::shared_ptr<Segment> Segment::open_name(const std::string& name) {
 }
 
 void Segment::map(uint64_t size, const std::string& what) {
-  if (size < kPageSize) throw ShmError("mmap", EINVAL, what, fmt::format("segment of {} bytes is too small", size));
+  if (size < kPageSize)
+    throw_shm("mmap", EINVAL, what, fmt::format("segment of {} bytes is too small", size));
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
-  if (p == MAP_FAILED) throw ShmError("mmap", errno, what, fmt::format("{} bytes", size));
+  if (p == MAP_FAILED) throw_shm("mmap", errno, what, fmt::format("{} bytes", size));
   base_ = static_cast<char*>(p);
   size_ = size;
 }
 
-void Segment::validate(const std::string& what) const {
-  const auto* h = header();
+void Segment::validate(const std::string& what) {
+  // Copy first, then check the copies: the shared header may change under us.
+  SegmentHeader h;
+  std::memcpy(&h, base_, sizeof h);
   auto bad = [&](const char* why) {
-    throw ShmError("mmap", EINVAL, what, fmt::format("not a valid torchpar segment: {}", why));
+    throw_shm("mmap", EINVAL, what, fmt::format("not a valid torchpar segment: {}", why));
   };
-  if (h->magic != kSegmentMagic) bad("bad magic");
-  if (h->version != kSegmentVersion) bad("unsupported version");
-  if (h->num_blocks == 0 || h->block_size == 0) bad("empty geometry");
-  const uint64_t refs_end = sizeof(SegmentHeader) + 4ULL * h->num_blocks;
-  if (h->data_offset < refs_end || h->data_offset > size_) bad("bad data offset");
-  if (h->block_size > (size_ - h->data_offset) / h->num_blocks) bad("blocks exceed the mapping");
+  if (h.magic != kSegmentMagic) bad("bad magic");
+  if (h.version != kSegmentVersion) bad("unsupported version");
+  if (h.num_blocks == 0 || h.block_size == 0) bad("empty geometry");
+  const uint64_t counters_end = sizeof(SegmentHeader) + 8ULL * h.num_blocks;
+  if (h.data_offset < counters_end || h.data_offset > size_) bad("bad data offset");
+  if (h.block_size > (size_ - h.data_offset) / h.num_blocks) bad("blocks exceed the mapping");
+  block_size_ = h.block_size;
+  num_blocks_ = h.num_blocks;
+  data_offset_ = h.data_offset;
 }
 
 bool Segment::owned_here() const { return owner_pid_ == static_cast<int>(::getpid()); }
 
 Segment::~Segment() {
   if (base_ != nullptr) ::munmap(base_, size_);
-  if (!name_.empty() && owned_here()) {
-    ::shm_unlink(name_.c_str());
-  }
+  if (!name_.empty() && owned_here()) ::shm_unlink(name_.c_str());
 }
 
 }  // namespace torchpar::detail

@@ -8,6 +8,13 @@
 // The reference count of a block counts its holders in every process: the creator while
 // it has a live storage on the block, one per exported-but-not-yet-imported handle, and
 // one per importing storage. Only the creator reuses a block, and only once its count is 0.
+// A second per-block counter holds the exports not yet imported: an import must claim one,
+// so a handle imported twice (or forged) is refused instead of dropping a reference it
+// never held.
+//
+// Geometry is read from the header once, validated and kept in the Segment: a peer that
+// rewrites the shared header later cannot move block pointers out of the mapping. memfd
+// segments are sealed against shrinking and growing, so a peer cannot truncate them either.
 
 #include <atomic>
 #include <cstdint>
@@ -32,7 +39,7 @@ struct SegmentHeader {
   uint64_t total_size;
   int32_t creator_pid;
   uint32_t reserved;
-  // followed by uint32_t refs[num_blocks]
+  // followed by uint32_t refs[num_blocks], then uint32_t exports[num_blocks]
 };
 
 class Segment {
@@ -56,14 +63,20 @@ class Segment {
   /// Identity usable across processes and strategies ("fd:<dev>:<ino>" or "fs:<name>").
   const std::string& key() const { return key_; }
   uint64_t total_size() const { return size_; }
-  uint64_t block_size() const { return header()->block_size; }
-  uint32_t num_blocks() const { return header()->num_blocks; }
+  uint64_t block_size() const { return block_size_; }
+  uint32_t num_blocks() const { return num_blocks_; }
   uint64_t block_offset(uint32_t block) const {
-    return header()->data_offset + static_cast<uint64_t>(block) * header()->block_size;
+    return data_offset_ + static_cast<uint64_t>(block) * block_size_;
   }
   char* block_ptr(uint32_t block) const { return base_ + block_offset(block); }
+  /// Holders of `block` in every process.
   std::atomic_ref<uint32_t> refs(uint32_t block) const {
     auto* arr = reinterpret_cast<uint32_t*>(base_ + sizeof(SegmentHeader));
+    return std::atomic_ref<uint32_t>(arr[block]);
+  }
+  /// Exports of `block` not yet imported.
+  std::atomic_ref<uint32_t> exports(uint32_t block) const {
+    auto* arr = reinterpret_cast<uint32_t*>(base_ + sizeof(SegmentHeader)) + num_blocks_;
     return std::atomic_ref<uint32_t>(arr[block]);
   }
   /// True in the process that created the segment (and not in its forked children).
@@ -75,7 +88,7 @@ class Segment {
   Segment() = default;
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
   void map(uint64_t size, const std::string& what);
-  void validate(const std::string& what) const;
+  void validate(const std::string& what);
 
   SharingStrategy strategy_ = SharingStrategy::kFileDescriptor;
   UniqueFd fd_;
@@ -83,6 +96,9 @@ class Segment {
   std::string key_;
   char* base_ = nullptr;
   uint64_t size_ = 0;
+  uint64_t block_size_ = 0;
+  uint64_t data_offset_ = 0;
+  uint32_t num_blocks_ = 0;
   int owner_pid_ = -1;
 };
 

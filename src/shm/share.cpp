@@ -15,7 +15,9 @@ namespace {
 class ShmAllocator final : public at::Allocator {
  public:
   at::DataPtr allocate(size_t n) const override { return shm_allocate(n); }
-  at::DeleterFnPtr raw_deleter() const override { return &block_deleter; }
+  // The context of our DataPtrs is a BlockRef, not the data pointer, so raw_deallocate
+  // cannot work: say so (nullptr) as the at::Allocator contract asks.
+  at::DeleterFnPtr raw_deleter() const override { return nullptr; }
 };
 
 ShmAllocator g_allocator;
@@ -40,6 +42,7 @@ StorageHandle export_storage(const c10::Storage& storage) {
   h.block = ref->block;
   h.nbytes = storage.nbytes();
   ref->seg->refs(ref->block).fetch_add(1);  // held for the importer, which adopts it
+  ref->seg->exports(ref->block).fetch_add(1);
   return h;
 }
 
@@ -59,7 +62,8 @@ void check_view_fits(at::ScalarType dtype, const std::vector<int64_t>& sizes,
   if (sizes.size() > 64) throw SerializationError(fmt::format("tensor has {} dims (max 64)", sizes.size()));
   if (storage_offset < 0) throw SerializationError("tensor has a negative storage offset");
   const uint64_t item = c10::elementSize(dtype);
-  // Highest element index touched; an empty tensor touches nothing.
+  // Highest element index touched; an empty tensor touches nothing. Every term is below
+  // 2^62 * 2^63, so 128 bits cannot wrap before the comparison below.
   unsigned __int128 last = static_cast<uint64_t>(storage_offset);
   bool empty = false;
   unsigned __int128 numel = 1;
@@ -70,10 +74,12 @@ void check_view_fits(at::ScalarType dtype, const std::vector<int64_t>& sizes,
     numel *= static_cast<uint64_t>(sizes[i]);
     if (numel > (static_cast<unsigned __int128>(1) << 62))
       throw SerializationError("tensor has too many elements");
-    if (sizes[i] > 0) last += static_cast<unsigned __int128>(sizes[i] - 1) * static_cast<uint64_t>(strides[i]);
+    if (sizes[i] > 0)
+      last += static_cast<unsigned __int128>(sizes[i] - 1) * static_cast<uint64_t>(strides[i]);
+    if ((last >> 64) != 0) throw SerializationError("tensor view exceeds addressable memory");
   }
   if (empty) return;
-  if ((last + 1) * item > storage_nbytes)
+  if (last >= storage_nbytes / item)
     throw SerializationError(fmt::format("tensor view (offset {}, sizes {}, strides {}) needs more "
                                          "than the {} bytes of its storage",
                                          storage_offset, fmt::join(sizes, "x"),
@@ -134,7 +140,8 @@ at::Tensor import_tensor(const TensorHandle& h, UniqueFd fd) {
   c10::Storage storage = detail::import_storage(h.storage, std::move(fd));
   at::Tensor t = at::empty({0}, at::TensorOptions().dtype(h.dtype))
                      .set_(storage, h.storage_offset, h.sizes, h.strides);
-  if (h.requires_grad && c10::isFloatingType(h.dtype)) t.requires_grad_(true);
+  if (h.requires_grad && (at::isFloatingType(h.dtype) || at::isComplexType(h.dtype)))
+    t.requires_grad_(true);
   return t;
 }
 

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 
+#include <array>
 #include <map>
 #include <optional>
 #include <random>
@@ -312,4 +313,85 @@ TEST(PayloadIo, TimeoutAndClosedPeer) {
   ::close(sv[0]);
   EXPECT_THROW(tp::recv_payload(sv[1], std::chrono::milliseconds(1000)), tp::ClosedError);
   ::close(sv[1]);
+}
+
+namespace {
+struct Node {
+  std::vector<Node> kids;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(kids);
+  }
+};
+}  // namespace
+
+TEST(SerializeHostile, SharedHandleLoadsOnce) {
+  at::Tensor t = at::ones({8});
+  tp::Payload p = tp::dumps(t, {.copy_tensor = false});
+  at::Tensor a = tp::loads<at::Tensor>(p);
+  EXPECT_TRUE(at::equal(a, t));
+  try {
+    (void)tp::loads<at::Tensor>(p);
+    FAIL() << "a second load of the same shared payload must be refused";
+  } catch (const tp::SerializationError& e) {
+    EXPECT_NE(std::string(e.what()).find("loaded once"), std::string::npos) << e.what();
+  }
+}
+
+TEST(SerializeHostile, SharedPtrIdOfAnotherTypeIsRefused) {
+  auto s = std::make_shared<std::string>("a string of some length");
+  auto v = std::make_shared<std::vector<float>>(3, 1.0f);
+  tp::Payload ok = tp::dumps(std::make_tuple(s, v, s));
+  auto back = tp::loads<std::tuple<std::shared_ptr<std::string>, std::shared_ptr<std::vector<float>>,
+                                   std::shared_ptr<std::string>>>(ok);
+  EXPECT_EQ(std::get<0>(back).get(), std::get<2>(back).get()) << "identity kept";
+  EXPECT_EQ(*std::get<1>(back), *v);
+  // Forge: the vector's slot refers back to the string's id (1).
+  tp::Payload bad = tp::dumps(std::make_tuple(uint32_t{0x80000001u}, std::string("abc"), uint32_t{1}));
+  EXPECT_THROW((void)(tp::loads<std::tuple<std::shared_ptr<std::string>,
+                                           std::shared_ptr<std::vector<float>>>>(bad)),
+               tp::SerializationError);
+}
+
+TEST(SerializeHostile, DeepUserRecursionIsRefused) {
+  // Node{kids=[Node{kids=[...]}]} 100000 levels deep: size tag 1 per level.
+  std::string bytes = "TPAR\1";
+  for (int i = 0; i < 100000; ++i) {
+    uint64_t one = 1;
+    bytes.append(reinterpret_cast<const char*>(&one), 8);
+  }
+  uint64_t zero = 0;
+  bytes.append(reinterpret_cast<const char*>(&zero), 8);
+  try {
+    (void)tp::loads<Node>(tp::Payload{bytes, {}});
+    FAIL();
+  } catch (const tp::SerializationError& e) {
+    EXPECT_NE(std::string(e.what()).find("nested"), std::string::npos) << e.what();
+  }
+  Node shallow{{Node{{Node{}}}, Node{}}};
+  EXPECT_EQ(round_trip(shallow).kids.size(), 2u);
+}
+
+TEST(SerializeHostile, LargeElementsCannotAmplifyAllocation) {
+  // 1 MiB of payload claiming 2^20 elements of 16 KiB each must fail on the bytes, not
+  // after allocating 16 GiB.
+  std::string bytes = "TPAR\1";
+  uint64_t n = 1 << 20;
+  bytes.append(reinterpret_cast<const char*>(&n), 8);
+  bytes.append(1 << 20, '\0');
+  using Big = std::vector<std::array<float, 4096>>;
+  EXPECT_THROW((void)tp::loads<Big>(tp::Payload{bytes, {}}), tp::SerializationError);
+  EXPECT_THROW((void)tp::loads<std::vector<double>>(tp::Payload{bytes, {}}),
+               tp::SerializationError);
+  EXPECT_THROW((void)tp::loads<std::u32string>(tp::Payload{bytes, {}}), tp::SerializationError);
+}
+
+TEST(Serialize, TemporaryStoragesKeepTheirOwnIds) {
+  // conj() views are resolved into temporary storages during dumps; each must keep its
+  // own data even when the allocator hands the second the first one's address.
+  at::Tensor a = at::complex(at::ones({4}), at::ones({4}));
+  at::Tensor b = at::complex(at::full({4}, 2.0f), at::full({4}, 3.0f));
+  auto back = round_trip(std::vector<at::Tensor>{a.conj(), b.conj()});
+  EXPECT_TRUE(at::equal(back[0], a.conj().resolve_conj()));
+  EXPECT_TRUE(at::equal(back[1], b.conj().resolve_conj()));
 }

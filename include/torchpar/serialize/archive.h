@@ -1,18 +1,26 @@
 #pragma once
 /// torchpar's cereal archives: a binary format with out-of-band tensor storage.
 ///
-/// Wire format: docs/wire_format.md. Loading is hostile-input safe: every container size
-/// is checked against the bytes left before anything is allocated, bools and enums are
-/// range-checked, and every failure is a SerializationError.
+/// Wire format: docs/wire_format.md. Loading is hostile-input safe: container sizes are
+/// checked against the bytes left (arithmetic vectors and strings by bytes; other vectors,
+/// deques and lists grow one loaded element at a time), nesting is limited to 512 levels,
+/// shared_ptr ids are type-checked, bools are range-checked, and every failure is a
+/// SerializationError. User enums are loaded as their underlying integer, unchecked.
 
 #include <ATen/ATen.h>
 #include <cereal/cereal.hpp>
+#include <cereal/details/helpers.hpp>
+#include <cereal/types/memory.hpp>
 #include <cereal/types/string.hpp>
 
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <list>
+#include <memory>
 #include <string>
 #include <type_traits>
+#include <typeindex>
 #include <unordered_map>
 #include <vector>
 
@@ -51,6 +59,7 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
   Payload& out_;
   DumpsOptions opts_;
   std::unordered_map<const c10::StorageImpl*, uint32_t> storages_;
+  std::vector<c10::Storage> kept_;  // keeps numbered storages alive: no address reuse
   std::unordered_map<int, uint32_t> fds_;
 };
 
@@ -61,7 +70,7 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
     if (size > remaining())
       throw SerializationError("payload truncated: needed " + std::to_string(size) +
                                " more bytes, " + std::to_string(remaining()) + " left");
-    std::memcpy(data, in_.bytes.data() + pos_, size);
+    if (size != 0) std::memcpy(data, in_.bytes.data() + pos_, size);
     pos_ += size;
   }
   size_t remaining() const { return in_.bytes.size() - pos_; }
@@ -74,6 +83,14 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
   }
   const Payload& payload() const { return in_; }
   std::vector<c10::Storage>& storages() { return storages_; }
+  /// Nesting of cereal's process() calls (prologue/epilogue): throws past 512 levels.
+  void enter() {
+    if (++nesting_ > 512) throw SerializationError("value nested deeper than 512 levels");
+  }
+  void leave() { --nesting_; }
+  /// shared_ptr identity, type-checked (cereal's own table is untyped).
+  void register_shared(uint32_t id, std::type_index type, std::shared_ptr<void> p);
+  std::shared_ptr<void> get_shared(uint32_t id, std::type_index type) const;
   /// Nesting guard for recursive values (IValue): throws past 256 levels.
   struct DepthGuard {
     explicit DepthGuard(InputArchive& ar);
@@ -85,8 +102,19 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
   const Payload& in_;
   size_t pos_ = 0;
   int depth_ = 0;
+  int nesting_ = 0;
   std::vector<c10::Storage> storages_;
+  std::unordered_map<uint32_t, std::pair<std::type_index, std::shared_ptr<void>>> shared_;
 };
+
+template <class T>
+void prologue(InputArchive& ar, const T&) {
+  ar.enter();
+}
+template <class T>
+void epilogue(InputArchive& ar, const T&) {
+  ar.leave();
+}
 
 // ---- cereal hooks for the archives -------------------------------------------------
 
@@ -138,6 +166,72 @@ void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, cereal::SizeTag<T>& t) {
     throw SerializationError("container size " + std::to_string(n) + " exceeds the " +
                              std::to_string(ar.remaining()) + " bytes left in the payload");
   t.size = static_cast<std::remove_reference_t<T>>(n);
+}
+
+// Containers: never allocate ahead of what the payload holds.
+template <class T, class A>
+  requires(!std::is_same_v<T, bool>)
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, std::vector<T, A>& v) {
+  cereal::size_type n = 0;
+  ar(cereal::make_size_tag(n));
+  v.clear();
+  if constexpr (std::is_arithmetic_v<T>) {
+    if (n > ar.remaining() / sizeof(T))
+      throw SerializationError("vector of " + std::to_string(n) + " elements exceeds the " +
+                               std::to_string(ar.remaining()) + " bytes left");
+    v.resize(n);
+    ar(cereal::binary_data(v.data(), static_cast<std::size_t>(n) * sizeof(T)));
+  } else {
+    v.reserve(std::min<cereal::size_type>(n, 1024));
+    for (cereal::size_type i = 0; i < n; ++i) ar(v.emplace_back());
+  }
+}
+
+template <class T, class A>
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, std::deque<T, A>& d) {
+  cereal::size_type n = 0;
+  ar(cereal::make_size_tag(n));
+  d.clear();
+  for (cereal::size_type i = 0; i < n; ++i) ar(d.emplace_back());
+}
+
+template <class T, class A>
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, std::list<T, A>& l) {
+  cereal::size_type n = 0;
+  ar(cereal::make_size_tag(n));
+  l.clear();
+  for (cereal::size_type i = 0; i < n; ++i) ar(l.emplace_back());
+}
+
+template <class C, class Tr, class A>
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, std::basic_string<C, Tr, A>& str) {
+  cereal::size_type n = 0;
+  ar(cereal::make_size_tag(n));
+  if (n > ar.remaining() / sizeof(C))
+    throw SerializationError("string of " + std::to_string(n) + " characters exceeds the " +
+                             std::to_string(ar.remaining()) + " bytes left");
+  str.resize(static_cast<std::size_t>(n));
+  ar(cereal::binary_data(str.data(), static_cast<std::size_t>(n) * sizeof(C)));
+}
+
+// shared_ptr: same wire format as cereal (id, then the value for a first occurrence), but
+// an id is only ever resolved to a pointer of the type it was registered with.
+template <class T>
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar,
+                               cereal::memory_detail::PtrWrapper<std::shared_ptr<T>&>& wrapper) {
+  using NonConstT = std::remove_const_t<T>;
+  uint32_t id = 0;
+  ar(id);
+  if (id == 0) {
+    wrapper.ptr.reset();
+  } else if ((id & cereal::detail::msb_32bit) != 0) {
+    auto ptr = std::make_shared<NonConstT>();
+    ar.register_shared(id & ~cereal::detail::msb_32bit, typeid(NonConstT), ptr);
+    ar(*ptr);
+    wrapper.ptr = std::move(ptr);
+  } else {
+    wrapper.ptr = std::static_pointer_cast<NonConstT>(ar.get_shared(id, typeid(NonConstT)));
+  }
 }
 
 // Tensors (archive.cpp) and IValues (ivalue.cpp). The hooks are templates on the exact

@@ -17,15 +17,15 @@ struct Payload {
   std::vector<UniqueFd> fds;
 };
 
-/// Writes `payload` to the connected Unix stream socket `sock`: a 12-byte frame header,
+/// Writes `payload` to the connected Unix stream socket `sock`: a 16-byte frame header,
 /// the fds as SCM_RIGHTS (in groups of at most 250), then the bytes.
-/// Errors: SystemError (e.g. EPIPE when the peer is gone); ClosedError on EOF.
+/// Errors: SystemError (EPIPE / ECONNRESET when the peer is gone).
 /// Safety: one writer per socket at a time.
 void send_payload(int sock, const Payload& payload);
 
-/// Reads one payload written by send_payload. Waits at most `timeout` for its first byte
-/// (none: forever). Memory grows with the bytes actually received, never with what a
-/// header claims.
+/// Reads one payload written by send_payload. The whole frame must arrive within `timeout`
+/// (none: wait forever; negative counts as 0). Memory grows with the bytes actually
+/// received, never with what a header claims.
 /// Errors: TimeoutError; ClosedError when the peer closed before a whole frame;
 ///         SerializationError for a malformed frame; SystemError for socket errors.
 /// Safety: one reader per socket at a time.
