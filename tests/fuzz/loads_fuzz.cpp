@@ -69,3 +69,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   return 0;
 }
+
+// gcc's -fsanitize-coverage=trace-cmp also reports float compares, which libFuzzer does not
+// consume; give them no-op definitions.
+extern "C" void __sanitizer_cov_trace_cmpf(float, float) {}
+extern "C" void __sanitizer_cov_trace_cmpd(double, double) {}
