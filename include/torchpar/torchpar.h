@@ -3,6 +3,9 @@
 
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
+#include "torchpar/process/process.h"
+#include "torchpar/process/spawn.h"
+#include "torchpar/process/start_method.h"
 #include "torchpar/serialize/payload.h"
 #include "torchpar/serialize/serialize.h"
 #include "torchpar/shm/handle.h"

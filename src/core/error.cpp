@@ -1,6 +1,7 @@
 #include "torchpar/core/error.h"
 
 #include <cstring>
+#include <string.h>
 
 #include <fmt/format.h>
 
@@ -14,6 +15,33 @@ SystemError::SystemError(std::string syscall, int err, std::string object, std::
       syscall_(std::move(syscall)),
       errno_(err),
       object_(std::move(object)) {}
+
+ProcessRaisedException::ProcessRaisedException(int index, int pid, std::string type,
+                                               std::string message)
+    : Error(fmt::format("process {} (pid {}) terminated with {}: {}", index, pid, type, message)),
+      index_(index),
+      pid_(pid),
+      type_(std::move(type)),
+      message_(std::move(message)) {}
+
+ProcessExitedException::ProcessExitedException(int index, int pid, int exit_code)
+    : Error(exit_code < 0
+                ? fmt::format("process {} (pid {}) terminated with signal {}", index, pid,
+                              torchpar::signal_name(-exit_code))
+                : fmt::format("process {} (pid {}) terminated with exit code {}", index, pid,
+                              exit_code)),
+      index_(index),
+      pid_(pid),
+      exit_code_(exit_code) {}
+
+std::string ProcessExitedException::signal_name() const {
+  return exit_code_ < 0 ? torchpar::signal_name(-exit_code_) : std::string();
+}
+
+std::string signal_name(int signo) {
+  const char* abbrev = ::sigabbrev_np(signo);
+  return abbrev != nullptr ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", signo);
+}
 
 }  // namespace torchpar
 

@@ -68,7 +68,12 @@ struct State {
   uint64_t live_count = 0;
   uint64_t segments_created = 0;
   uint64_t cache_hits = 0;
+  // References a fork() took for a child of ours, by child pid (given back at reaping).
+  std::unordered_map<int, std::vector<std::pair<std::shared_ptr<Segment>, uint32_t>>> forks;
 };
+
+// The references the last fork() of this thread took for its child.
+thread_local std::vector<std::pair<std::shared_ptr<Segment>, uint32_t>> t_last_fork;
 
 State& state() {
   static State* s = [] {
@@ -81,7 +86,11 @@ State& state() {
           // reused, which costs memory, never correctness.)
           State& s0 = state();
           s0.mu.lock();
-          for (BlockRef* r = s0.live; r != nullptr; r = r->next) r->seg->refs(r->block).fetch_add(1);
+          t_last_fork.clear();
+          for (BlockRef* r = s0.live; r != nullptr; r = r->next) {
+            r->seg->refs(r->block).fetch_add(1);
+            t_last_fork.emplace_back(r->seg, r->block);
+          }
         },
         [] { state().mu.unlock(); },
         [] {
@@ -90,6 +99,8 @@ State& state() {
           // same block.
           State& s2 = state();
           for (BlockRef* r = s2.live; r != nullptr; r = r->next) r->local_owner = false;
+          t_last_fork.clear();
+          s2.forks.clear();
           for (auto& per : s2.slabs)
             for (auto& v : per)
               for (auto& slab : v) slab->seg->disown();
@@ -336,6 +347,28 @@ at::DataPtr shm_import(SharingStrategy strategy, UniqueFd fd, const std::string&
   } while (!exports.compare_exchange_weak(cur, cur - 1));
   std::lock_guard<std::mutex> lock(s.mu);
   return make_data_ptr(s, std::move(seg), block, nbytes, false);
+}
+
+void claim_fork_refs(int pid) {
+  State& s = state();
+  auto refs = std::move(t_last_fork);
+  t_last_fork.clear();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.forks[pid] = std::move(refs);
+}
+
+void release_fork_refs(int pid) {
+  State& s = state();
+  std::vector<std::pair<std::shared_ptr<Segment>, uint32_t>> refs;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.forks.find(pid);
+    if (it == s.forks.end()) return;
+    refs = std::move(it->second);
+    s.forks.erase(it);
+    for (auto& [seg, block] : refs) seg->refs(block).fetch_sub(1);
+    reclaim_pending(s);
+  }
 }
 
 }  // namespace torchpar::detail

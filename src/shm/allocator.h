@@ -35,4 +35,10 @@ at::DataPtr shm_allocate(uint64_t nbytes);
 at::DataPtr shm_import(SharingStrategy strategy, UniqueFd fd, const std::string& name,
                        uint64_t segment_bytes, uint32_t block, uint64_t nbytes);
 
+/// In the parent right after fork(): the references the fork took on every live storage
+/// (for the child) now belong to `pid`.
+void claim_fork_refs(int pid);
+/// After reaping `pid`: gives those references back, so the blocks can be reused.
+void release_fork_refs(int pid);
+
 }  // namespace torchpar::detail

@@ -39,7 +39,21 @@ unsigned long pid_namespace() {
   return ns;
 }
 
-void atexit_unlink() {
+void atexit_unlink() { unlink_own_segments(); }
+
+void register_fork_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    ::pthread_atfork(nullptr, nullptr, [] {
+      g_cleaner_mu = new std::mutex();  // the old one may be locked forever: leak it
+      g_counter_seeded.store(false);
+    });
+  });
+}
+
+}  // namespace
+
+void unlink_own_segments() noexcept {
   const std::string prefix = segment_prefix(static_cast<int>(::getpid()));
   int dirfd = ::open("/dev/shm", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dirfd < 0) return;
@@ -55,17 +69,6 @@ void atexit_unlink() {
   ::closedir(d);
 }
 
-void register_fork_handler() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    ::pthread_atfork(nullptr, nullptr, [] {
-      g_cleaner_mu = new std::mutex();  // the old one may be locked forever: leak it
-      g_counter_seeded.store(false);
-    });
-  });
-}
-
-}  // namespace
 
 std::string segment_prefix(int pid) { return fmt::format("torchpar_{}_{:x}_", pid, pid_namespace()); }
 

@@ -23,6 +23,9 @@ void ensure_cleaner();
 /// Unlinks names of processes of this pid namespace that no longer exist; returns how many.
 size_t sweep_dead_segments();
 
+/// Unlinks every name this process created (what the atexit handler does).
+void unlink_own_segments() noexcept;
+
 /// "torchpar_<pid>_<ns>_": the prefix of the names `pid` (of our namespace) creates.
 std::string segment_prefix(int pid);
 

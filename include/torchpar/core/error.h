@@ -61,4 +61,41 @@ class SerializationError : public Error {
   using Error::Error;
 };
 
+/// A child process ended by throwing: carries its index (rank), pid, the exception's type
+/// name and message. Source: torch.multiprocessing.ProcessRaisedException.
+class ProcessRaisedException : public Error {
+ public:
+  ProcessRaisedException(int index, int pid, std::string type, std::string message);
+  int error_index() const noexcept { return index_; }
+  int pid() const noexcept { return pid_; }
+  const std::string& type() const noexcept { return type_; }
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  int index_;
+  int pid_;
+  std::string type_;
+  std::string message_;
+};
+
+/// A child process exited with a non-zero code or was killed by a signal. `exit_code()` is
+/// Python's exitcode: the code, or minus the signal number. `signal_name()` is e.g.
+/// "SIGKILL" (empty for a plain exit). Source: torch.multiprocessing.ProcessExitedException.
+class ProcessExitedException : public Error {
+ public:
+  ProcessExitedException(int index, int pid, int exit_code);
+  int error_index() const noexcept { return index_; }
+  int pid() const noexcept { return pid_; }
+  int exit_code() const noexcept { return exit_code_; }
+  std::string signal_name() const;
+
+ private:
+  int index_;
+  int pid_;
+  int exit_code_;
+};
+
+/// Name of a signal number ("SIGKILL"), or "signal N".
+std::string signal_name(int signo);
+
 }  // namespace torchpar

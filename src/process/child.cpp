@@ -1,0 +1,47 @@
+#include "child.h"
+
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Type.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+#include "../shm/cleaner.h"
+
+namespace torchpar::detail {
+
+void write_error_slot(void* slot, const std::string& type, const std::string& message) noexcept {
+  auto* s = static_cast<ErrorSlot*>(slot);
+  const size_t cap = sizeof(s->data);
+  const size_t t = std::min(type.size(), cap / 4);
+  const size_t m = std::min(message.size(), cap - t);
+  std::memcpy(s->data, type.data(), t);
+  std::memcpy(s->data + t, message.data(), m);
+  s->type_len = static_cast<uint32_t>(t);
+  s->msg_len = static_cast<uint32_t>(m);
+  __atomic_store_n(&s->magic, kErrorSlotMagic, __ATOMIC_RELEASE);
+}
+
+bool read_error_slot(const void* slot, std::string* type, std::string* message) {
+  const auto* s = static_cast<const ErrorSlot*>(slot);
+  if (__atomic_load_n(&s->magic, __ATOMIC_ACQUIRE) != kErrorSlotMagic) return false;
+  const size_t cap = sizeof(s->data);
+  const size_t t = std::min<size_t>(s->type_len, cap);
+  const size_t m = std::min<size_t>(s->msg_len, cap - t);
+  type->assign(s->data, t);
+  message->assign(s->data + t, m);
+  return true;
+}
+
+void set_child_threads(int threads) { at::set_num_threads(std::max(1, threads)); }
+
+void exit_child(int code) noexcept {
+  std::fflush(nullptr);
+  unlink_own_segments();
+  ::_exit(code);
+}
+
+}  // namespace torchpar::detail

@@ -1,0 +1,283 @@
+#include "torchpar/process/process.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "../shm/allocator.h"
+#include "child.h"
+#include "launch.h"
+#include "torchpar/core/syscall.h"
+
+extern char** environ;
+
+namespace torchpar {
+namespace detail {
+
+struct ProcessImpl {
+  ProcessOptions options;
+  LaunchSpec spec;
+  int index = 0;
+  pid_t pid = -1;
+  UniqueFd pidfd;
+  std::optional<int> exitcode;
+  bool started = false;
+  void* slot = nullptr;
+  bool fork_refs = false;
+
+  ~ProcessImpl() {
+    if (slot != nullptr) ::munmap(slot, kErrorSlotBytes);
+  }
+};
+
+namespace {
+
+std::atomic<int> g_process_counter{0};
+
+int count_threads() {
+  int n = 0;
+  if (DIR* d = ::opendir("/proc/self/task")) {
+    while (auto* e = ::readdir(d))
+      if (e->d_name[0] != '.') ++n;
+    ::closedir(d);
+  }
+  return n;
+}
+
+// A 4 KiB shared page for the child's error, backed by a memfd (so spawn can pass it).
+UniqueFd make_slot(void** mapping) {
+  UniqueFd fd(check_syscall("memfd_create", "error slot",
+                            [] { return ::memfd_create("torchpar-error-slot", MFD_CLOEXEC); }));
+  check_syscall("ftruncate", "error slot",
+                [&] { return ::ftruncate(fd.get(), static_cast<off_t>(kErrorSlotBytes)); });
+  void* p = ::mmap(nullptr, kErrorSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) throw_system_error("mmap", errno, "error slot");
+  *mapping = p;
+  return fd;
+}
+
+int decode_status(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return -WTERMSIG(status);
+  return -1;
+}
+
+void start_fork(ProcessImpl& p) {
+  if (p.options.threads > 1 && count_threads() > 1)
+    throw Error(fmt::format(
+        "start method 'fork' with {} intra-op threads per child is refused: this process already "
+        "runs {} threads, and LibTorch/OpenMP thread pools deadlock in a forked child; use the "
+        "'spawn' start method or threads=1",
+        p.options.threads, count_threads()));
+  void* slot = nullptr;
+  UniqueFd slot_fd = make_slot(&slot);
+  p.slot = slot;
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) throw_system_error("fork", errno, p.options.name);
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(1);
+    const int code = run_child_body(slot, [&] {
+      set_child_threads(p.options.threads);
+      p.spec.direct();
+    });
+    exit_child(code);
+  }
+  claim_fork_refs(pid);
+  p.fork_refs = true;
+  p.pid = pid;
+}
+
+void start_spawn(ProcessImpl& p) {
+  if (!is_initialized())
+    throw Error("start method 'spawn' needs torchpar::init(argc, argv) as the first statement of "
+                "main(): the child re-executes this program and init() runs the target there");
+  if (!p.spec.spawnable)
+    throw Error(fmt::format("start method 'spawn' cannot run this target: {}; use a free function "
+                            "or the 'fork' start method",
+                            p.spec.not_spawnable_reason));
+  Payload args = p.spec.make_args();
+  LaunchRecord rec;
+  rec.trampoline = to_code_address(reinterpret_cast<const void*>(p.spec.trampoline));
+  rec.fn = to_code_address(p.spec.fn);
+  rec.threads = p.options.threads;
+  rec.name = p.options.name;
+  rec.args = std::move(args.bytes);
+  Payload record = dumps(rec);
+  UniqueFd record_fd(check_syscall("memfd_create", "launch record",
+                                   [] { return ::memfd_create("torchpar-launch", MFD_CLOEXEC); }));
+  for (size_t off = 0; off < record.bytes.size();) {
+    const ssize_t n = check_syscall("write", "launch record", [&] {
+      return ::write(record_fd.get(), record.bytes.data() + off, record.bytes.size() - off);
+    });
+    off += static_cast<size_t>(n);
+  }
+  void* slot = nullptr;
+  UniqueFd slot_fd = make_slot(&slot);
+  p.slot = slot;
+
+  // Everything the child needs is built before the fork: after it, only raw syscalls.
+  std::vector<int> keep{record_fd.get(), slot_fd.get()};
+  std::string spec = fmt::format("TORCHPAR_SPAWN={},{},{}", record_fd.get(), slot_fd.get(), ::getpid());
+  for (const auto& fd : args.fds) {
+    keep.push_back(fd.get());
+    spec += fmt::format(",{}", fd.get());
+  }
+  std::vector<std::string> env_strings;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e)
+    if (std::strncmp(*e, "TORCHPAR_SPAWN=", 15) != 0) env_strings.emplace_back(*e);
+  env_strings.push_back(spec);
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argv_strings = saved_argv();
+  std::vector<char*> argv;
+  for (auto& s : argv_strings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
+
+  // Raw clone: no atfork handlers (the child execs at once and takes no references).
+  const long pid = ::syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
+  if (pid < 0) throw_system_error("clone", errno, p.options.name);
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(1);
+    for (int fd : keep) ::fcntl(fd, F_SETFD, 0);
+    ::execve("/proc/self/exe", argv.data(), envp.data());
+    static const char msg[] = "torchpar: exec of /proc/self/exe failed in a spawned child\n";
+    (void)!::write(2, msg, sizeof msg - 1);
+    ::_exit(127);
+  }
+  p.pid = static_cast<pid_t>(pid);
+}
+
+}  // namespace
+}  // namespace detail
+
+Process::Process(ProcessOptions options, detail::LaunchSpec spec)
+    : impl_(std::make_unique<detail::ProcessImpl>()) {
+  impl_->options = std::move(options);
+  impl_->spec = std::move(spec);
+  if (impl_->options.name.empty())
+    impl_->options.name = fmt::format("Process-{}", ++detail::g_process_counter);
+}
+
+Process::Process(Process&&) noexcept = default;
+Process& Process::operator=(Process&&) noexcept = default;
+
+Process::~Process() {
+  if (!impl_ || !impl_->started || impl_->exitcode) return;
+  try {
+    if (impl_->options.daemon) kill();
+    join();  // a non-daemon child is waited for, as Python waits at interpreter exit
+  } catch (...) {
+  }
+}
+
+void Process::start() {
+  auto& p = *impl_;
+  if (p.started) throw Error(fmt::format("{}: a process can only be started once", p.options.name));
+  const StartMethod m = p.options.start_method.value_or(current_start_method());
+  if (m == StartMethod::kForkserver)
+    throw Error("start method 'forkserver' is not available in this version; use fork or spawn");
+  if (m == StartMethod::kFork) detail::start_fork(p);
+  else detail::start_spawn(p);
+  p.started = true;
+  const long fd = ::syscall(SYS_pidfd_open, p.pid, 0);
+  if (fd >= 0) p.pidfd.reset(static_cast<int>(fd));
+}
+
+namespace {
+void record_exit(detail::ProcessImpl& p, int status) {
+  p.exitcode = detail::decode_status(status);
+  p.pidfd.reset();
+  if (p.fork_refs) {
+    detail::release_fork_refs(p.pid);
+    p.fork_refs = false;
+  }
+}
+}  // namespace
+
+bool Process::join(std::optional<std::chrono::duration<double>> timeout) {
+  auto& p = *impl_;
+  if (!p.started) throw Error(fmt::format("{}: join() before start()", p.options.name));
+  if (p.exitcode) return true;
+  const auto deadline = timeout ? std::optional(std::chrono::steady_clock::now() +
+                                                std::chrono::duration_cast<std::chrono::steady_clock::duration>(*timeout))
+                                : std::nullopt;
+  for (;;) {
+    int status = 0;
+    const pid_t r = ::waitpid(p.pid, &status, WNOHANG);
+    if (r == p.pid) {
+      record_exit(p, status);
+      return true;
+    }
+    if (r < 0 && errno != EINTR) detail::throw_system_error("waitpid", errno, p.options.name);
+    int wait_ms = -1;
+    if (deadline) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          *deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      wait_ms = static_cast<int>(std::min<int64_t>(left.count(), INT32_MAX));
+    }
+    if (p.pidfd.valid()) {
+      struct pollfd pfd {p.pidfd.get(), POLLIN, 0};
+      ::poll(&pfd, 1, wait_ms);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(wait_ms < 0 ? 5 : std::min(wait_ms, 5)));
+    }
+  }
+}
+
+bool Process::is_alive() {
+  auto& p = *impl_;
+  if (!p.started || p.exitcode) return false;
+  int status = 0;
+  if (::waitpid(p.pid, &status, WNOHANG) == p.pid) {
+    record_exit(p, status);
+    return false;
+  }
+  return true;
+}
+
+std::optional<int> Process::exitcode() {
+  is_alive();
+  return impl_->exitcode;
+}
+
+int Process::pid() const { return impl_->started ? impl_->pid : -1; }
+
+void Process::terminate() {
+  if (impl_->started && !impl_->exitcode) ::kill(impl_->pid, SIGTERM);
+}
+
+void Process::kill() {
+  if (impl_->started && !impl_->exitcode) ::kill(impl_->pid, SIGKILL);
+}
+
+const std::string& Process::name() const { return impl_->options.name; }
+bool Process::daemon() const { return impl_->options.daemon; }
+void Process::set_index(int index) { impl_->index = index; }
+int Process::pidfd() const { return impl_->pidfd.get(); }
+
+std::optional<std::pair<std::string, std::string>> Process::error() const {
+  if (impl_->slot == nullptr) return std::nullopt;
+  std::string type, msg;
+  if (!detail::read_error_slot(impl_->slot, &type, &msg)) return std::nullopt;
+  return std::make_pair(type, msg);
+}
+
+}  // namespace torchpar
