@@ -16,6 +16,7 @@ constexpr char kMagic[4] = {'T', 'P', 'A', 'R'};
 constexpr uint8_t kFormatVersion = 1;
 
 enum class StorageMode : uint8_t { kCopy = 0, kFd = 1, kName = 2 };
+constexpr uint32_t kNoFd = 0xFFFFFFFFu;  // the fd did not travel with the payload
 
 bool supported_dtype(int8_t v) {
   switch (static_cast<at::ScalarType>(v)) {
@@ -129,7 +130,11 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
   if (h.strategy == SharingStrategy::kFileDescriptor) {
     write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kFd));
     write<uint64_t>(ar, h.nbytes);
-    write<uint32_t>(ar, ar.fd_index(h.fd));
+    write<uint32_t>(ar, ar.options().pass_fds ? ar.fd_index(h.fd) : kNoFd);
+    write<int32_t>(ar, h.pid);
+    write<int32_t>(ar, h.fd_number);
+    write<uint64_t>(ar, h.dev);
+    write<uint64_t>(ar, h.ino);
   } else {
     write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kName));
     write<uint64_t>(ar, h.nbytes);
@@ -182,12 +187,18 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       if (mode == static_cast<uint8_t>(StorageMode::kFd)) {
         h.strategy = SharingStrategy::kFileDescriptor;
         const auto idx = read<uint32_t>(ar);
-        if (idx >= ar.payload().fds.size())
-          throw SerializationError(fmt::format("tensor refers to fd #{} but the payload has {}",
-                                               idx, ar.payload().fds.size()));
-        if (!ar.payload().fds[idx].valid())
-          throw SerializationError(fmt::format("fd #{} of the payload is not open", idx));
-        fd = ar.payload().fds[idx].dup();
+        h.pid = read<int32_t>(ar);
+        h.fd_number = read<int32_t>(ar);
+        h.dev = read<uint64_t>(ar);
+        h.ino = read<uint64_t>(ar);
+        if (idx != kNoFd) {
+          if (idx >= ar.payload().fds.size())
+            throw SerializationError(fmt::format("tensor refers to fd #{} but the payload has {}",
+                                                 idx, ar.payload().fds.size()));
+          if (!ar.payload().fds[idx].valid())
+            throw SerializationError(fmt::format("fd #{} of the payload is not open", idx));
+          fd = ar.payload().fds[idx].dup();
+        }
       } else {
         h.strategy = SharingStrategy::kFileSystem;
         ar(h.name);

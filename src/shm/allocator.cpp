@@ -1,6 +1,7 @@
 #include "allocator.h"
 
 #include <pthread.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -302,19 +303,45 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
   return make_data_ptr(s, seg, 0, nbytes, true);
 }
 
-at::DataPtr shm_import(SharingStrategy strategy, UniqueFd fd, const std::string& name,
-                       uint64_t segment_bytes, uint32_t block, uint64_t nbytes) {
+at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd) {
   State& s = state();
   std::shared_ptr<Segment> seg;
   std::string key;
+  const SharingStrategy strategy = h.strategy;
+  const uint64_t segment_bytes = h.segment_bytes;
+  const uint32_t block = h.block;
+  const uint64_t nbytes = h.nbytes;
   if (strategy == SharingStrategy::kFileDescriptor) {
-    if (!fd.valid()) throw SerializationError("shared tensor handle without its file descriptor");
-    struct stat st {};
-    check_syscall("fstat", fmt::format("received fd {}", fd.get()),
-                  [&] { return ::fstat(fd.get(), &st); });
-    key = fmt::format("fd:{}:{}", st.st_dev, st.st_ino);
+    if (fd.valid()) {
+      struct stat st {};
+      check_syscall("fstat", fmt::format("received fd {}", fd.get()),
+                    [&] { return ::fstat(fd.get(), &st); });
+      key = fmt::format("fd:{}:{}", st.st_dev, st.st_ino);
+    } else {
+      key = fmt::format("fd:{}:{}", h.dev, h.ino);
+      std::shared_ptr<Segment> known;
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        auto it = s.mapped.find(key);
+        if (it != s.mapped.end()) known = it->second.lock();
+      }
+      if (!known) {
+        if (h.pid <= 0 || h.fd_number < 0)
+          throw SerializationError("shared tensor handle without its file descriptor");
+        const std::string path = fmt::format("/proc/{}/fd/{}", h.pid, h.fd_number);
+        const int raw = retry_eintr([&] { return ::open(path.c_str(), O_RDWR | O_CLOEXEC); });
+        if (raw < 0)
+          throw ShmError("open", errno, path,
+                         "cannot reach the exporter's segment (has the sending process exited?)");
+        fd.reset(raw);
+        struct stat st {};
+        if (::fstat(fd.get(), &st) != 0 || static_cast<uint64_t>(st.st_dev) != h.dev ||
+            static_cast<uint64_t>(st.st_ino) != h.ino)
+          throw ShmError("open", ESTALE, path, "the fd no longer names the exported segment");
+      }
+    }
   } else {
-    key = "fs:" + name;
+    key = "fs:" + h.name;
   }
   {
     std::lock_guard<std::mutex> lock(s.mu);
@@ -323,7 +350,7 @@ at::DataPtr shm_import(SharingStrategy strategy, UniqueFd fd, const std::string&
   }
   if (!seg) {
     seg = strategy == SharingStrategy::kFileDescriptor ? Segment::open_fd(std::move(fd))
-                                                       : Segment::open_name(name);
+                                                       : Segment::open_name(h.name);
     std::lock_guard<std::mutex> lock(s.mu);
     auto it = s.mapped.find(key);
     if (auto existing = it == s.mapped.end() ? nullptr : it->second.lock()) seg = existing;

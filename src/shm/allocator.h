@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "segment.h"
+#include "torchpar/shm/handle.h"
 #include "torchpar/shm/share.h"
 
 namespace torchpar::detail {
@@ -32,8 +33,7 @@ at::DataPtr shm_allocate(uint64_t nbytes);
 
 /// Maps (or finds already mapped) the segment of a handle and returns a DataPtr for one
 /// block, adopting one reference. `fd` is consumed.
-at::DataPtr shm_import(SharingStrategy strategy, UniqueFd fd, const std::string& name,
-                       uint64_t segment_bytes, uint32_t block, uint64_t nbytes);
+at::DataPtr shm_import(const StorageHandle& handle, UniqueFd fd);
 
 /// In the parent right after fork(): the references the fork took on every live storage
 /// (for the child) now belong to `pid`.

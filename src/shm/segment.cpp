@@ -142,6 +142,8 @@ std::shared_ptr<Segment> Segment::create(SharingStrategy strategy, uint64_t bloc
     struct stat st {};
     if (::fstat(seg->fd_.get(), &st) != 0) throw_shm("fstat", errno, what);
     seg->key_ = fmt::format("fd:{}:{}", st.st_dev, st.st_ino);
+    seg->dev_ = st.st_dev;
+    seg->ino_ = st.st_ino;
   }
   return seg;
 }
@@ -157,6 +159,8 @@ std::shared_ptr<Segment> Segment::open_fd(UniqueFd fd) {
   if (seals < 0 || (static_cast<unsigned>(seals) & kSeals) != kSeals)
     throw_shm("fcntl(F_GET_SEALS)", EINVAL, what, "not a sealed torchpar memfd");
   seg->key_ = fmt::format("fd:{}:{}", st.st_dev, st.st_ino);
+  seg->dev_ = st.st_dev;
+  seg->ino_ = st.st_ino;
   seg->fd_ = std::move(fd);
   seg->map(static_cast<uint64_t>(st.st_size), what);
   seg->validate(what);

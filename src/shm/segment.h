@@ -62,6 +62,8 @@ class Segment {
   const std::string& name() const { return name_; }
   /// Identity usable across processes and strategies ("fd:<dev>:<ino>" or "fs:<name>").
   const std::string& key() const { return key_; }
+  uint64_t dev() const { return dev_; }
+  uint64_t ino() const { return ino_; }
   uint64_t total_size() const { return size_; }
   uint64_t block_size() const { return block_size_; }
   uint32_t num_blocks() const { return num_blocks_; }
@@ -99,6 +101,8 @@ class Segment {
   uint64_t block_size_ = 0;
   uint64_t data_offset_ = 0;
   uint32_t num_blocks_ = 0;
+  uint64_t dev_ = 0;
+  uint64_t ino_ = 0;
   int owner_pid_ = -1;
 };
 

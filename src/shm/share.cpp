@@ -1,5 +1,7 @@
 #include "torchpar/shm/share.h"
 
+#include <unistd.h>
+
 #include <cstring>
 
 #include <fmt/format.h>
@@ -41,13 +43,19 @@ StorageHandle export_storage(const c10::Storage& storage) {
   h.segment_bytes = ref->seg->total_size();
   h.block = ref->block;
   h.nbytes = storage.nbytes();
+  if (h.strategy == SharingStrategy::kFileDescriptor) {
+    h.pid = static_cast<int>(::getpid());
+    h.fd_number = h.fd;
+    h.dev = ref->seg->dev();
+    h.ino = ref->seg->ino();
+  }
   ref->seg->refs(ref->block).fetch_add(1);  // held for the importer, which adopts it
   ref->seg->exports(ref->block).fetch_add(1);
   return h;
 }
 
 c10::Storage import_storage(const StorageHandle& h, UniqueFd fd) {
-  at::DataPtr dp = shm_import(h.strategy, std::move(fd), h.name, h.segment_bytes, h.block, h.nbytes);
+  at::DataPtr dp = shm_import(h, std::move(fd));
   c10::Storage storage(c10::Storage::use_byte_size_t(), h.nbytes, std::move(dp), &g_allocator,
                        /*resizable=*/false);
   return storage;

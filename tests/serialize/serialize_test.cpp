@@ -395,3 +395,22 @@ TEST(Serialize, TemporaryStoragesKeepTheirOwnIds) {
   EXPECT_TRUE(at::equal(back[0], a.conj().resolve_conj()));
   EXPECT_TRUE(at::equal(back[1], b.conj().resolve_conj()));
 }
+
+TEST(PayloadIo, SharedTensorWithoutFdsReopensThroughProc) {
+  // pass_fds=false: bytes only (as a shared-memory queue carries them); the receiver opens
+  // the exporter's segment through /proc/<pid>/fd/<n>.
+  at::Tensor t = at::zeros({256});
+  tp::Payload p = tp::dumps(t, {.copy_tensor = false, .pass_fds = false});
+  EXPECT_TRUE(p.fds.empty());
+  auto c = tp::testing::fork_child([bytes = p.bytes](int sock) {
+    auto u = tp::loads<at::Tensor>(tp::Payload{bytes, {}});
+    u.fill_(5);
+    tp::testing::send_line(sock, "done");
+    return 0;
+  });
+  ASSERT_EQ(tp::testing::recv_line(c.sock), "done");
+  EXPECT_EQ(t.sum().item<float>(), 5.0f * 256);
+  EXPECT_EQ(tp::testing::wait_child(c), 0);
+  // The child claimed the one export: a second load here is refused.
+  EXPECT_THROW((void)tp::loads<at::Tensor>(p), tp::SerializationError);
+}

@@ -36,6 +36,10 @@ struct DumpsOptions {
   /// memory first (in place, as torch.multiprocessing's queues do) and the receiver
   /// aliases the sender's memory.
   bool copy_tensor = true;
+  /// Shared mode, file_descriptor strategy: put the segments' fds into the payload (for a
+  /// Unix socket). false: the payload is bytes only and the receiver reopens each segment
+  /// through /proc/<sender pid>/fd/<n> while the sender lives (for shared-memory queues).
+  bool pass_fds = true;
 };
 
 namespace detail {

@@ -21,6 +21,13 @@ struct StorageHandle {
   uint64_t segment_bytes = 0;  ///< size of the whole segment
   uint32_t block = 0;      ///< block index inside the segment
   uint64_t nbytes = 0;     ///< bytes of the storage
+  /// file_descriptor: the exporting process, its fd number for the segment and the
+  /// segment's identity. A receiver that got no fd (the handle crossed shared memory, not a
+  /// socket) opens /proc/<pid>/fd/<fd_number> while the exporter lives, and checks it.
+  int pid = 0;
+  int fd_number = -1;
+  uint64_t dev = 0;
+  uint64_t ino = 0;
 };
 
 /// A storage handle plus the view of it: what rebuilds an aliasing tensor elsewhere.
