@@ -3,6 +3,8 @@
 
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
+#include "torchpar/ipc/connection.h"
+#include "torchpar/ipc/queue.h"
 #include "torchpar/process/process.h"
 #include "torchpar/process/spawn.h"
 #include "torchpar/process/start_method.h"

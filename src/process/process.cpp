@@ -90,6 +90,7 @@ void start_fork(ProcessImpl& p) {
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(1);
+    parent_releases_fork_refs();
     const int code = run_child_body(slot, [&] {
       set_child_threads(p.options.threads);
       p.spec.direct();

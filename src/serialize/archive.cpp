@@ -62,6 +62,13 @@ std::pair<uint32_t, bool> OutputArchive::storage_id(const c10::StorageImpl* impl
   return {it->second, inserted};
 }
 
+UniqueFd InputArchive::take_fd(uint32_t index) const {
+  if (index >= in_.fds.size() || !in_.fds[index].valid())
+    throw SerializationError(fmt::format("value refers to fd #{} but the payload has {}", index,
+                                         in_.fds.size()));
+  return in_.fds[index].dup();
+}
+
 void InputArchive::register_shared(uint32_t id, std::type_index type, std::shared_ptr<void> p) {
   if (!shared_.emplace(id, std::make_pair(type, std::move(p))).second)
     throw SerializationError(fmt::format("shared_ptr id {} defined twice", id));

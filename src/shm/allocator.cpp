@@ -76,6 +76,9 @@ struct State {
 // The references the last fork() of this thread took for its child.
 thread_local std::vector<std::pair<std::shared_ptr<Segment>, uint32_t>> t_last_fork;
 
+// Set in a child forked by the process layer (see parent_releases_fork_refs).
+std::atomic<bool> g_parent_releases{false};
+
 State& state() {
   static State* s = [] {
     auto* st = new State();  // leaked on purpose: storages may die during static destruction
@@ -99,7 +102,11 @@ State& state() {
           // the parent's free lists are forgotten so the two processes never hand out the
           // same block.
           State& s2 = state();
-          for (BlockRef* r = s2.live; r != nullptr; r = r->next) r->local_owner = false;
+          for (BlockRef* r = s2.live; r != nullptr; r = r->next) {
+            r->local_owner = false;
+            r->inherited = true;
+          }
+          g_parent_releases.store(false);
           t_last_fork.clear();
           s2.forks.clear();
           for (auto& per : s2.slabs)
@@ -210,7 +217,8 @@ void block_deleter(void* ctx) {
   {
     std::lock_guard<std::mutex> lock(s.mu);
     unlink_live(s, ref);
-    const uint32_t left = ref->seg->refs(ref->block).fetch_sub(1) - 1;
+    const bool parent_gives_back = ref->inherited && g_parent_releases.load();
+    const uint32_t left = parent_gives_back ? 1 : ref->seg->refs(ref->block).fetch_sub(1) - 1;
     if (ref->local_owner && ref->seg->owned_here()) {
       auto it = s.slab_of.find(ref->seg.get());
       Slab* slab = it == s.slab_of.end() ? nullptr : it->second;
@@ -383,6 +391,8 @@ void claim_fork_refs(int pid) {
   std::lock_guard<std::mutex> lock(s.mu);
   s.forks[pid] = std::move(refs);
 }
+
+void parent_releases_fork_refs() { g_parent_releases.store(true); }
 
 void release_fork_refs(int pid) {
   State& s = state();

@@ -19,6 +19,7 @@ struct BlockRef {
   uint32_t block = 0;
   uint64_t nbytes = 0;
   bool local_owner = false;  // this process's allocator may reuse the block once free
+  bool inherited = false;    // came with fork(): the parent may give its reference back
   BlockRef* prev = nullptr;  // intrusive list of live refs (for fork)
   BlockRef* next = nullptr;
 };
@@ -40,5 +41,8 @@ at::DataPtr shm_import(const StorageHandle& handle, UniqueFd fd);
 void claim_fork_refs(int pid);
 /// After reaping `pid`: gives those references back, so the blocks can be reused.
 void release_fork_refs(int pid);
+/// In a child forked by the process layer: the parent gives back the references of the
+/// inherited storages when it reaps us, so dropping them here must not.
+void parent_releases_fork_refs();
 
 }  // namespace torchpar::detail

@@ -61,6 +61,18 @@ class SerializationError : public Error {
   using Error::Error;
 };
 
+/// get() found no item within its timeout (Python: queue.Empty).
+class Empty : public Error {
+ public:
+  using Error::Error;
+};
+
+/// put() found no room within its timeout (Python: queue.Full).
+class Full : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A child process ended by throwing: carries its index (rank), pid, the exception's type
 /// name and message. Source: torch.multiprocessing.ProcessRaisedException.
 class ProcessRaisedException : public Error {

@@ -86,6 +86,8 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
     return p;
   }
   const Payload& payload() const { return in_; }
+  /// A duplicate of the payload's fd #index (for types that carry an fd, like queues).
+  UniqueFd take_fd(uint32_t index) const;
   std::vector<c10::Storage>& storages() { return storages_; }
   /// Nesting of cereal's process() calls (prologue/epilogue): throws past 512 levels.
   void enter() {

@@ -1,0 +1,96 @@
+#pragma once
+/// Queue, SimpleQueue and JoinableQueue carrying any serializable T between processes
+/// (Python's multiprocessing / torch.multiprocessing queues).
+
+#include <chrono>
+#include <memory>
+#include <optional>
+
+#include "torchpar/ipc/shm_queue.h"
+#include "torchpar/serialize/serialize.h"
+
+namespace torchpar {
+
+/// Options of a queue.
+struct QueueOptions {
+  /// false (default): tensors are moved to shared memory and the receiver aliases them
+  /// (torch.multiprocessing); true: tensor bytes are copied (machin's copy_tensor).
+  bool copy_tensor = false;
+  /// Bytes of the shared ring. Messages above a quarter of it travel in a segment of their own.
+  uint64_t capacity_bytes = 4 << 20;
+};
+
+/// A multi-producer, multi-consumer FIFO of T shared by processes.
+///
+/// Lifetime: copies of a Queue refer to the same queue; the shared memory goes when the
+/// last process holding it lets go. Pass a queue to a child as a Process argument (every
+/// start method). close() marks it closed for every process.
+/// Safety: thread- and process-safe.
+/// Errors: put throws Full when `timeout` passes without room (timeout 0: put_nowait),
+///         ClosedError on a closed queue; get throws Empty when `timeout` passes, and
+///         ClosedError once the queue is closed and empty — a waiting get wakes and raises.
+///         A process killed while inside put/get does not wedge the others (robust mutex).
+/// Units: timeouts in seconds (std::chrono durations); nullopt blocks.
+/// Source: multiprocessing.Queue / torch.multiprocessing.Queue.
+template <class T>
+class Queue {
+ public:
+  using Timeout = std::optional<std::chrono::duration<double>>;
+
+  /// `maxsize` items at most (0: unbounded, as in Python).
+  explicit Queue(uint64_t maxsize = 0, QueueOptions options = {})
+      : q_(std::make_shared<detail::ShmQueue>(maxsize, options.capacity_bytes)),
+        copy_tensor_(options.copy_tensor) {}
+
+  void put(const T& value, Timeout timeout = std::nullopt) {
+    q_->put(dumps(value, {.copy_tensor = copy_tensor_, .pass_fds = false}).bytes, timeout);
+  }
+  T get(Timeout timeout = std::nullopt) { return loads<T>(Payload{q_->get(timeout), {}}); }
+  void put_nowait(const T& value) { put(value, std::chrono::duration<double>(0)); }
+  T get_nowait() { return get(std::chrono::duration<double>(0)); }
+  /// Items in the queue now (approximate while others put and get).
+  uint64_t qsize() const { return q_->qsize(); }
+  bool empty() const { return qsize() == 0; }
+  bool full() const { return q_->maxsize() != 0 && qsize() >= q_->maxsize(); }
+  void close() { q_->close(); }
+  bool closed() const { return q_->closed(); }
+
+  void save(detail::OutputArchive& ar) const {
+    const uint32_t idx = ar.fd_index(q_->fd());
+    ar(idx, copy_tensor_);
+  }
+  void load(detail::InputArchive& ar) {
+    uint32_t idx = 0;
+    ar(idx, copy_tensor_);
+    q_ = std::make_shared<detail::ShmQueue>(ar.take_fd(idx));
+  }
+
+ protected:
+  std::shared_ptr<detail::ShmQueue> q_;
+  bool copy_tensor_ = false;
+
+ public:
+  Queue(std::shared_ptr<detail::ShmQueue> q, bool copy_tensor) : q_(std::move(q)), copy_tensor_(copy_tensor) {}
+};
+
+/// An unbounded queue with just put, get, empty and close.
+/// Source: multiprocessing.SimpleQueue / machin.parallel.queue.SimpleQueue.
+template <class T>
+class SimpleQueue : public Queue<T> {
+ public:
+  explicit SimpleQueue(QueueOptions options = {}) : Queue<T>(0, options) {}
+};
+
+/// A Queue whose consumers call task_done() per item and whose join() waits until every
+/// item put was done. Source: multiprocessing.JoinableQueue.
+template <class T>
+class JoinableQueue : public Queue<T> {
+ public:
+  explicit JoinableQueue(uint64_t maxsize = 0, QueueOptions options = {}) : Queue<T>(maxsize, options) {}
+  /// Errors: torchpar::Error when called more often than items were put.
+  void task_done() { this->q_->task_done(); }
+  /// True when all tasks are done; false when `timeout` passed first.
+  bool join(typename Queue<T>::Timeout timeout = std::nullopt) { return this->q_->join(timeout); }
+};
+
+}  // namespace torchpar

@@ -1,0 +1,76 @@
+#include "torchpar/ipc/connection.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <fmt/format.h>
+
+#include "torchpar/core/syscall.h"
+
+namespace torchpar {
+
+Connection::Connection(UniqueFd fd, bool readable, bool writable)
+    : fd_(std::make_shared<UniqueFd>(std::move(fd))), readable_(readable), writable_(writable) {}
+
+bool Connection::closed() const { return !fd_ || !fd_->valid(); }
+
+int Connection::fileno() const {
+  if (closed()) throw ClosedError("Connection is closed");
+  return fd_->get();
+}
+
+void Connection::close() {
+  if (fd_) fd_->reset();
+}
+
+void Connection::send_payload_checked(const Payload& p) {
+  if (!writable_) throw Error("Connection is read-only");
+  send_payload(fileno(), p);
+}
+
+Payload Connection::recv_payload_checked(std::optional<std::chrono::duration<double>> timeout) {
+  if (!readable_) throw Error("Connection is write-only");
+  std::optional<std::chrono::milliseconds> ms;
+  if (timeout) ms = std::chrono::ceil<std::chrono::milliseconds>(*timeout);
+  return recv_payload(fileno(), ms);
+}
+
+void Connection::send_bytes(std::string_view bytes) {
+  send_payload_checked(Payload{std::string(bytes), {}});
+}
+
+std::string Connection::recv_bytes(std::optional<std::chrono::duration<double>> timeout) {
+  return std::move(recv_payload_checked(timeout).bytes);
+}
+
+bool Connection::poll(std::chrono::duration<double> timeout) {
+  struct pollfd pfd {fileno(), POLLIN, 0};
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(timeout).count();
+  const int r = detail::check_syscall("poll", "Connection", [&] {
+    return ::poll(&pfd, 1, static_cast<int>(std::clamp<int64_t>(ms, 0, INT32_MAX)));
+  });
+  return r > 0;
+}
+
+void Connection::save(detail::OutputArchive& ar) const {
+  const uint32_t idx = ar.fd_index(fileno());
+  ar(idx, readable_, writable_);
+}
+
+void Connection::load(detail::InputArchive& ar) {
+  uint32_t idx = 0;
+  ar(idx, readable_, writable_);
+  fd_ = std::make_shared<UniqueFd>(ar.take_fd(idx));
+}
+
+std::pair<Connection, Connection> Pipe(bool duplex) {
+  int sv[2];
+  detail::check_syscall("socketpair", "Pipe",
+                        [&] { return ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv); });
+  if (duplex) return {Connection(UniqueFd(sv[0]), true, true), Connection(UniqueFd(sv[1]), true, true)};
+  ::shutdown(sv[0], SHUT_WR);
+  ::shutdown(sv[1], SHUT_RD);
+  return {Connection(UniqueFd(sv[0]), true, false), Connection(UniqueFd(sv[1]), false, true)};
+}
+
+}  // namespace torchpar

@@ -1,0 +1,253 @@
+// Pipe/Connection and Queue/SimpleQueue/JoinableQueue across real processes, under the
+// fork and spawn start methods: tensors shared and copied, timeouts, close, many
+// producers and consumers, killed consumers, and resource hygiene.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+
+#include <set>
+#include <thread>
+
+#include "support/child.h"
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+using namespace std::chrono_literals;
+
+namespace {
+
+void echo_connection(tp::Connection c) {
+  for (;;) {
+    auto t = c.recv<at::Tensor>(30s);
+    if (t.numel() == 0) return;
+    t.add_(1);  // shared: the parent sees this
+    c.send(std::string("ok"));
+  }
+}
+
+void queue_modify(tp::Queue<at::Tensor> in, tp::Queue<std::string> out) {
+  at::Tensor t = in.get(30s);
+  t.fill_(7);
+  out.put("modified");
+}
+
+void producer(int i, tp::Queue<int64_t> q, int n) {
+  for (int k = 0; k < n; ++k) q.put(int64_t{i} * 1000000 + k);
+}
+
+void consumer(int, tp::Queue<int64_t> q, tp::Queue<std::vector<int64_t>> results) {
+  std::vector<int64_t> got;
+  for (;;) {
+    const int64_t v = q.get(60s);
+    if (v < 0) break;
+    got.push_back(v);
+  }
+  results.put(got);
+}
+
+void blocked_getter(int, tp::Queue<int> q, tp::Queue<std::string> out) {
+  try {
+    q.get(30s);
+    out.put("got");
+  } catch (const tp::ClosedError&) {
+    out.put("closed");
+  }
+}
+
+void joinable_worker(int i, tp::JoinableQueue<int> q, at::Tensor acc) {
+  for (;;) {
+    int v = q.get(30s);
+    if (v < 0) {
+      q.task_done();
+      return;
+    }
+    acc[i].add_(v);  // one slot per worker: no lost updates
+    q.task_done();
+  }
+}
+
+}  // namespace
+
+class Ipc : public ::testing::TestWithParam<std::string> {
+ protected:
+  tp::SpawnOptions opts(bool join = true) {
+    tp::SpawnOptions o;
+    o.start_method = tp::start_method_from_string(GetParam());
+    o.join = join;
+    return o;
+  }
+};
+
+TEST_P(Ipc, PipeCarriesSharedTensors) {
+  auto [a, b] = tp::Pipe();
+  auto ctx = tp::start_processes([](int, tp::Connection c) { echo_connection(c); },
+                                 std::make_tuple(b), 1, opts(false));
+  at::Tensor t = at::zeros({1000});
+  for (int i = 1; i <= 3; ++i) {
+    a.send(t);
+    EXPECT_EQ(a.recv<std::string>(30s), "ok");
+    EXPECT_EQ(t[0].item<float>(), static_cast<float>(i));
+  }
+  a.send(at::empty({0}));
+  EXPECT_TRUE(ctx.join(30s));
+}
+
+TEST_P(Ipc, QueueSharesByDefaultAndCopiesOnRequest) {
+  for (bool copy : {false, true}) {
+    tp::Queue<at::Tensor> in(0, {.copy_tensor = copy});
+    tp::Queue<std::string> out;
+    auto ctx = tp::start_processes([](int, tp::Queue<at::Tensor> i, tp::Queue<std::string> o) {
+                                     queue_modify(std::move(i), std::move(o));
+                                   },
+                                   std::make_tuple(in, out), 1, opts(false));
+    at::Tensor t = at::zeros({16});
+    in.put(t);
+    EXPECT_EQ(out.get(30s), "modified");
+    EXPECT_EQ(t.sum().item<float>(), copy ? 0.0f : 7.0f * 16) << "copy=" << copy;
+    EXPECT_TRUE(ctx.join(30s));
+  }
+}
+
+TEST_P(Ipc, ManyProducersAndConsumersLoseNothing) {
+  tp::Queue<int64_t> q(64);  // bounded: producers block now and then
+  tp::Queue<std::vector<int64_t>> results;
+  const int producers = 6, consumers = 3, per = 400;
+  auto prod = tp::start_processes(producer, std::make_tuple(q, per), producers, opts(false));
+  auto cons = tp::start_processes(consumer, std::make_tuple(q, results), consumers, opts(false));
+  EXPECT_TRUE(prod.join(120s));
+  for (int i = 0; i < consumers; ++i) q.put(-1);
+  std::multiset<int64_t> all;
+  for (int i = 0; i < consumers; ++i)
+    for (auto v : results.get(60s)) all.insert(v);
+  EXPECT_TRUE(cons.join(60s));
+  EXPECT_EQ(all.size(), static_cast<size_t>(producers * per));
+  for (int i = 0; i < producers; ++i)
+    for (int k = 0; k < per; ++k) EXPECT_EQ(all.count(int64_t{i} * 1000000 + k), 1u);
+}
+
+TEST_P(Ipc, CloseWakesAWaitingConsumer) {
+  tp::Queue<int> q;
+  tp::Queue<std::string> out;
+  auto ctx = tp::start_processes(blocked_getter, std::make_tuple(q, out), 1, opts(false));
+  std::this_thread::sleep_for(GetParam() == "spawn" ? 1500ms : 200ms);  // let it block in get
+  const auto t0 = std::chrono::steady_clock::now();
+  q.close();
+  EXPECT_EQ(out.get(10s), "closed");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  EXPECT_TRUE(ctx.join(10s));
+}
+
+TEST_P(Ipc, JoinableQueueAcrossProcesses) {
+  tp::JoinableQueue<int> q;
+  at::Tensor acc = at::zeros({2}, at::kLong);
+  tp::share_memory_(acc);
+  auto ctx = tp::start_processes(joinable_worker, std::make_tuple(q, acc), 2, opts(false));
+  for (int v = 1; v <= 100; ++v) q.put(v);
+  EXPECT_TRUE(q.join(60s));
+  EXPECT_EQ(acc.sum().item<int64_t>(), 5050);
+  q.put(-1);
+  q.put(-1);
+  EXPECT_TRUE(ctx.join(30s));
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, Ipc, ::testing::Values("fork", "spawn"),
+                         [](const auto& param_info) { return param_info.param; });
+
+TEST(Queue, TimeoutsFullAndEmpty) {
+  tp::Queue<int> q(2);
+  q.put(1);
+  q.put_nowait(2);
+  EXPECT_TRUE(q.full());
+  EXPECT_EQ(q.qsize(), 2u);
+  EXPECT_THROW(q.put_nowait(3), tp::Full);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(q.put(3, 0.1s), tp::Full);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 90ms);
+  EXPECT_EQ(q.get(), 1);
+  EXPECT_EQ(q.get_nowait(), 2);
+  EXPECT_TRUE(q.empty());
+  EXPECT_THROW(q.get_nowait(), tp::Empty);
+  const auto t1 = std::chrono::steady_clock::now();
+  EXPECT_THROW(q.get(0.1s), tp::Empty);
+  EXPECT_GE(std::chrono::steady_clock::now() - t1, 90ms);
+  q.close();
+  EXPECT_THROW(q.put(1), tp::ClosedError);
+  EXPECT_THROW(q.get(), tp::ClosedError);
+}
+
+TEST(Queue, LargeMessagesAndStrings) {
+  tp::SimpleQueue<at::Tensor> q({.copy_tensor = true, .capacity_bytes = 1 << 20});
+  at::Tensor big = at::arange(16 << 20, at::kFloat);  // 64 MiB: spills out of the ring
+  q.put(big);
+  at::Tensor back = q.get(30s);
+  EXPECT_TRUE(at::equal(back, big));
+  EXPECT_FALSE(tp::is_shared(back));
+  tp::Queue<std::string> s(0, {.capacity_bytes = 4096});
+  std::string text(100000, 'x');
+  s.put(text);
+  EXPECT_EQ(s.get(), text);
+}
+
+TEST(Queue, ThousandTransfersLeaveNoFdsOrSegments) {
+  tp::Queue<at::Tensor> q;
+  const int fds0 = tp::testing::count_open_fds();
+  const auto shm0 = tp::testing::shm_entries("torchpar_").size();
+  auto c = tp::testing::fork_child([q](int) mutable {
+    for (int i = 0; i < 1000; ++i) {
+      at::Tensor t = q.get(30s);
+      if (t[0].item<float>() != static_cast<float>(i)) return 2;
+    }
+    return 0;
+  });
+  for (int i = 0; i < 1000; ++i) q.put(at::full({1024}, static_cast<float>(i)));
+  EXPECT_EQ(tp::testing::wait_child(c, 120s), 0);
+  EXPECT_LE(tp::testing::count_open_fds(), fds0 + 4);
+  EXPECT_EQ(tp::testing::shm_entries("torchpar_").size(), shm0);
+}
+
+TEST(Queue, KilledConsumerDoesNotWedgeTheOthers) {
+  tp::Queue<int> q;
+  tp::Queue<int> out;
+  auto victim = tp::testing::fork_child([q](int) mutable {
+    q.get(60s);
+    return 0;
+  });
+  auto survivor = tp::testing::fork_child([q, out](int) mutable {
+    for (int i = 0; i < 3; ++i) out.put(q.get(60s));
+    return 0;
+  });
+  std::this_thread::sleep_for(200ms);  // both block in get
+  ::kill(victim.pid, SIGKILL);
+  EXPECT_EQ(tp::testing::wait_child(victim), -SIGKILL);
+  for (int i = 0; i < 3; ++i) q.put(i);
+  std::set<int> got;
+  for (int i = 0; i < 3; ++i) got.insert(out.get(10s));
+  EXPECT_EQ(got, (std::set<int>{0, 1, 2}));
+  EXPECT_EQ(tp::testing::wait_child(survivor), 0);
+}
+
+TEST(Pipe, BytesPollClosedAndDirection) {
+  auto [a, b] = tp::Pipe();
+  EXPECT_FALSE(b.poll());
+  a.send_bytes("hello");
+  EXPECT_TRUE(b.poll(1s));
+  EXPECT_EQ(b.recv_bytes(), "hello");
+  EXPECT_THROW(b.recv_bytes(0.05s), tp::TimeoutError);
+  a.close();
+  EXPECT_TRUE(a.closed());
+  EXPECT_THROW(a.send_bytes("x"), tp::ClosedError);
+  EXPECT_THROW(b.recv_bytes(1s), tp::ClosedError);
+  auto [r, w] = tp::Pipe(false);
+  EXPECT_THROW(r.send_bytes("x"), tp::Error);
+  EXPECT_THROW(w.recv_bytes(), tp::Error);
+  w.send(std::vector<int>{1, 2});
+  EXPECT_EQ(r.recv<std::vector<int>>(1s), (std::vector<int>{1, 2}));
+}
+
+int main(int argc, char** argv) {
+  torchpar::init(argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
