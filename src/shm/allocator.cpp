@@ -24,7 +24,7 @@ constexpr uint64_t kMinBlock = 512;             // smallest slab size class
 constexpr uint64_t kMaxSlabBlock = 256 << 10;   // larger storages get their own segment
 constexpr uint64_t kSlabBytes = 2 << 20;        // data bytes per slab segment
 constexpr uint64_t kLargeRound = 2 << 20;       // large segments round up to 2 MiB
-constexpr size_t kMaxPending = 4096;            // released-but-still-referenced blocks kept
+constexpr size_t kMaxPending = 1 << 20;         // released-but-still-referenced blocks kept
 
 uint64_t cache_limit_bytes() {
   static const uint64_t limit = []() -> uint64_t {
@@ -69,6 +69,10 @@ struct State {
   uint64_t live_count = 0;
   uint64_t segments_created = 0;
   uint64_t cache_hits = 0;
+  // Segments imported lately, kept mapped (most recent last) so that a stream of tensors
+  // from one peer segment does not map and unmap it for every tensor.
+  std::deque<std::shared_ptr<Segment>> imported_recent;
+  uint64_t imported_recent_bytes = 0;
   // References a fork() took for a child of ours, by child pid (given back at reaping).
   std::unordered_map<int, std::vector<std::pair<std::shared_ptr<Segment>, uint32_t>>> forks;
 };
@@ -122,6 +126,8 @@ State& state() {
           for (auto& c : s2.large_cache) c.clear();
           s2.cached_bytes = 0;
           s2.pending.clear();
+          s2.imported_recent.clear();
+          s2.imported_recent_bytes = 0;
           s2.mu.unlock();
         });
     return st;
@@ -156,15 +162,18 @@ void make_free(State& s, const std::shared_ptr<Segment>& seg, uint32_t block, Sl
 
 uint64_t pending_size(const Pending& p) { return p.slab == nullptr ? p.seg->total_size() : 0; }
 
-// Moves pending blocks whose cross-process count reached 0 back to the free lists.
-void reclaim_pending(State& s) {
-  for (auto it = s.pending.begin(); it != s.pending.end();) {
-    if (it->seg->refs(it->block).load() == 0) {
-      s.pending_bytes -= pending_size(*it);
-      make_free(s, it->seg, it->block, it->slab);
-      it = s.pending.erase(it);
+// Moves pending blocks whose cross-process count reached 0 back to the free lists. Looks
+// at most `budget` entries from the front (the oldest, the likeliest to be free); entries
+// still in use go to the back, so a block pinned for long does not stall the scan.
+void reclaim_pending(State& s, size_t budget = 64) {
+  for (size_t n = std::min(budget, s.pending.size()); n > 0; --n) {
+    Pending p = std::move(s.pending.front());
+    s.pending.pop_front();
+    if (p.seg->refs(p.block).load() == 0) {
+      s.pending_bytes -= pending_size(p);
+      make_free(s, p.seg, p.block, p.slab);
     } else {
-      ++it;
+      s.pending.push_back(std::move(p));
     }
   }
 }
@@ -205,6 +214,28 @@ void register_mapped(State& s, const std::shared_ptr<Segment>& seg) {
     }
   }
   s.mapped[seg->key()] = seg;
+}
+
+constexpr size_t kRecentSegments = 64;
+constexpr uint64_t kRecentBytes = 256ULL << 20;
+
+void keep_recent(State& s, const std::shared_ptr<Segment>& seg,
+                 std::vector<std::shared_ptr<Segment>>& drop) {
+  if (!s.imported_recent.empty() && s.imported_recent.back() == seg) return;
+  for (auto it = s.imported_recent.begin(); it != s.imported_recent.end(); ++it) {
+    if (*it == seg) {
+      s.imported_recent.erase(it);
+      s.imported_recent_bytes -= seg->total_size();
+      break;
+    }
+  }
+  s.imported_recent.push_back(seg);
+  s.imported_recent_bytes += seg->total_size();
+  while (s.imported_recent.size() > kRecentSegments || s.imported_recent_bytes > kRecentBytes) {
+    s.imported_recent_bytes -= s.imported_recent.front()->total_size();
+    drop.push_back(std::move(s.imported_recent.front()));
+    s.imported_recent.pop_front();
+  }
 }
 
 }  // namespace
@@ -262,18 +293,23 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
   const int si = static_cast<int>(strategy);
   State& s = state();
   std::unique_lock<std::mutex> lock(s.mu);
-  if (!s.pending.empty()) reclaim_pending(s);
 
   if (nbytes <= kMaxSlabBlock) {
     const int c = size_class(nbytes);
     auto& slabs = s.slabs[si][c];
-    for (auto& slab : slabs) {
-      if (!slab->free.empty()) {
-        uint32_t b = slab->free.back();
-        slab->free.pop_back();
-        slab->seg->refs(b).store(1);
-        return make_data_ptr(s, slab->seg, b, nbytes, true);
+    // Free blocks first; only when there are none, look for pending blocks whose other
+    // holders let go (a full scan, amortized over the blocks it frees).
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      for (auto& slab : slabs) {
+        if (!slab->free.empty()) {
+          uint32_t b = slab->free.back();
+          slab->free.pop_back();
+          slab->seg->refs(b).store(1);
+          return make_data_ptr(s, slab->seg, b, nbytes, true);
+        }
       }
+      if (attempt == 0 && !s.pending.empty()) reclaim_pending(s);
+      else break;
     }
     const uint64_t block_size = kMinBlock << c;
     const auto nblocks = static_cast<uint32_t>(kSlabBytes / block_size);
@@ -294,6 +330,10 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
   const uint64_t want = (nbytes + kLargeRound - 1) / kLargeRound * kLargeRound;
   auto& cache = s.large_cache[si];
   auto it = cache.lower_bound(want);
+  if ((it == cache.end() || it->first > want + want / 4 + kLargeRound) && !s.pending.empty()) {
+    reclaim_pending(s);
+    it = cache.lower_bound(want);
+  }
   if (it != cache.end() && it->first <= want + want / 4 + kLargeRound) {
     auto seg = it->second;
     cache.erase(it);
@@ -364,6 +404,11 @@ at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd) {
     if (auto existing = it == s.mapped.end() ? nullptr : it->second.lock()) seg = existing;
     else register_mapped(s, seg);
   }
+  {
+    std::vector<std::shared_ptr<Segment>> drop;
+    std::lock_guard<std::mutex> lock(s.mu);
+    keep_recent(s, seg, drop);
+  }
   if (seg->total_size() != segment_bytes)
     throw SerializationError(fmt::format("shared tensor handle says its segment has {} bytes, "
                                          "the segment has {}",
@@ -404,7 +449,7 @@ void release_fork_refs(int pid) {
     refs = std::move(it->second);
     s.forks.erase(it);
     for (auto& [seg, block] : refs) seg->refs(block).fetch_sub(1);
-    reclaim_pending(s);
+    reclaim_pending(s, s.pending.size());
   }
 }
 
@@ -432,10 +477,13 @@ ShmStats shm_stats() {
 void empty_shm_cache() {
   auto& s = detail::state();
   std::multimap<uint64_t, std::shared_ptr<detail::Segment>> drop[detail::kNumStrategies];
+  std::deque<std::shared_ptr<detail::Segment>> recent;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     for (int i = 0; i < detail::kNumStrategies; ++i) drop[i].swap(s.large_cache[i]);
     s.cached_bytes = 0;
+    recent.swap(s.imported_recent);
+    s.imported_recent_bytes = 0;
   }
 }
 

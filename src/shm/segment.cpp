@@ -9,7 +9,10 @@
 
 #include <cstdio>
 #include <cstring>
+#include <atomic>
 #include <mutex>
+
+#include <pthread.h>
 
 #include <fmt/format.h>
 
@@ -220,7 +223,22 @@ void Segment::validate(const std::string& what) {
   data_offset_ = h.data_offset;
 }
 
-bool Segment::owned_here() const { return owner_pid_ == static_cast<int>(::getpid()); }
+namespace {
+// getpid() is a system call; allocation and release ask it often. Forked children refresh it.
+std::atomic<int> g_pid{0};
+int cached_pid() {
+  int p = g_pid.load(std::memory_order_relaxed);
+  if (p == 0) {
+    static std::once_flag once;
+    std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, [] { g_pid.store(0); }); });
+    p = static_cast<int>(::getpid());
+    g_pid.store(p, std::memory_order_relaxed);
+  }
+  return p;
+}
+}  // namespace
+
+bool Segment::owned_here() const { return owner_pid_ == cached_pid(); }
 
 Segment::~Segment() {
   if (base_ != nullptr) ::munmap(base_, size_);
