@@ -5,6 +5,8 @@
 #include "torchpar/core/fd.h"
 #include "torchpar/ipc/connection.h"
 #include "torchpar/ipc/queue.h"
+#include "torchpar/ipc/shared_value.h"
+#include "torchpar/ipc/synchronize.h"
 #include "torchpar/process/process.h"
 #include "torchpar/process/spawn.h"
 #include "torchpar/process/start_method.h"

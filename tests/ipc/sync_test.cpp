@@ -1,0 +1,206 @@
+// Process-shared Lock, RLock, Semaphore, BoundedSemaphore, Condition, Event, Barrier and
+// Value/Array, across real processes (fork and spawn), including owner death.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <set>
+#include <thread>
+
+#include "support/child.h"
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+using namespace std::chrono_literals;
+
+namespace {
+
+void add_under_lock(int, tp::Value<int64_t> v, tp::Array<int64_t> a, int n) {
+  for (int i = 0; i < n; ++i) {
+    v.get_lock().acquire();
+    v.set(v.get() + 1);
+    v.get_lock().release();
+    a.get_lock().acquire();
+    for (size_t k = 0; k < a.size(); ++k) a[k] += static_cast<int64_t>(k);
+    a.get_lock().release();
+  }
+}
+
+void barrier_party(int, tp::Barrier b, tp::Queue<int> out) { out.put(static_cast<int>(b.wait(30s))); }
+
+void wait_event(int, tp::Event e, tp::Queue<std::string> out) {
+  out.put(e.wait(30s) ? "set" : "timeout");
+}
+
+void condition_waiter(int, tp::Condition c, tp::Value<int> flag, tp::Queue<int> out) {
+  c.acquire();
+  const bool ok = c.wait_for([&] { return flag.get() == 1; }, 30s);
+  c.release();
+  out.put(ok ? 1 : 0);
+}
+
+}  // namespace
+
+class Sync : public ::testing::TestWithParam<std::string> {
+ protected:
+  tp::SpawnOptions opts(bool join = true) {
+    tp::SpawnOptions o;
+    o.start_method = tp::start_method_from_string(GetParam());
+    o.join = join;
+    return o;
+  }
+};
+
+TEST_P(Sync, ValueAndArrayIncrementsUnderLockSumExactly) {
+  tp::Value<int64_t> v(0);
+  tp::Array<int64_t> a(4);
+  tp::start_processes(add_under_lock, std::make_tuple(v, a, 500), 4, opts());
+  EXPECT_EQ(v.get(), 2000);
+  EXPECT_EQ(a.to_vector(), (std::vector<int64_t>{0, 2000, 4000, 6000}));
+}
+
+TEST_P(Sync, BarrierAcrossProcesses) {
+  tp::Barrier b(3);
+  tp::Queue<int> out;
+  auto ctx = tp::start_processes(barrier_party, std::make_tuple(b, out), 2, opts(false));
+  std::set<int> idx{static_cast<int>(b.wait(30s))};
+  idx.insert(out.get(30s));
+  idx.insert(out.get(30s));
+  EXPECT_EQ(idx, (std::set<int>{0, 1, 2}));
+  EXPECT_TRUE(ctx.join(30s));
+}
+
+TEST_P(Sync, EventAcrossProcesses) {
+  tp::Event e;
+  tp::Queue<std::string> out;
+  auto ctx = tp::start_processes(wait_event, std::make_tuple(e, out), 2, opts(false));
+  EXPECT_FALSE(e.is_set());
+  e.set();
+  EXPECT_EQ(out.get(30s), "set");
+  EXPECT_EQ(out.get(30s), "set");
+  EXPECT_TRUE(ctx.join(30s));
+}
+
+TEST_P(Sync, ConditionNotifyAcrossProcesses) {
+  tp::Condition c;
+  tp::Value<int> flag(0);
+  tp::Queue<int> out;
+  auto ctx = tp::start_processes(condition_waiter, std::make_tuple(c, flag, out), 2, opts(false));
+  std::this_thread::sleep_for(GetParam() == "spawn" ? 1000ms : 100ms);
+  c.acquire();
+  flag.set(1);
+  c.notify_all();
+  c.release();
+  EXPECT_EQ(out.get(30s) + out.get(30s), 2);
+  EXPECT_TRUE(ctx.join(30s));
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, Sync, ::testing::Values("fork", "spawn"),
+                         [](const auto& param_info) { return param_info.param; });
+
+TEST(Lock, OwnerKilledIsRecoveredAndReported) {
+  tp::Lock lock;
+  auto c = tp::testing::fork_child([lock](int sock) mutable {
+    lock.acquire();
+    tp::testing::send_line(sock, "holding");
+    ::pause();
+    return 0;
+  });
+  ASSERT_EQ(tp::testing::recv_line(c.sock), "holding");
+  EXPECT_FALSE(lock.acquire(0.1s)) << "held by the child";
+  ::kill(c.pid, SIGKILL);
+  EXPECT_EQ(tp::testing::wait_child(c), -SIGKILL);
+  ASSERT_TRUE(lock.acquire(5s));
+  EXPECT_TRUE(lock.owner_died());
+  lock.release();
+  ASSERT_TRUE(lock.acquire(0s));
+  EXPECT_FALSE(lock.owner_died());
+  lock.release();
+}
+
+TEST(Lock, RLockIsReentrantAndLockIsNot) {
+  tp::RLock r;
+  EXPECT_TRUE(r.acquire());
+  EXPECT_TRUE(r.acquire(0s));
+  r.release();
+  r.release();
+  EXPECT_THROW(r.release(), tp::Error);
+  tp::Lock l;
+  EXPECT_TRUE(l.acquire());
+  EXPECT_FALSE(l.acquire(0.05s));
+  l.release();
+}
+
+TEST(Semaphore, CountsAndBound) {
+  tp::Semaphore s(2);
+  EXPECT_TRUE(s.acquire());
+  EXPECT_TRUE(s.acquire(0s));
+  EXPECT_EQ(s.get_value(), 0u);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(s.acquire(0.1s));
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 90ms);
+  auto c = tp::testing::fork_child([s](int) mutable {
+    std::this_thread::sleep_for(50ms);
+    s.release();
+    return 0;
+  });
+  EXPECT_TRUE(s.acquire(10s)) << "released by another process";
+  EXPECT_EQ(tp::testing::wait_child(c), 0);
+  tp::BoundedSemaphore b(1);
+  EXPECT_THROW(b.release(), tp::Error);
+  EXPECT_TRUE(b.acquire());
+  b.release();
+}
+
+TEST(Barrier, TimeoutAbortAndReset) {
+  tp::Barrier b(2);
+  EXPECT_THROW(b.wait(0.1s), tp::BrokenBarrierError);
+  EXPECT_TRUE(b.broken());
+  EXPECT_THROW(b.wait(1s), tp::BrokenBarrierError);
+  b.reset();
+  EXPECT_FALSE(b.broken());
+  // A waiter in another process sees abort promptly.
+  auto c = tp::testing::fork_child([b](int) mutable {
+    try {
+      b.wait(30s);
+      return 1;
+    } catch (const tp::BrokenBarrierError&) {
+      return 0;
+    }
+  });
+  for (int i = 0; i < 500 && b.n_waiting() == 0; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(b.n_waiting(), 1u);
+  b.abort();
+  EXPECT_EQ(tp::testing::wait_child(c, 5s), 0);
+  int ran = 0;
+  tp::Barrier with_action(1, [&] { ++ran; });
+  EXPECT_EQ(with_action.wait(), 0u);
+  EXPECT_EQ(ran, 1);
+}
+
+TEST(Event, WaitTimeoutAndClear) {
+  tp::Event e;
+  EXPECT_FALSE(e.wait(0.05s));
+  e.set();
+  EXPECT_TRUE(e.wait(0s));
+  e.clear();
+  EXPECT_FALSE(e.is_set());
+}
+
+TEST(Value, NoLockAndAtomicAccess) {
+  tp::Value<double> d(1.5, /*lock=*/false);
+  EXPECT_THROW(d.get_lock(), tp::Error);
+  EXPECT_EQ(d.get(), 1.5);
+  tp::Value<int64_t> n(0);
+  std::atomic_ref<int64_t>(*n.get_obj()).fetch_add(5);
+  EXPECT_EQ(n.get(), 5);
+  tp::Array<float> a(std::vector<float>{1, 2, 3});
+  EXPECT_EQ(a.size(), 3u);
+  EXPECT_EQ(a[2], 3.0f);
+}
+
+int main(int argc, char** argv) {
+  torchpar::init(argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
