@@ -23,4 +23,19 @@ struct LaunchRecord {
 /// argv recorded by torchpar::init (re-exec'd for spawn).
 std::vector<std::string>& saved_argv();
 
+/// Child side of spawn and forkserver: sets the thread budget and runs the target.
+void run_launch_record(LaunchRecord rec, std::vector<UniqueFd> fds);
+
+/// fork+exec of this program with `env_entry` added to the environment and `keep` fds
+/// inherited; the child dies with its parent. Needs torchpar::init in main.
+int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what);
+
+/// The forkserver: serves start requests on `sock` until its client goes away.
+[[noreturn]] void run_forkserver(int sock);
+
+/// Starts `record` (+ its argument fds) in a child of the forkserver (started on first
+/// use). Returns the child's pid and the status channel: the server writes the raw wait
+/// status there when the child exits.
+std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int> arg_fds, int slot_fd);
+
 }  // namespace torchpar::detail

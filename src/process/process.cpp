@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -36,6 +37,7 @@ struct ProcessImpl {
   bool started = false;
   void* slot = nullptr;
   bool fork_refs = false;
+  UniqueFd status;  // forkserver: the server writes the wait status here
 
   ~ProcessImpl() {
     if (slot != nullptr) ::munmap(slot, kErrorSlotBytes);
@@ -102,22 +104,30 @@ void start_fork(ProcessImpl& p) {
   p.pid = pid;
 }
 
-void start_spawn(ProcessImpl& p) {
+// The launch record of a spawn/forkserver child, and its argument payload (for the fds).
+Payload make_record(ProcessImpl& p, const char* method, Payload& args) {
   if (!is_initialized())
-    throw Error("start method 'spawn' needs torchpar::init(argc, argv) as the first statement of "
-                "main(): the child re-executes this program and init() runs the target there");
+    throw Error(fmt::format("start method '{}' needs torchpar::init(argc, argv) as the first "
+                            "statement of main(): the child re-executes this program and init() "
+                            "runs the target there",
+                            method));
   if (!p.spec.spawnable)
-    throw Error(fmt::format("start method 'spawn' cannot run this target: {}; use a free function "
+    throw Error(fmt::format("start method '{}' cannot run this target: {}; use a free function "
                             "or the 'fork' start method",
-                            p.spec.not_spawnable_reason));
-  Payload args = p.spec.make_args();
+                            method, p.spec.not_spawnable_reason));
+  args = p.spec.make_args();
   LaunchRecord rec;
   rec.trampoline = to_code_address(reinterpret_cast<const void*>(p.spec.trampoline));
   rec.fn = to_code_address(p.spec.fn);
   rec.threads = p.options.threads;
   rec.name = p.options.name;
-  rec.args = std::move(args.bytes);
-  Payload record = dumps(rec);
+  rec.args = args.bytes;
+  return dumps(rec);
+}
+
+void start_spawn(ProcessImpl& p) {
+  Payload args;
+  Payload record = make_record(p, "spawn", args);
   UniqueFd record_fd(check_syscall("memfd_create", "launch record",
                                    [] { return ::memfd_create("torchpar-launch", MFD_CLOEXEC); }));
   for (size_t off = 0; off < record.bytes.size();) {
@@ -129,18 +139,37 @@ void start_spawn(ProcessImpl& p) {
   void* slot = nullptr;
   UniqueFd slot_fd = make_slot(&slot);
   p.slot = slot;
-
-  // Everything the child needs is built before the fork: after it, only raw syscalls.
   std::vector<int> keep{record_fd.get(), slot_fd.get()};
   std::string spec = fmt::format("TORCHPAR_SPAWN={},{},{}", record_fd.get(), slot_fd.get(), ::getpid());
   for (const auto& fd : args.fds) {
     keep.push_back(fd.get());
     spec += fmt::format(",{}", fd.get());
   }
+  p.pid = exec_self(keep, spec, p.options.name);
+}
+
+void start_forkserver(ProcessImpl& p, Payload record, const std::vector<int>& arg_fds) {
+  void* slot = nullptr;
+  UniqueFd slot_fd = make_slot(&slot);
+  p.slot = slot;
+  auto [pid, status] = forkserver_start(record, arg_fds, slot_fd.get());
+  p.pid = pid;
+  p.status = std::move(status);
+}
+
+}  // namespace
+
+int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what) {
+  if (!is_initialized())
+    throw Error("start methods 'spawn' and 'forkserver' need torchpar::init(argc, argv) as the "
+                "first statement of main(): the child re-executes this program and init() runs "
+                "the target there");
+  // Everything the child needs is built before the fork: after it, only raw syscalls.
+  const std::string var = env_entry.substr(0, env_entry.find('=') + 1);
   std::vector<std::string> env_strings;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e)
-    if (std::strncmp(*e, "TORCHPAR_SPAWN=", 15) != 0) env_strings.emplace_back(*e);
-  env_strings.push_back(spec);
+    if (std::strncmp(*e, var.c_str(), var.size()) != 0) env_strings.emplace_back(*e);
+  env_strings.push_back(env_entry);
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
@@ -152,18 +181,20 @@ void start_spawn(ProcessImpl& p) {
 
   // Raw clone: no atfork handlers (the child execs at once and takes no references).
   const long pid = ::syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
-  if (pid < 0) throw_system_error("clone", errno, p.options.name);
+  if (pid < 0) throw_system_error("clone", errno, what);
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(1);
     for (int fd : keep) ::fcntl(fd, F_SETFD, 0);
     ::execve("/proc/self/exe", argv.data(), envp.data());
-    static const char msg[] = "torchpar: exec of /proc/self/exe failed in a spawned child\n";
+    static const char msg[] = "torchpar: exec of /proc/self/exe failed in a child\n";
     (void)!::write(2, msg, sizeof msg - 1);
     ::_exit(127);
   }
-  p.pid = static_cast<pid_t>(pid);
+  return static_cast<int>(pid);
 }
+
+namespace {
 
 }  // namespace
 }  // namespace detail
@@ -192,16 +223,26 @@ void Process::start() {
   auto& p = *impl_;
   if (p.started) throw Error(fmt::format("{}: a process can only be started once", p.options.name));
   const StartMethod m = p.options.start_method.value_or(current_start_method());
-  if (m == StartMethod::kForkserver)
-    throw Error("start method 'forkserver' is not available in this version; use fork or spawn");
-  if (m == StartMethod::kFork) detail::start_fork(p);
-  else detail::start_spawn(p);
+  if (m == StartMethod::kFork) {
+    detail::start_fork(p);
+  } else if (m == StartMethod::kSpawn) {
+    detail::start_spawn(p);
+  } else {
+    Payload args;
+    Payload record = detail::make_record(p, "forkserver", args);
+    std::vector<int> fds;
+    for (const auto& fd : args.fds) fds.push_back(fd.get());
+    detail::start_forkserver(p, std::move(record), fds);
+  }
   p.started = true;
   const long fd = ::syscall(SYS_pidfd_open, p.pid, 0);
   if (fd >= 0) p.pidfd.reset(static_cast<int>(fd));
 }
 
 namespace {
+// Forkserver children are not ours to wait for: the server sends their wait status.
+bool poll_status(detail::ProcessImpl& p, int wait_ms);
+
 void record_exit(detail::ProcessImpl& p, int status) {
   p.exitcode = detail::decode_status(status);
   p.pidfd.reset();
@@ -209,6 +250,16 @@ void record_exit(detail::ProcessImpl& p, int status) {
     detail::release_fork_refs(p.pid);
     p.fork_refs = false;
   }
+}
+bool poll_status(detail::ProcessImpl& p, int wait_ms) {
+  struct pollfd pfd {p.status.get(), POLLIN, 0};
+  if (::poll(&pfd, 1, wait_ms) <= 0) return false;
+  int32_t st = 0;
+  const ssize_t n = ::recv(p.status.get(), &st, sizeof st, MSG_WAITALL);
+  // No status (the server died): report the child as killed.
+  record_exit(p, n == sizeof st ? st : SIGKILL);
+  p.status.reset();
+  return true;
 }
 }  // namespace
 
@@ -219,6 +270,18 @@ bool Process::join(std::optional<std::chrono::duration<double>> timeout) {
   const auto deadline = timeout ? std::optional(std::chrono::steady_clock::now() +
                                                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(*timeout))
                                 : std::nullopt;
+  if (p.status.valid()) {
+    for (;;) {
+      int wait_ms = 100;
+      if (deadline) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            *deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) return poll_status(p, 0);
+        wait_ms = static_cast<int>(std::min<int64_t>(left.count(), 100));
+      }
+      if (poll_status(p, wait_ms)) return true;
+    }
+  }
   for (;;) {
     int status = 0;
     const pid_t r = ::waitpid(p.pid, &status, WNOHANG);
@@ -246,6 +309,7 @@ bool Process::join(std::optional<std::chrono::duration<double>> timeout) {
 bool Process::is_alive() {
   auto& p = *impl_;
   if (!p.started || p.exitcode) return false;
+  if (p.status.valid()) return !poll_status(p, 0);
   int status = 0;
   if (::waitpid(p.pid, &status, WNOHANG) == p.pid) {
     record_exit(p, status);
@@ -272,7 +336,9 @@ void Process::kill() {
 const std::string& Process::name() const { return impl_->options.name; }
 bool Process::daemon() const { return impl_->options.daemon; }
 void Process::set_index(int index) { impl_->index = index; }
-int Process::pidfd() const { return impl_->pidfd.get(); }
+int Process::pidfd() const {
+  return impl_->status.valid() ? impl_->status.get() : impl_->pidfd.get();
+}
 
 std::optional<std::pair<std::string, std::string>> Process::error() const {
   if (impl_->slot == nullptr) return std::nullopt;

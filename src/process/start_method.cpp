@@ -60,21 +60,27 @@ namespace {
       throw Error("spawned child: cannot read its launch record");
     ::close(record_fd);
     LaunchRecord rec = loads<LaunchRecord>(Payload{std::move(bytes), {}});
-    Payload args{std::move(rec.args), {}};
+    std::vector<UniqueFd> fds;
     for (size_t i = 3; i < nums.size(); ++i) {
       const int fd = static_cast<int>(nums[i]);
       ::fcntl(fd, F_SETFD, FD_CLOEXEC);
-      args.fds.emplace_back(fd);
+      fds.emplace_back(fd);
     }
-    set_child_threads(rec.threads);
-    auto tramp = reinterpret_cast<Trampoline>(from_code_address(rec.trampoline));
-    void* fn = from_code_address(rec.fn);
-    tramp(fn, args);
+    run_launch_record(std::move(rec), std::move(fds));
   });
   exit_child(code);
 }
 
 }  // namespace
+
+void run_launch_record(LaunchRecord rec, std::vector<UniqueFd> fds) {
+  Payload args{std::move(rec.args), std::move(fds)};
+  set_child_threads(rec.threads);
+  auto tramp = reinterpret_cast<Trampoline>(from_code_address(rec.trampoline));
+  void* fn = from_code_address(rec.fn);
+  tramp(fn, args);
+}
+
 }  // namespace detail
 
 void init(int argc, char** argv) {
@@ -82,23 +88,23 @@ void init(int argc, char** argv) {
   saved.assign(argv, argv + argc);
   g_initialized.store(true);
   if (const char* spec = std::getenv("TORCHPAR_SPAWN")) detail::run_spawned_child(spec);
+  if (const char* fd = std::getenv("TORCHPAR_FORKSERVER")) {
+    const int sock = std::atoi(fd);
+    ::unsetenv("TORCHPAR_FORKSERVER");
+    detail::run_forkserver(sock);
+  }
 }
 
 bool is_initialized() { return g_initialized.load(); }
 
-std::vector<std::string> get_all_start_methods() { return {"fork", "spawn"}; }
+std::vector<std::string> get_all_start_methods() { return {"fork", "forkserver", "spawn"}; }
 
 std::string get_start_method() { return to_string(g_method.load()); }
 
 StartMethod current_start_method() { return g_method.load(); }
 
 void set_start_method(const std::string& method) {
-  const StartMethod m = start_method_from_string(method);
-  if (m == StartMethod::kForkserver)
-    throw std::invalid_argument(
-        "start method 'forkserver' is not available in this version; valid start methods are: "
-        "fork, spawn");
-  g_method.store(m);
+  g_method.store(start_method_from_string(method));
 }
 
 std::string to_string(StartMethod m) {
@@ -115,7 +121,7 @@ StartMethod start_method_from_string(const std::string& name) {
   if (name == "spawn") return StartMethod::kSpawn;
   if (name == "forkserver") return StartMethod::kForkserver;
   throw std::invalid_argument("unknown start method '" + name +
-                              "'; valid start methods are: fork, spawn");
+                              "'; valid start methods are: fork, forkserver, spawn");
 }
 
 }  // namespace torchpar

@@ -152,7 +152,7 @@ TEST_P(Ipc, JoinableQueueAcrossProcesses) {
   EXPECT_TRUE(ctx.join(30s));
 }
 
-INSTANTIATE_TEST_SUITE_P(Methods, Ipc, ::testing::Values("fork", "spawn"),
+INSTANTIATE_TEST_SUITE_P(Methods, Ipc, ::testing::Values("fork", "spawn", "forkserver"),
                          [](const auto& param_info) { return param_info.param; });
 
 TEST(Queue, TimeoutsFullAndEmpty) {

@@ -95,7 +95,7 @@ TEST_P(Sync, ConditionNotifyAcrossProcesses) {
   EXPECT_TRUE(ctx.join(30s));
 }
 
-INSTANTIATE_TEST_SUITE_P(Methods, Sync, ::testing::Values("fork", "spawn"),
+INSTANTIATE_TEST_SUITE_P(Methods, Sync, ::testing::Values("fork", "spawn", "forkserver"),
                          [](const auto& param_info) { return param_info.param; });
 
 TEST(Lock, OwnerKilledIsRecoveredAndReported) {
