@@ -155,6 +155,25 @@ TEST_P(Ipc, JoinableQueueAcrossProcesses) {
 INSTANTIATE_TEST_SUITE_P(Methods, Ipc, ::testing::Values("fork", "spawn", "forkserver"),
                          [](const auto& param_info) { return param_info.param; });
 
+TEST(Queue, HundredProducerProcesses) {
+  tp::Queue<int64_t> q(32);
+  tp::Queue<std::vector<int64_t>> results;
+  tp::SpawnOptions o;
+  o.start_method = tp::StartMethod::kFork;
+  o.join = false;
+  const int producers = 100, consumers = 4, per = 50;
+  auto cons = tp::start_processes(consumer, std::make_tuple(q, results), consumers, o);
+  auto prod = tp::start_processes(producer, std::make_tuple(q, per), producers, o);
+  EXPECT_TRUE(prod.join(120s));
+  for (int i = 0; i < consumers; ++i) q.put(-1);
+  std::multiset<int64_t> all;
+  for (int i = 0; i < consumers; ++i)
+    for (auto v : results.get(60s)) all.insert(v);
+  EXPECT_TRUE(cons.join(60s));
+  ASSERT_EQ(all.size(), static_cast<size_t>(producers * per));
+  EXPECT_EQ(std::set<int64_t>(all.begin(), all.end()).size(), all.size()) << "duplicates";
+}
+
 TEST(Queue, TimeoutsFullAndEmpty) {
   tp::Queue<int> q(2);
   q.put(1);
