@@ -10,6 +10,7 @@
 
 #include "commands.h"
 #include "torchpar/core/syscall.h"
+#include "torchpar/process/start_method.h"
 #include "torchpar/shm/sharing_strategy.h"
 #include "torchpar/version.h"
 
@@ -28,8 +29,8 @@ int run_info() {
   fmt::print("LibTorch          {}\n", TORCH_VERSION);
   fmt::print("sharing strategies {} (current: {})\n",
              fmt::join(get_all_sharing_strategies(), ", "), get_sharing_strategy());
-  // The process layer (start methods fork, spawn, forkserver) is not part of this build yet.
-  fmt::print("start methods     none yet (the process layer is not built)\n");
+  fmt::print("start methods     {} (current: {})\n", fmt::join(get_all_start_methods(), ", "),
+             get_start_method());
   struct statvfs st {};
   if (::statvfs("/dev/shm", &st) == 0) {
     const auto total = static_cast<unsigned long long>(st.f_blocks) * st.f_frsize;

@@ -7,7 +7,10 @@
 
 #include "commands.h"
 
+#include "torchpar/process/start_method.h"
+
 int main(int argc, char** argv) {
+  torchpar::init(argc, argv);  // spawned children of torchpar commands run here
   CLI::App app{"torchpar: shared-memory tensors, processes, pools and collectives for LibTorch"};
   app.require_subcommand(1);
   std::vector<torchpar::cli::Command> commands;
