@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/start_methods.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -68,17 +69,28 @@ void joinable_worker(int i, tp::JoinableQueue<int> q, at::Tensor acc) {
   }
 }
 
+// Runs `producers` x `per` items through `q` into `consumers` consumer processes and
+// checks that every item arrived exactly once.
+void check_producers_consumers(tp::Queue<int64_t> q, int producers, int consumers, int per,
+                               tp::SpawnOptions o) {
+  tp::Queue<std::vector<int64_t>> results;
+  o.join = false;
+  auto cons = tp::start_processes(consumer, std::make_tuple(q, results), consumers, o);
+  auto prod = tp::start_processes(producer, std::make_tuple(q, per), producers, o);
+  EXPECT_TRUE(prod.join(120s));
+  for (int i = 0; i < consumers; ++i) q.put(-1);
+  std::multiset<int64_t> all;
+  for (int i = 0; i < consumers; ++i)
+    for (auto v : results.get(60s)) all.insert(v);
+  EXPECT_TRUE(cons.join(60s));
+  ASSERT_EQ(all.size(), static_cast<size_t>(producers * per));
+  for (int i = 0; i < producers; ++i)
+    for (int k = 0; k < per; ++k) EXPECT_EQ(all.count(int64_t{i} * 1000000 + k), 1u);
+}
+
 }  // namespace
 
-class Ipc : public ::testing::TestWithParam<std::string> {
- protected:
-  tp::SpawnOptions opts(bool join = true) {
-    tp::SpawnOptions o;
-    o.start_method = tp::start_method_from_string(GetParam());
-    o.join = join;
-    return o;
-  }
-};
+class Ipc : public tp::testing::StartMethodTest {};
 
 TEST_P(Ipc, PipeCarriesSharedTensors) {
   auto [a, b] = tp::Pipe();
@@ -111,20 +123,8 @@ TEST_P(Ipc, QueueSharesByDefaultAndCopiesOnRequest) {
 }
 
 TEST_P(Ipc, ManyProducersAndConsumersLoseNothing) {
-  tp::Queue<int64_t> q(64);  // bounded: producers block now and then
-  tp::Queue<std::vector<int64_t>> results;
-  const int producers = 6, consumers = 3, per = 400;
-  auto prod = tp::start_processes(producer, std::make_tuple(q, per), producers, opts(false));
-  auto cons = tp::start_processes(consumer, std::make_tuple(q, results), consumers, opts(false));
-  EXPECT_TRUE(prod.join(120s));
-  for (int i = 0; i < consumers; ++i) q.put(-1);
-  std::multiset<int64_t> all;
-  for (int i = 0; i < consumers; ++i)
-    for (auto v : results.get(60s)) all.insert(v);
-  EXPECT_TRUE(cons.join(60s));
-  EXPECT_EQ(all.size(), static_cast<size_t>(producers * per));
-  for (int i = 0; i < producers; ++i)
-    for (int k = 0; k < per; ++k) EXPECT_EQ(all.count(int64_t{i} * 1000000 + k), 1u);
+  // Bounded: producers block now and then.
+  check_producers_consumers(tp::Queue<int64_t>(64), 6, 3, 400, opts());
 }
 
 TEST_P(Ipc, CloseWakesAWaitingConsumer) {
@@ -152,26 +152,12 @@ TEST_P(Ipc, JoinableQueueAcrossProcesses) {
   EXPECT_TRUE(ctx.join(30s));
 }
 
-INSTANTIATE_TEST_SUITE_P(Methods, Ipc, ::testing::Values("fork", "spawn", "forkserver"),
-                         [](const auto& param_info) { return param_info.param; });
+TORCHPAR_INSTANTIATE_FOR_START_METHODS(Ipc);
 
 TEST(Queue, HundredProducerProcesses) {
-  tp::Queue<int64_t> q(32);
-  tp::Queue<std::vector<int64_t>> results;
   tp::SpawnOptions o;
   o.start_method = tp::StartMethod::kFork;
-  o.join = false;
-  const int producers = 100, consumers = 4, per = 50;
-  auto cons = tp::start_processes(consumer, std::make_tuple(q, results), consumers, o);
-  auto prod = tp::start_processes(producer, std::make_tuple(q, per), producers, o);
-  EXPECT_TRUE(prod.join(120s));
-  for (int i = 0; i < consumers; ++i) q.put(-1);
-  std::multiset<int64_t> all;
-  for (int i = 0; i < consumers; ++i)
-    for (auto v : results.get(60s)) all.insert(v);
-  EXPECT_TRUE(cons.join(60s));
-  ASSERT_EQ(all.size(), static_cast<size_t>(producers * per));
-  EXPECT_EQ(std::set<int64_t>(all.begin(), all.end()).size(), all.size()) << "duplicates";
+  check_producers_consumers(tp::Queue<int64_t>(32), 100, 4, 50, o);
 }
 
 TEST(Queue, TimeoutsFullAndEmpty) {

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/start_methods.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -41,15 +42,7 @@ void condition_waiter(int, tp::Condition c, tp::Value<int> flag, tp::Queue<int> 
 
 }  // namespace
 
-class Sync : public ::testing::TestWithParam<std::string> {
- protected:
-  tp::SpawnOptions opts(bool join = true) {
-    tp::SpawnOptions o;
-    o.start_method = tp::start_method_from_string(GetParam());
-    o.join = join;
-    return o;
-  }
-};
+class Sync : public tp::testing::StartMethodTest {};
 
 TEST_P(Sync, ValueAndArrayIncrementsUnderLockSumExactly) {
   tp::Value<int64_t> v(0);
@@ -95,8 +88,7 @@ TEST_P(Sync, ConditionNotifyAcrossProcesses) {
   EXPECT_TRUE(ctx.join(30s));
 }
 
-INSTANTIATE_TEST_SUITE_P(Methods, Sync, ::testing::Values("fork", "spawn", "forkserver"),
-                         [](const auto& param_info) { return param_info.param; });
+TORCHPAR_INSTANTIATE_FOR_START_METHODS(Sync);
 
 TEST(Lock, OwnerKilledIsRecoveredAndReported) {
   tp::Lock lock;

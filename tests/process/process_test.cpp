@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/start_methods.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -57,14 +58,7 @@ bool pid_gone(int pid) { return ::kill(pid, 0) != 0 && errno == ESRCH; }
 
 }  // namespace
 
-class StartMethods : public ::testing::TestWithParam<std::string> {
- protected:
-  tp::SpawnOptions opts() {
-    tp::SpawnOptions o;
-    o.start_method = tp::start_method_from_string(GetParam());
-    return o;
-  }
-};
+class StartMethods : public tp::testing::StartMethodTest {};
 
 TEST_P(StartMethods, ChildrenWriteSharedTensor) {
   at::Tensor t = at::zeros({4});
@@ -165,8 +159,7 @@ TEST_P(StartMethods, NestedSpawn) {
   EXPECT_TRUE(at::equal(t, at::arange(1, 3, at::kFloat)));
 }
 
-INSTANTIATE_TEST_SUITE_P(Methods, StartMethods, ::testing::Values("fork", "spawn", "forkserver"),
-                         [](const auto& param_info) { return param_info.param; });
+TORCHPAR_INSTANTIATE_FOR_START_METHODS(StartMethods);
 
 TEST(Process, CapturingLambdaForksButDoesNotSpawn) {
   at::Tensor t = at::zeros({1});

@@ -15,6 +15,25 @@
 
 namespace torchpar {
 
+namespace detail {
+// The optional lock of Value / Array on the wire: a flag, then the lock.
+inline void save_optional_lock(OutputArchive& ar, const std::optional<Lock>& lock) {
+  const bool has_lock = lock.has_value();
+  ar(has_lock);
+  if (has_lock) ar(*lock);
+}
+inline void load_optional_lock(InputArchive& ar, std::optional<Lock>& lock) {
+  bool has_lock = false;
+  ar(has_lock);
+  if (!has_lock) {
+    lock.reset();
+    return;
+  }
+  lock.emplace();
+  ar(*lock);
+}
+}  // namespace detail
+
 /// One T in shared memory. Copies (and children it is passed to) see the same T.
 /// Safety: get/set are plain loads and stores; hold get_lock() around read-modify-write
 ///         (`v.get_lock().acquire(); v.set(v.get() + 1); v.get_lock().release();`).
@@ -45,20 +64,11 @@ class Value {
 
   void save(detail::OutputArchive& ar) const {
     detail::SharedPage::save(ar, page_);
-    const bool has_lock = lock_.has_value();
-    ar(has_lock);
-    if (has_lock) ar(*lock_);
+    detail::save_optional_lock(ar, lock_);
   }
   void load(detail::InputArchive& ar) {
     page_ = detail::SharedPage::load(ar, sizeof(T));
-    bool has_lock = false;
-    ar(has_lock);
-    if (has_lock) {
-      lock_.emplace();
-      ar(*lock_);
-    } else {
-      lock_.reset();
-    }
+    detail::load_optional_lock(ar, lock_);
   }
 
  private:
@@ -96,22 +106,13 @@ class Array {
 
   void save(detail::OutputArchive& ar) const {
     detail::SharedPage::save(ar, page_);
-    const bool has_lock = lock_.has_value();
-    ar(has_lock);
-    if (has_lock) ar(*lock_);
+    detail::save_optional_lock(ar, lock_);
   }
   void load(detail::InputArchive& ar) {
     page_ = detail::SharedPage::load(ar, sizeof(uint64_t));
     if (sizeof(uint64_t) + size() * sizeof(T) > page_->size())
       throw SerializationError("Array size exceeds its shared object");
-    bool has_lock = false;
-    ar(has_lock);
-    if (has_lock) {
-      lock_.emplace();
-      ar(*lock_);
-    } else {
-      lock_.reset();
-    }
+    detail::load_optional_lock(ar, lock_);
   }
 
  private:

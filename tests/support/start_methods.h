@@ -1,0 +1,30 @@
+#pragma once
+// Test support: suites parametrized over the start methods (fork, spawn, forkserver).
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "torchpar/process/spawn.h"
+
+namespace torchpar::testing {
+
+class StartMethodTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  SpawnOptions opts(bool join = true) {
+    SpawnOptions o;
+    o.start_method = start_method_from_string(GetParam());
+    o.join = join;
+    return o;
+  }
+};
+
+inline std::string start_method_name(const ::testing::TestParamInfo<std::string>& info) {
+  return info.param;
+}
+
+}  // namespace torchpar::testing
+
+#define TORCHPAR_INSTANTIATE_FOR_START_METHODS(Suite)                                     \
+  INSTANTIATE_TEST_SUITE_P(Methods, Suite, ::testing::Values("fork", "spawn", "forkserver"), \
+                           ::torchpar::testing::start_method_name)
