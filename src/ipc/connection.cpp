@@ -20,6 +20,8 @@ int Connection::fileno() const {
 }
 
 void Connection::close() {
+  // No shutdown(): a child may hold a duplicate of this end, and shutdown would close the
+  // socket for it too. A thread blocked in recv on this end must use a timeout.
   if (fd_) fd_->reset();
 }
 

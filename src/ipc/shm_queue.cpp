@@ -81,26 +81,6 @@ void futex_wait(uint32_t* addr, uint32_t expected, const std::optional<Clock::ti
 
 void futex_wake(uint32_t* addr, int n) { ::syscall(SYS_futex, addr, FUTEX_WAKE, n, nullptr, nullptr, 0); }
 
-class Lock {
- public:
-  explicit Lock(QueueControl* c) : c_(c) {
-    const int r = ::pthread_mutex_lock(&c_->mu);
-    if (r == EOWNERDEAD) {
-      // A process died holding the lock. Every update commits after its copy, so the ring
-      // is consistent: mark the mutex usable and go on.
-      ::pthread_mutex_consistent(&c_->mu);
-    } else if (r != 0) {
-      throw_system_error("pthread_mutex_lock", r, "queue");
-    }
-  }
-  ~Lock() { ::pthread_mutex_unlock(&c_->mu); }
-  Lock(const Lock&) = delete;
-  Lock& operator=(const Lock&) = delete;
-
- private:
-  QueueControl* c_;
-};
-
 std::optional<Clock::time_point> deadline_of(const ShmQueue::Timeout& t) {
   if (!t) return std::nullopt;
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::max(*t, std::chrono::duration<double>(0)));
@@ -121,6 +101,44 @@ void ring_read(const char* ring, uint64_t cap, uint64_t pos, void* dst, uint64_t
   std::memcpy(dst, ring + off, first);
   if (first < n) std::memcpy(static_cast<char*>(dst) + first, ring, n - first);
 }
+
+// Recounts the messages between head and tail (the commit points of put and get). A
+// process that died between storing tail/head and count left count off by one.
+void repair(QueueControl* c, const char* ring) {
+  uint64_t n = 0;
+  for (uint64_t pos = c->head; pos < c->tail;) {
+    uint64_t len = 0;
+    ring_read(ring, c->capacity, pos, &len, 8);
+    if (c->tail - pos < 9 || len == 0 || len > c->tail - pos - 8) {  // unreadable: drop the rest
+      c->tail = pos;
+      break;
+    }
+    pos += 8 + len;
+    ++n;
+  }
+  c->count = n;
+}
+
+class Lock {
+ public:
+  explicit Lock(QueueControl* c) : c_(c) {
+    const int r = ::pthread_mutex_lock(&c_->mu);
+    if (r == EOWNERDEAD) {
+      // A process died holding the lock. Data is copied before the tail/head store that
+      // commits it; recount the committed messages, then mark the mutex usable.
+      repair(c_, reinterpret_cast<const char*>(c_) + kHeaderBytes);
+      ::pthread_mutex_consistent(&c_->mu);
+    } else if (r != 0) {
+      throw_system_error("pthread_mutex_lock", r, "queue");
+    }
+  }
+  ~Lock() { ::pthread_mutex_unlock(&c_->mu); }
+  Lock(const Lock&) = delete;
+  Lock& operator=(const Lock&) = delete;
+
+ private:
+  QueueControl* c_;
+};
 
 }  // namespace
 
@@ -182,6 +200,18 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
   }
   const uint64_t need = 8 + 1 + msg->size();
   const auto deadline = deadline_of(timeout);
+  // If the put fails, claim the spill's export here so its memory is not pinned.
+  struct SpillGuard {
+    const std::string* spilled;
+    bool done = false;
+    ~SpillGuard() {
+      if (done || spilled->empty()) return;
+      try {
+        (void)loads<at::Tensor>(Payload{*spilled, {}});
+      } catch (...) {
+      }
+    }
+  } guard{&spilled};
   int spins = 0;
   for (;;) {
     uint32_t seen;
@@ -201,6 +231,7 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
         word(ctl_->seq_put).fetch_add(1);
         const bool wake = ctl_->sleeping_getters != 0;
         if (wake) futex_wake(&ctl_->seq_put, 1);
+        guard.done = true;
         return;
       }
       if (timeout && (timeout->count() <= 0 || expired(deadline)))
@@ -212,7 +243,8 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
       if (spins >= kSpinIterations) ++ctl_->sleeping_putters;
     }
     if (spins < kSpinIterations) {
-      while (spins < kSpinIterations && word(ctl_->seq_get).load() == seen && !ctl_->closed) {
+      while (spins < kSpinIterations && word(ctl_->seq_get).load() == seen &&
+             word(ctl_->closed).load() == 0) {
         ++spins;
         cpu_relax();
       }
@@ -236,6 +268,8 @@ std::string ShmQueue::get(Timeout timeout) {
       if (ctl_->count > 0) {
         uint64_t len = 0;
         ring_read(ring_, ctl_->capacity, ctl_->head, &len, 8);
+        if (ctl_->tail - ctl_->head < 9 || len == 0 || len > ctl_->tail - ctl_->head - 8)
+          throw Error(fmt::format("queue ring corrupted (message length {})", len));
         ring_read(ring_, ctl_->capacity, ctl_->head + 8, &kind, 1);
         out.resize(len - 1);
         ring_read(ring_, ctl_->capacity, ctl_->head + 9, out.data(), len - 1);
@@ -251,7 +285,8 @@ std::string ShmQueue::get(Timeout timeout) {
       if (spins >= kSpinIterations) ++ctl_->sleeping_getters;
     }
     if (spins < kSpinIterations) {
-      while (spins < kSpinIterations && word(ctl_->seq_put).load() == seen && !ctl_->closed) {
+      while (spins < kSpinIterations && word(ctl_->seq_put).load() == seen &&
+             word(ctl_->closed).load() == 0) {
         ++spins;
         cpu_relax();
       }
@@ -301,8 +336,7 @@ bool ShmQueue::join(Timeout timeout) {
     uint32_t seen;
     {
       Lock lock(ctl_);
-      if (ctl_->unfinished == 0) return true;
-      if (ctl_->closed) throw ClosedError("join on a closed queue with unfinished tasks");
+      if (ctl_->unfinished <= 0) return true;  // closing does not end a join: consumers may drain
       if (expired(deadline)) return false;
       seen = word(ctl_->seq_done).load();
     }

@@ -21,6 +21,7 @@ constexpr uint32_t kMagic = 0x434e5953;  // "SYNC"
 struct MutexState {
   uint32_t magic;
   pthread_mutex_t mu;
+  uint32_t depth;  // recursion depth of the holder; written only by the holder
 };
 
 struct SemState {
@@ -46,7 +47,7 @@ struct BarrierState {
   uint32_t parties;
   uint32_t count;
   uint32_t broken;
-  uint32_t broken_gen_plus1;  // the round (generation + 1) that was broken; 0: none
+  uint32_t broken_rounds[16];  // generation + 1 of recently broken rounds (ring by generation)
 };
 
 std::atomic_ref<uint32_t> word(uint32_t& w) { return std::atomic_ref<uint32_t>(w); }
@@ -118,14 +119,34 @@ Lock::Lock(bool recursive) : page_(detail::SharedPage::create(sizeof(detail::Mut
 RLock::RLock() : Lock(true) {}
 
 bool Lock::acquire(Timeout timeout) {
-  auto [ok, died] = detail::lock_mutex(&state<detail::MutexState>(page_)->mu, timeout);
-  if (ok) owner_died_ = died;
+  auto* s = state<detail::MutexState>(page_);
+  auto [ok, died] = detail::lock_mutex(&s->mu, timeout);
+  if (ok) {
+    owner_died_ = died;
+    s->depth = died ? 1 : s->depth + 1;
+  }
   return ok;
 }
 
 void Lock::release() {
-  const int r = ::pthread_mutex_unlock(&state<detail::MutexState>(page_)->mu);
-  if (r != 0) throw Error(fmt::format("release of a lock this thread does not hold ({})", std::strerror(r)));
+  auto* s = state<detail::MutexState>(page_);
+  const uint32_t depth = s->depth;
+  if (depth > 0) s->depth = depth - 1;
+  const int r = ::pthread_mutex_unlock(&s->mu);
+  if (r != 0) {
+    s->depth = depth;
+    throw Error(fmt::format("release of a lock this thread does not hold ({})", std::strerror(r)));
+  }
+}
+
+uint32_t Lock::release_all() {
+  const uint32_t depth = state<detail::MutexState>(page_)->depth;
+  for (uint32_t i = 0; i < depth; ++i) release();
+  return depth;
+}
+
+void Lock::acquire_n(uint32_t n) {
+  for (uint32_t i = 0; i < n; ++i) acquire();
 }
 
 void Lock::save(detail::OutputArchive& ar) const { detail::SharedPage::save(ar, page_); }
@@ -210,11 +231,11 @@ bool Condition::wait(Timeout timeout) {
   auto* s = state<detail::CondState>(page_);
   const auto deadline = detail::deadline_after(timeout);
   const uint32_t seen = word(s->seq).load();
-  lock_.release();
+  const uint32_t depth = lock_.release_all();  // an RLock held recursively is fully released
   bool notified = false;
   while (!(notified = word(s->seq).load() != seen) && !detail::past(deadline))
     detail::futex_wait_until(&s->seq, seen, deadline);
-  lock_.acquire();
+  lock_.acquire_n(depth);
   return notified;
 }
 
@@ -266,7 +287,7 @@ Barrier::Barrier(uint32_t parties, std::function<void()> action, Timeout timeout
 namespace {
 // Under the barrier's mutex: fails the current round for every waiter.
 void break_round(detail::BarrierState* s) {
-  s->broken_gen_plus1 = s->generation + 1;
+  s->broken_rounds[s->generation % 16] = s->generation + 1;
   word(s->generation).fetch_add(1);
   detail::futex_wake_n(&s->generation, INT32_MAX);
 }
@@ -308,7 +329,8 @@ uint32_t Barrier::wait(Timeout timeout) {
   for (;;) {
     if (word(s->generation).load() != gen) {
       MutexLock lock(&s->mu);
-      if (s->broken || s->broken_gen_plus1 == gen + 1)
+      // Judge our own round only: later rounds may break (or not) on their own.
+      if (s->broken_rounds[gen % 16] == gen + 1)
         throw BrokenBarrierError("the barrier was broken while waiting");
       return index;
     }

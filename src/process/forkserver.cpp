@@ -12,6 +12,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
 #include <map>
 #include <mutex>
 
@@ -49,14 +51,25 @@ void reap(std::map<pid_t, UniqueFd>& children) {
 }
 
 struct Client {
-  std::mutex mu;
+  std::mutex* mu = new std::mutex();  // heap: a forked child replaces it (see below)
   UniqueFd sock;
   int server_pid = -1;
 };
 
 Client& client() {
-  static Client c;
-  return c;
+  static Client* c = [] {
+    auto* cl = new Client();
+    // A fork()ed child must not share our connection to the server (interleaved frames) or
+    // a mutex another thread held at fork time: it starts its own server when it needs one.
+    ::pthread_atfork(nullptr, nullptr, [] {
+      Client& me = client();
+      me.mu = new std::mutex();
+      me.sock.reset();
+      me.server_pid = -1;
+    });
+    return cl;
+  }();
+  return *c;
 }
 
 }  // namespace
@@ -77,11 +90,14 @@ void run_forkserver(int sock) {
     if (req.fds.size() < 2) continue;
     UniqueFd status = std::move(req.fds[0]);
     UniqueFd slot_fd = std::move(req.fds[1]);
+    const pid_t server = ::getpid();
     const pid_t pid = ::fork();
     if (pid == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != server) ::_exit(1);
       ::close(sock);
       status.reset();
+      children.clear();  // the siblings' status channels are the server's, not ours
       void* slot = ::mmap(nullptr, kErrorSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, slot_fd.get(), 0);
       slot_fd.reset();
       if (slot == MAP_FAILED) exit_child(71);
@@ -102,7 +118,7 @@ void run_forkserver(int sock) {
 
 std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int> arg_fds, int slot_fd) {
   Client& c = client();
-  std::lock_guard<std::mutex> lock(c.mu);
+  std::lock_guard<std::mutex> lock(*c.mu);
   if (c.server_pid > 0) {
     int st = 0;
     if (::waitpid(c.server_pid, &st, WNOHANG) == c.server_pid) {  // the server died: restart it
@@ -115,7 +131,8 @@ std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int
     check_syscall("socketpair", "forkserver",
                   [&] { return ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv); });
     UniqueFd mine(sv[0]), theirs(sv[1]);
-    c.server_pid = exec_self({theirs.get()}, fmt::format("TORCHPAR_FORKSERVER={}", theirs.get()), "forkserver");
+    c.server_pid = exec_self({theirs.get()}, fmt::format("TORCHPAR_FORKSERVER={}", theirs.get()),
+                             "forkserver", /*die_with_parent=*/false);
     c.sock = std::move(mine);
   }
   int sv[2];
@@ -125,8 +142,12 @@ std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int
   Payload req;
   req.bytes = record.bytes;
   req.fds.emplace_back(status_theirs.dup());
-  req.fds.emplace_back(UniqueFd(::fcntl(slot_fd, F_DUPFD_CLOEXEC, 0)));
-  for (int fd : arg_fds) req.fds.emplace_back(UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0)));
+  auto dup = [](int fd) {
+    return UniqueFd(check_syscall("fcntl(F_DUPFD_CLOEXEC)", "forkserver request",
+                                  [&] { return ::fcntl(fd, F_DUPFD_CLOEXEC, 0); }));
+  };
+  req.fds.push_back(dup(slot_fd));
+  for (int fd : arg_fds) req.fds.push_back(dup(fd));
   send_payload(c.sock.get(), req);
   status_theirs.reset();
   // The server answers with the child's pid (it may be starting up: allow time for exec).

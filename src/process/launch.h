@@ -28,7 +28,10 @@ void run_launch_record(LaunchRecord rec, std::vector<UniqueFd> fds);
 
 /// fork+exec of this program with `env_entry` added to the environment and `keep` fds
 /// inherited; the child dies with its parent. Needs torchpar::init in main.
-int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what);
+/// `die_with_parent`: PR_SET_PDEATHSIG (off for the forkserver, which must outlive the
+/// thread that started it and exits by itself when its client goes away).
+int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what,
+              bool die_with_parent = true);
 
 /// The forkserver: serves start requests on `sock` until its client goes away.
 [[noreturn]] void run_forkserver(int sock);

@@ -159,7 +159,8 @@ void start_forkserver(ProcessImpl& p, Payload record, const std::vector<int>& ar
 
 }  // namespace
 
-int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what) {
+int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what,
+              bool die_with_parent) {
   if (!is_initialized())
     throw Error("start methods 'spawn' and 'forkserver' need torchpar::init(argc, argv) as the "
                 "first statement of main(): the child re-executes this program and init() runs "
@@ -183,8 +184,10 @@ int exec_self(const std::vector<int>& keep, const std::string& env_entry, const 
   const long pid = ::syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
   if (pid < 0) throw_system_error("clone", errno, what);
   if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(1);
+    if (die_with_parent) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+    }
     for (int fd : keep) ::fcntl(fd, F_SETFD, 0);
     ::execve("/proc/self/exe", argv.data(), envp.data());
     static const char msg[] = "torchpar: exec of /proc/self/exe failed in a child\n";
@@ -208,9 +211,18 @@ Process::Process(ProcessOptions options, detail::LaunchSpec spec)
 }
 
 Process::Process(Process&&) noexcept = default;
-Process& Process::operator=(Process&&) noexcept = default;
 
-Process::~Process() {
+Process& Process::operator=(Process&& other) noexcept {
+  if (this != &other) {
+    finish();
+    impl_ = std::move(other.impl_);
+  }
+  return *this;
+}
+
+Process::~Process() { finish(); }
+
+void Process::finish() noexcept {
   if (!impl_ || !impl_->started || impl_->exitcode) return;
   try {
     if (impl_->options.daemon) kill();
@@ -289,6 +301,10 @@ bool Process::join(std::optional<std::chrono::duration<double>> timeout) {
       record_exit(p, status);
       return true;
     }
+    if (r < 0 && errno == ECHILD) {  // reaped elsewhere: gone, status unknown
+      record_exit(p, 255 << 8);
+      return true;
+    }
     if (r < 0 && errno != EINTR) detail::throw_system_error("waitpid", errno, p.options.name);
     int wait_ms = -1;
     if (deadline) {
@@ -311,8 +327,14 @@ bool Process::is_alive() {
   if (!p.started || p.exitcode) return false;
   if (p.status.valid()) return !poll_status(p, 0);
   int status = 0;
-  if (::waitpid(p.pid, &status, WNOHANG) == p.pid) {
+  const pid_t r = ::waitpid(p.pid, &status, WNOHANG);
+  if (r == p.pid) {
     record_exit(p, status);
+    return false;
+  }
+  if (r < 0 && errno == ECHILD) {
+    // Someone else reaped it (a waitpid(-1) elsewhere): it is gone, its status unknown.
+    record_exit(p, 255 << 8);
     return false;
   }
   return true;

@@ -182,6 +182,17 @@ TEST(Queue, TimeoutsFullAndEmpty) {
   EXPECT_THROW(q.get(), tp::ClosedError);
 }
 
+TEST(Queue, RefusesValuesCarryingFds) {
+  tp::Queue<tp::Queue<int>> q;
+  try {
+    q.put(tp::Queue<int>());
+    FAIL();
+  } catch (const tp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Process arguments"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(q.empty());
+}
+
 TEST(Queue, LargeMessagesAndStrings) {
   tp::SimpleQueue<at::Tensor> q({.copy_tensor = true, .capacity_bytes = 1 << 20});
   at::Tensor big = at::arange(16 << 20, at::kFloat);  // 64 MiB: spills out of the ring

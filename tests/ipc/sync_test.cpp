@@ -170,6 +170,25 @@ TEST(Barrier, TimeoutAbortAndReset) {
   EXPECT_EQ(ran, 1);
 }
 
+TEST(Condition, WaitReleasesARecursiveRLockFully) {
+  tp::Condition c;  // RLock
+  tp::Value<int> flag(0, false);
+  auto child = tp::testing::fork_child([c, flag](int) mutable {
+    std::this_thread::sleep_for(100ms);
+    if (!c.acquire(5s)) return 2;  // would time out if the waiter kept a level
+    flag.set(1);
+    c.notify_all();
+    c.release();
+    return 0;
+  });
+  c.acquire();
+  c.acquire();  // held twice
+  EXPECT_TRUE(c.wait_for([&] { return flag.get() == 1; }, 10s));
+  c.release();
+  c.release();
+  EXPECT_EQ(tp::testing::wait_child(child), 0);
+}
+
 TEST(Event, WaitTimeoutAndClear) {
   tp::Event e;
   EXPECT_FALSE(e.wait(0.05s));

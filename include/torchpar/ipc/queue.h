@@ -42,8 +42,21 @@ class Queue {
       : q_(std::make_shared<detail::ShmQueue>(maxsize, options.capacity_bytes)),
         copy_tensor_(options.copy_tensor) {}
 
+  /// Errors also: torchpar::Error for a value that carries file descriptors (a queue,
+  /// connection, lock or shared value inside T): pass those as Process arguments instead.
   void put(const T& value, Timeout timeout = std::nullopt) {
-    q_->put(dumps(value, {.copy_tensor = copy_tensor_, .pass_fds = false}).bytes, timeout);
+    Payload p = dumps(value, {.copy_tensor = copy_tensor_, .pass_fds = false});
+    if (!p.fds.empty()) {
+      release_exports(p);
+      throw Error("Queue::put: the value carries file descriptors (a queue, connection, lock or "
+                  "shared value); pass those as Process arguments or through a Pipe");
+    }
+    try {
+      q_->put(p.bytes, timeout);
+    } catch (...) {
+      release_exports(p);  // nobody will load it: claim its shared-tensor exports here
+      throw;
+    }
   }
   T get(Timeout timeout = std::nullopt) { return loads<T>(Payload{q_->get(timeout), {}}); }
   void put_nowait(const T& value) { put(value, std::chrono::duration<double>(0)); }
@@ -66,6 +79,12 @@ class Queue {
   }
 
  protected:
+  static void release_exports(const Payload& p) noexcept {
+    try {
+      (void)loads<T>(Payload{p.bytes, {}});
+    } catch (...) {
+    }
+  }
   std::shared_ptr<detail::ShmQueue> q_;
   bool copy_tensor_ = false;
 

@@ -110,7 +110,7 @@ class Array {
   }
   void load(detail::InputArchive& ar) {
     page_ = detail::SharedPage::load(ar, sizeof(uint64_t));
-    if (sizeof(uint64_t) + size() * sizeof(T) > page_->size())
+    if (size() > (page_->size() - sizeof(uint64_t)) / sizeof(T))
       throw SerializationError("Array size exceeds its shared object");
     detail::load_optional_lock(ar, lock_);
   }

@@ -39,8 +39,13 @@ class Lock {
   Lock();
   bool acquire(Timeout timeout = std::nullopt);
   void release();
-  /// True when the last successful acquire in this process recovered the lock from a dead owner.
+  /// True when the last successful acquire through this object recovered the lock from a
+  /// dead owner.
   bool owner_died() const { return owner_died_; }
+  /// Releases every level the calling holder holds (RLock) and returns how many; with
+  /// acquire_n, what Condition::wait uses.
+  uint32_t release_all();
+  void acquire_n(uint32_t n);
   void save(detail::OutputArchive& ar) const;
   void load(detail::InputArchive& ar);
 
@@ -109,7 +114,8 @@ class Event {
 };
 
 /// A condition variable bound to a Lock (an RLock by default).
-/// Requires: the lock held around wait / notify. Wake-ups may be spurious: use wait_for.
+/// Requires: the lock held around wait / notify (wait releases every level of an RLock and
+/// restores them). Wake-ups may be spurious: use wait_for.
 /// Source: multiprocessing.Condition.
 class Condition {
  public:

@@ -119,9 +119,9 @@ struct ProcessImpl;
 /// A child process running `target(args...)`.
 ///
 /// Lifetime: the destructor of a started, un-joined Process kills (SIGKILL) and reaps a
-/// daemon child and leaves a non-daemon one running to be reaped by the kernel's
-/// subreaper; children always die with their parent (PR_SET_PDEATHSIG, sent when the
-/// thread that started them exits, so start children from a long-lived thread).
+/// daemon child, and waits for a non-daemon one (as Python waits for non-daemonic children
+/// at exit). Children always die with their parent (PR_SET_PDEATHSIG, sent when the thread
+/// that started them exits, so start children from a long-lived thread).
 /// Safety: one thread uses a Process object at a time; separate objects are independent.
 /// Errors: start() throws torchpar::Error for a second start, spawn without init() or a
 /// target that cannot be spawned, SystemError when fork/exec resources run out.
@@ -165,6 +165,7 @@ class Process {
   int pidfd() const;
 
  private:
+  void finish() noexcept;  // kill a daemon, then join: what the destructor does
   std::unique_ptr<detail::ProcessImpl> impl_;
 };
 

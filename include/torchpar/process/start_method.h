@@ -10,7 +10,8 @@
 ///    which recognises it as a spawned child, runs the target and exits. The target must
 ///    be a free function or captureless lambda and the arguments serializable
 ///    (torchpar::dumps; tensors travel by shared memory).
-///  - "forkserver": not available in this version (set_start_method rejects it).
+///  - "forkserver": a single-threaded server exec'd from this program on first use (needs
+///    init() like spawn) forks the children; same target rules as spawn, faster starts.
 
 #include <optional>
 #include <string>
@@ -29,7 +30,7 @@ void init(int argc, char** argv);
 /// True once init() ran in this process.
 bool is_initialized();
 
-/// Start methods this build supports: "fork", "spawn".
+/// Start methods this build supports: "fork", "forkserver", "spawn".
 /// Source: multiprocessing.get_all_start_methods.
 std::vector<std::string> get_all_start_methods();
 
