@@ -17,6 +17,8 @@
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/serialize.h"
+#include "../shm/cleaner.h"
+#include "../shm/segment.h"
 #include "torchpar/shm/share.h"
 
 namespace torchpar::detail {
@@ -38,6 +40,8 @@ struct QueueControl {
   uint64_t count;              // messages in the ring
   uint64_t maxsize;            // 0: unbounded
   int64_t unfinished;          // put minus task_done
+  int32_t creator_pid;         // large messages are named under its prefix
+  uint64_t spill_counter;
 };
 
 namespace {
@@ -140,6 +144,51 @@ class Lock {
   QueueControl* c_;
 };
 
+std::string spill_name(int creator, uint64_t n) {
+  return fmt::format("/{}q{:x}", segment_prefix(creator), n);
+}
+
+void write_spill(const std::string& name, const std::string& bytes) {
+  const int fd = retry_eintr([&] { return ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600); });
+  if (fd < 0) throw ShmError("shm_open", errno, name, "queue message spill");
+  UniqueFd owner(fd);
+  const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(std::max<size_t>(bytes.size(), 1)));
+  if (err != 0) {
+    ::shm_unlink(name.c_str());
+    throw ShmError("posix_fallocate", err, "/dev/shm",
+                   fmt::format("queue message of {} does not fit (free {})", format_bytes(bytes.size()),
+                               format_bytes(shm_bytes_free(SharingStrategy::kFileSystem))));
+  }
+  if (!bytes.empty()) {
+    void* p = ::mmap(nullptr, bytes.size(), PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      ::shm_unlink(name.c_str());
+      throw ShmError("mmap", errno, name);
+    }
+    std::memcpy(p, bytes.data(), bytes.size());
+    ::munmap(p, bytes.size());
+  }
+}
+
+std::string read_spill(const std::string& name) {
+  if (name.rfind("/torchpar_", 0) != 0 || name.find('/', 1) != std::string::npos)
+    throw Error("queue ring corrupted (bad spill name)");
+  const int fd = retry_eintr([&] { return ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0); });
+  if (fd < 0) throw ShmError("shm_open", errno, name, "a large queue message is gone (was the queue's creating process killed?)");
+  UniqueFd owner(fd);
+  ::shm_unlink(name.c_str());  // one getter per message: the name is no longer needed
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw ShmError("fstat", errno, name);
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  if (!out.empty()) {
+    void* p = ::mmap(nullptr, out.size(), PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) throw ShmError("mmap", errno, name);
+    std::memcpy(out.data(), p, out.size());
+    ::munmap(p, out.size());
+  }
+  return out;
+}
+
 }  // namespace
 
 ShmQueue::ShmQueue(uint64_t maxsize, uint64_t capacity_bytes) {
@@ -162,6 +211,8 @@ ShmQueue::ShmQueue(uint64_t maxsize, uint64_t capacity_bytes) {
   ::pthread_mutexattr_destroy(&attr);
   ctl_->capacity = capacity_bytes;
   ctl_->maxsize = maxsize;
+  ctl_->creator_pid = static_cast<int32_t>(::getpid());
+  ensure_cleaner();  // large messages live under our prefix until gotten, or until we exit
   ctl_->magic = kQueueMagic;
 }
 
@@ -186,30 +237,27 @@ ShmQueue::~ShmQueue() {
 }
 
 void ShmQueue::put(const std::string& bytes, Timeout timeout) {
-  // A message too large for the ring travels in a shared segment of its own; the ring
-  // carries its handle.
+  // A message too large for the ring travels in a named shared-memory file and the ring
+  // carries the name. The name is under the queue creator's prefix, so the message outlives
+  // its sender (put, then exit, is common) and is unlinked by the getter, or by the
+  // creator's cleaner if nobody gets it.
   std::string spilled;
   const std::string* msg = &bytes;
   uint8_t kind = kInline;
   if (bytes.size() + 9 > ctl_->capacity / 4) {
-    at::Tensor buf = empty_shared({static_cast<int64_t>(bytes.size())}, at::kByte);
-    std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
-    spilled = dumps(buf, {.copy_tensor = false, .pass_fds = false}).bytes;
+    spilled = spill_name(ctl_->creator_pid, word64(ctl_->spill_counter).fetch_add(1));
+    write_spill(spilled, bytes);
     msg = &spilled;
     kind = kSpilled;
   }
   const uint64_t need = 8 + 1 + msg->size();
   const auto deadline = deadline_of(timeout);
-  // If the put fails, claim the spill's export here so its memory is not pinned.
+  // If the put fails, nobody will read the spill file: remove it.
   struct SpillGuard {
     const std::string* spilled;
     bool done = false;
     ~SpillGuard() {
-      if (done || spilled->empty()) return;
-      try {
-        (void)loads<at::Tensor>(Payload{*spilled, {}});
-      } catch (...) {
-      }
+      if (!done && !spilled->empty()) ::shm_unlink(spilled->c_str());
     }
   } guard{&spilled};
   int spins = 0;
@@ -296,10 +344,7 @@ std::string ShmQueue::get(Timeout timeout) {
     Lock lock(ctl_);
     --ctl_->sleeping_getters;
   }
-  if (kind == kSpilled) {
-    at::Tensor buf = loads<at::Tensor>(Payload{std::move(out), {}});
-    return std::string(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel()));
-  }
+  if (kind == kSpilled) return read_spill(out);
   return out;
 }
 

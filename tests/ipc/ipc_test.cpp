@@ -182,6 +182,20 @@ TEST(Queue, TimeoutsFullAndEmpty) {
   EXPECT_THROW(q.get(), tp::ClosedError);
 }
 
+TEST(Queue, LargeMessageOutlivesItsSender) {
+  tp::Queue<at::Tensor> q(0, {.copy_tensor = true, .capacity_bytes = 1 << 20});
+  auto c = tp::testing::fork_child([q](int) mutable {
+    q.put(at::full({2 << 20}, 3.0f));  // 8 MiB: spilled out of the ring
+    return 0;
+  });
+  EXPECT_EQ(tp::testing::wait_child(c), 0);  // the sender is gone before the get
+  at::Tensor t = q.get(10s);
+  EXPECT_EQ(t.numel(), 2 << 20);
+  EXPECT_EQ(t.sum().item<float>(), 3.0f * (2 << 20));
+  EXPECT_TRUE(tp::testing::shm_entries("torchpar_" + std::to_string(::getpid()) + "_").empty())
+      << "the getter unlinks the spill file";
+}
+
 TEST(Queue, RefusesValuesCarryingFds) {
   tp::Queue<tp::Queue<int>> q;
   try {
