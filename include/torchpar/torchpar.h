@@ -7,6 +7,8 @@
 #include "torchpar/ipc/queue.h"
 #include "torchpar/ipc/shared_value.h"
 #include "torchpar/ipc/synchronize.h"
+#include "torchpar/pool/async_result.h"
+#include "torchpar/pool/thread_pool.h"
 #include "torchpar/process/process.h"
 #include "torchpar/process/spawn.h"
 #include "torchpar/process/start_method.h"

@@ -34,6 +34,18 @@ ProcessExitedException::ProcessExitedException(int index, int pid, int exit_code
       pid_(pid),
       exit_code_(exit_code) {}
 
+WorkerLostError::WorkerLostError(int pid, int exit_code)
+    : Error(exit_code < 0
+                ? fmt::format("pool worker (pid {}) was killed by {} while running this task", pid,
+                              signal_name(-exit_code))
+                : fmt::format("pool worker (pid {}) exited with code {} while running this task",
+                              pid, exit_code)),
+      pid_(pid),
+      exit_code_(exit_code) {}
+
+TaskError::TaskError(std::string type, std::string message)
+    : Error(fmt::format("{}: {}", type, message)), type_(std::move(type)), message_(std::move(message)) {}
+
 std::string ProcessExitedException::signal_name() const {
   return exit_code_ < 0 ? torchpar::signal_name(-exit_code_) : std::string();
 }

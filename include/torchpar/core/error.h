@@ -61,6 +61,32 @@ class SerializationError : public Error {
   using Error::Error;
 };
 
+/// A pool worker died (killed, crashed, exited) while it held this task. Carries the
+/// worker's pid and Python-style exit code (minus the signal number). The pool replaced
+/// the worker and goes on. (CPython's Pool hangs instead.)
+class WorkerLostError : public Error {
+ public:
+  WorkerLostError(int pid, int exit_code);
+  int pid() const noexcept { return pid_; }
+  int exit_code() const noexcept { return exit_code_; }
+
+ private:
+  int pid_;
+  int exit_code_;
+};
+
+/// A task raised in a pool worker process: its exception type name and message.
+class TaskError : public Error {
+ public:
+  TaskError(std::string type, std::string message);
+  const std::string& type() const noexcept { return type_; }
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  std::string type_;
+  std::string message_;
+};
+
 /// get() found no item within its timeout (Python: queue.Empty).
 class Empty : public Error {
  public:

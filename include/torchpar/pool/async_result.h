@@ -1,0 +1,165 @@
+#pragma once
+/// AsyncResult and IMapIterator: results of pool calls that arrive later
+/// (multiprocessing.pool.AsyncResult / IMapIterator).
+
+#include <any>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "torchpar/core/error.h"
+
+namespace torchpar {
+namespace detail {
+
+/// The chunks of one pool call, filled in by pool threads.
+struct JobState {
+  struct Chunk {
+    bool done = false;
+    std::vector<std::any> values;  // decoded by the typed front
+    std::exception_ptr error;
+  };
+  explicit JobState(size_t nchunks) : chunks(nchunks) {}
+
+  void complete(size_t chunk, std::vector<std::any> values, std::exception_ptr error) {
+    std::function<void()> cb;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto& c = chunks[chunk];
+      if (c.done) return;
+      c.done = true;
+      c.values = std::move(values);
+      c.error = error;
+      if (error && !first_error) first_error = error;
+      order.push_back(chunk);
+      if (++ndone == chunks.size()) cb = std::move(on_done);
+    }
+    cv.notify_all();
+    if (cb) cb();
+  }
+  bool wait(std::optional<std::chrono::duration<double>> timeout) {
+    std::unique_lock<std::mutex> lock(mu);
+    auto all = [&] { return ndone == chunks.size(); };
+    if (!timeout) {
+      cv.wait(lock, all);
+      return true;
+    }
+    return cv.wait_for(lock, *timeout, all);
+  }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Chunk> chunks;
+  size_t ndone = 0;
+  std::deque<size_t> order;  // chunks in completion order
+  std::exception_ptr first_error;
+  std::function<void()> on_done;  // runs once, in the thread that completes the last chunk
+};
+
+}  // namespace detail
+
+/// The result of apply_async / map_async / starmap_async.
+/// Safety: thread-safe. Source: multiprocessing.pool.AsyncResult.
+template <class R>
+class AsyncResult {
+ public:
+  using Decode = std::function<R(detail::JobState&)>;
+  AsyncResult(std::shared_ptr<detail::JobState> job, Decode decode)
+      : job_(std::move(job)), decode_(std::move(decode)) {}
+
+  /// Waits and returns the result. Errors: TimeoutError when `timeout` passes; the task's
+  /// exception (ThreadPool: the original; Pool: TaskError with type and message, or
+  /// WorkerLostError when its worker died).
+  R get(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+    if (!job_->wait(timeout)) throw TimeoutError("AsyncResult::get timed out");
+    if (job_->first_error) std::rethrow_exception(job_->first_error);
+    return decode_(*job_);
+  }
+  /// True when ready within `timeout`.
+  bool wait(std::optional<std::chrono::duration<double>> timeout = std::nullopt) { return job_->wait(timeout); }
+  bool ready() const {
+    std::lock_guard<std::mutex> lock(job_->mu);
+    return job_->ndone == job_->chunks.size();
+  }
+  /// Errors: torchpar::Error when not ready yet (as Python's ValueError).
+  bool successful() const {
+    if (!ready()) throw Error("AsyncResult::successful: the result is not ready");
+    return !job_->first_error;
+  }
+
+ private:
+  std::shared_ptr<detail::JobState> job_;
+  Decode decode_;
+};
+
+/// Lazy results of imap (in order) or imap_unordered (as they complete).
+/// next() returns nullopt at the end. Safety: one consumer thread.
+/// Source: multiprocessing.pool.IMapIterator.
+template <class T>
+class IMapIterator {
+ public:
+  using DecodeOne = std::function<T(std::any&)>;
+  IMapIterator(std::shared_ptr<detail::JobState> job, bool ordered, DecodeOne decode)
+      : job_(std::move(job)), ordered_(ordered), decode_(std::move(decode)) {}
+
+  /// The next result. Errors: TimeoutError after `timeout`; the task's exception when its
+  /// chunk failed (the iterator then goes on with the next chunk).
+  std::optional<T> next(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+    std::unique_lock<std::mutex> lock(job_->mu);
+    for (;;) {
+      if (current_ && pos_ < current_->values.size()) {
+        std::any& v = current_->values[pos_++];
+        lock.unlock();
+        return decode_(v);
+      }
+      if (taken_ == job_->chunks.size()) return std::nullopt;
+      auto ready = [&] {
+        return ordered_ ? job_->chunks[taken_].done : job_->order.size() > taken_;
+      };
+      if (!timeout) {
+        job_->cv.wait(lock, ready);
+      } else if (!job_->cv.wait_for(lock, *timeout, ready)) {
+        throw TimeoutError("IMapIterator::next timed out");
+      }
+      const size_t idx = ordered_ ? taken_ : job_->order[taken_];
+      ++taken_;
+      current_ = &job_->chunks[idx];
+      pos_ = 0;
+      if (current_->error) {
+        auto e = current_->error;
+        current_ = nullptr;
+        std::rethrow_exception(e);
+      }
+    }
+  }
+
+ private:
+  std::shared_ptr<detail::JobState> job_;
+  bool ordered_;
+  DecodeOne decode_;
+  size_t taken_ = 0;
+  detail::JobState::Chunk* current_ = nullptr;
+  size_t pos_ = 0;
+};
+
+namespace detail {
+/// Splits n items into chunks of `chunksize` (0: Python's default, n / (4 * workers) rounded up).
+inline std::vector<std::pair<size_t, size_t>> split_chunks(size_t n, size_t chunksize, size_t workers) {
+  if (chunksize == 0) {
+    chunksize = n / (4 * std::max<size_t>(workers, 1));
+    if (n % (4 * std::max<size_t>(workers, 1)) != 0) ++chunksize;
+    chunksize = std::max<size_t>(chunksize, 1);
+  }
+  std::vector<std::pair<size_t, size_t>> out;
+  for (size_t b = 0; b < n; b += chunksize) out.emplace_back(b, std::min(n, b + chunksize));
+  return out;
+}
+}  // namespace detail
+
+}  // namespace torchpar

@@ -1,0 +1,76 @@
+#include "torchpar/pool/thread_pool.h"
+
+namespace torchpar::detail {
+
+ThreadPoolCore::ThreadPoolCore(size_t threads) {
+  for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+}
+
+ThreadPoolCore::~ThreadPoolCore() { terminate(); }
+
+void ThreadPoolCore::submit(std::function<void()> task, std::function<void()> cancel) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_ || stop_) throw ClosedError("pool is closed");
+    tasks_.emplace_back(std::move(task), std::move(cancel));
+  }
+  cv_.notify_one();
+}
+
+void ThreadPoolCore::run() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty() || closed_; });
+      if (stop_ || (tasks_.empty() && closed_)) return;
+      task = std::move(tasks_.front().first);
+      tasks_.pop_front();
+      ++busy_;
+    }
+    task();  // tasks catch their own exceptions into their job
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --busy_;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+void ThreadPoolCore::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool ThreadPoolCore::join(std::optional<std::chrono::duration<double>> timeout) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!closed_ && !stop_) throw Error("join() before close() or terminate()");
+    auto done = [&] { return tasks_.empty() && busy_ == 0; };
+    if (!timeout) idle_cv_.wait(lock, done);
+    else if (!idle_cv_.wait_for(lock, *timeout, done)) return false;
+  }
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+  return true;
+}
+
+void ThreadPoolCore::terminate() {
+  std::deque<std::pair<std::function<void()>, std::function<void()>>> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    closed_ = true;
+    dropped.swap(tasks_);
+  }
+  cv_.notify_all();
+  for (auto& [task, cancel] : dropped)
+    if (cancel) cancel();  // their results fail with ClosedError instead of never arriving
+  for (auto& t : threads_)
+    if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
+}
+
+}  // namespace torchpar::detail

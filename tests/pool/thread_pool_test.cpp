@@ -1,0 +1,83 @@
+// ThreadPool: results and order, chunksize, async callbacks, errors, timeouts, close/join,
+// terminate, empty input, capturing lambdas.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <set>
+#include <thread>
+
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+using namespace std::chrono_literals;
+
+TEST(ThreadPool, MapImapStarmapInOrder) {
+  tp::ThreadPool pool(3);
+  std::vector<int> items(100);
+  for (int i = 0; i < 100; ++i) items[i] = i;
+  for (size_t chunk : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}}) {
+    auto out = pool.map([](int x) { return x * x; }, items, chunk);
+    ASSERT_EQ(out.size(), 100u);
+    for (int i = 0; i < 100; ++i) EXPECT_EQ(out[i], i * i);
+  }
+  auto it = pool.imap([](int x) { return x + 1; }, items, 4);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(it.next(10s), i + 1);
+  EXPECT_FALSE(it.next(1s).has_value());
+  auto un = pool.imap_unordered([](int x) { return x; }, items, 3);
+  std::set<int> seen;
+  while (auto v = un.next(10s)) seen.insert(*v);
+  EXPECT_EQ(seen.size(), 100u);
+  std::vector<std::tuple<int, int>> pairs{{1, 2}, {3, 4}};
+  EXPECT_EQ(pool.starmap([](int a, int b) { return a * b; }, pairs), (std::vector<int>{2, 12}));
+  EXPECT_TRUE(pool.map([](int x) { return x; }, std::vector<int>{}).empty());
+}
+
+TEST(ThreadPool, ApplyAsyncCallbacksAndErrors) {
+  tp::ThreadPool pool(2);
+  int base = 40;  // a capture: ThreadPool takes any callable
+  std::atomic<int> called{0};
+  auto r = pool.apply_async([base](int x) { return base + x; }, std::make_tuple(2),
+                            [&](const int& v) { called = v; });
+  EXPECT_EQ(r.get(10s), 42);
+  EXPECT_TRUE(r.ready());
+  EXPECT_TRUE(r.successful());
+  for (int i = 0; i < 100 && called == 0; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(called, 42);
+  std::atomic<bool> errored{false};
+  auto bad = pool.apply_async([](int) -> int { throw std::out_of_range("no such item"); },
+                              std::make_tuple(1), {}, [&](std::exception_ptr) { errored = true; });
+  EXPECT_THROW(bad.get(10s), std::out_of_range);
+  EXPECT_FALSE(bad.successful());
+  for (int i = 0; i < 100 && !errored; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(errored);
+  auto slow = pool.apply_async([](int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); return 0; },
+                               std::make_tuple(300));
+  EXPECT_THROW(slow.get(0.01s), tp::TimeoutError);
+  EXPECT_FALSE(slow.wait(0.01s));
+  EXPECT_EQ(slow.get(10s), 0);
+  // An exception in one chunk of imap surfaces at that item; the rest go on.
+  auto it = pool.imap([](int x) { if (x == 2) throw std::runtime_error("two"); return x; },
+                      std::vector<int>{0, 1, 2, 3}, 1);
+  EXPECT_EQ(it.next(10s), 0);
+  EXPECT_EQ(it.next(10s), 1);
+  EXPECT_THROW(it.next(10s), std::runtime_error);
+  EXPECT_EQ(it.next(10s), 3);
+}
+
+TEST(ThreadPool, CloseJoinTerminate) {
+  tp::ThreadPool pool(2);
+  auto r = pool.apply_async([](int x) { return x; }, std::make_tuple(5));
+  pool.close();
+  EXPECT_THROW(pool.apply_async([](int x) { return x; }, std::make_tuple(1)), tp::ClosedError);
+  EXPECT_TRUE(pool.join(10s));
+  EXPECT_EQ(r.get(1s), 5);
+
+  tp::ThreadPool busy(1);
+  auto running = busy.apply_async([](int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); return 1; },
+                                  std::make_tuple(200));
+  auto queued = busy.apply_async([](int x) { return x; }, std::make_tuple(2));
+  std::this_thread::sleep_for(20ms);
+  busy.terminate();
+  EXPECT_EQ(running.get(10s), 1);
+  EXPECT_THROW(queued.get(1s), tp::ClosedError) << "a dropped task fails instead of hanging";
+}
