@@ -8,6 +8,7 @@
 #include "torchpar/ipc/shared_value.h"
 #include "torchpar/ipc/synchronize.h"
 #include "torchpar/pool/async_result.h"
+#include "torchpar/pool/pool.h"
 #include "torchpar/pool/thread_pool.h"
 #include "torchpar/process/process.h"
 #include "torchpar/process/spawn.h"

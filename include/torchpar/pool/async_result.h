@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "torchpar/core/error.h"
@@ -149,6 +150,32 @@ class IMapIterator {
 };
 
 namespace detail {
+/// What fn(args...) returns, with void as bool (a pool result must be a value).
+template <class Fn, class... Args>
+using result_of_t = std::conditional_t<std::is_void_v<std::invoke_result_t<Fn, Args&...>>, bool,
+                                       std::decay_t<std::invoke_result_t<Fn, Args&...>>>;
+
+/// Runs `callback(result)` or `error_callback(error)` once the job is done (now, if it is).
+template <class V, class CB, class ECB>
+void attach_callbacks(const std::shared_ptr<JobState>& job, AsyncResult<V> result, CB callback,
+                      ECB error_callback) {
+  if (!callback && !error_callback) return;
+  auto run = [result, callback, error_callback, job]() mutable {
+    if (job->first_error) {
+      if (error_callback) error_callback(job->first_error);
+    } else if (callback) {
+      callback(result.get());
+    }
+  };
+  bool now = false;
+  {
+    std::lock_guard<std::mutex> lock(job->mu);
+    if (job->ndone == job->chunks.size()) now = true;
+    else job->on_done = run;
+  }
+  if (now) run();
+}
+
 /// Splits n items into chunks of `chunksize` (0: Python's default, n / (4 * workers) rounded up).
 inline std::vector<std::pair<size_t, size_t>> split_chunks(size_t n, size_t chunksize, size_t workers) {
   if (chunksize == 0) {

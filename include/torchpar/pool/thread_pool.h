@@ -71,7 +71,7 @@ class ThreadPool {
         },
         cancel_chunk(job, 0));
     AsyncResult<V> result(job, [](detail::JobState& j) { return std::any_cast<V>(j.chunks[0].values[0]); });
-    attach_callbacks<V>(job, result, callback, error_callback);
+    detail::attach_callbacks<V>(job, result, callback, error_callback);
     return result;
   }
 
@@ -144,26 +144,6 @@ class ThreadPool {
           cancel_chunk(job, c));
     }
     return job;
-  }
-
-  template <class V, class CB, class ECB>
-  static void attach_callbacks(const std::shared_ptr<detail::JobState>& job, AsyncResult<V> result,
-                               CB callback, ECB error_callback) {
-    if (!callback && !error_callback) return;
-    auto run = [result, callback, error_callback, job]() mutable {
-      if (job->first_error) {
-        if (error_callback) error_callback(job->first_error);
-      } else if (callback) {
-        callback(result.get());
-      }
-    };
-    bool now = false;
-    {
-      std::lock_guard<std::mutex> lock(job->mu);
-      if (job->ndone == job->chunks.size()) now = true;
-      else job->on_done = run;
-    }
-    if (now) run();
   }
 
   std::shared_ptr<detail::ThreadPoolCore> core_;

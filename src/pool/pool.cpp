@@ -1,0 +1,305 @@
+// The process Pool: each worker has its own inbox queue, so the manager thread knows
+// exactly which tasks a worker holds; when a worker dies those tasks fail with
+// WorkerLostError, the worker is replaced, and the pool goes on.
+#include "torchpar/pool/pool.h"
+
+#include <c10/util/Type.h>
+
+#include <atomic>
+#include <map>
+#include <thread>
+
+#include <fmt/format.h>
+
+namespace torchpar {
+namespace detail {
+
+// Runs in every worker process.
+void pool_worker_main(int index, Queue<PoolTask> inbox, Queue<PoolResult> results,
+                      uint64_t maxtasks, PoolInit init) {
+  if (init.set) {
+    auto tramp = reinterpret_cast<Trampoline>(from_code_address(init.call.tramp));
+    tramp(from_code_address(init.call.fn), *init.args);
+  }
+  for (uint64_t n = 0; maxtasks == 0 || n < maxtasks; ++n) {
+    PoolTask task = inbox.get();  // the parent's death kills us (PDEATHSIG)
+    if (task.job == 0) return;
+    PoolResult r;
+    r.job = task.job;
+    r.chunk = task.chunk;
+    r.worker = index;
+    try {
+      auto tramp = reinterpret_cast<TaskTrampoline>(from_code_address(task.call.tramp));
+      void* fn = from_code_address(task.call.fn);
+      for (const auto& a : task.args) r.values.push_back(tramp(fn, a));
+    } catch (const std::exception& e) {
+      r.ok = false;
+      r.values.clear();
+      r.type = c10::demangle(typeid(e).name());
+      r.message = e.what();
+    }
+    results.put(r);
+  }
+}
+
+class PoolCore {
+ public:
+  explicit PoolCore(PoolOptions o) : options_(std::move(o)) {
+    if (options_.processes == 0) options_.processes = std::max(1u, std::thread::hardware_concurrency());
+    workers_.resize(options_.processes);
+    for (size_t i = 0; i < workers_.size(); ++i) start_worker(i);
+    thread_ = std::thread([this] { manage(); });
+  }
+
+  ~PoolCore() { terminate(); }
+
+  std::shared_ptr<JobState> submit(PoolCall call, std::vector<std::vector<std::string>> chunks) {
+    auto job = std::make_shared<JobState>(chunks.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_ || stop_) throw ClosedError("Pool is closed");
+    if (chunks.empty()) return job;
+    const uint64_t id = next_job_++;
+    jobs_[id] = job;
+    for (uint32_t c = 0; c < chunks.size(); ++c)
+      pending_.push_back(PoolTask{id, c, call, std::move(chunks[c])});
+    return job;
+  }
+
+  void close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+
+  bool join(std::optional<std::chrono::duration<double>> timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!closed_ && !stop_) throw Error("Pool::join() before close() or terminate()");
+    auto done = [&] { return finished_; };
+    if (!timeout) finished_cv_.wait(lock, done);
+    else if (!finished_cv_.wait_for(lock, *timeout, done)) return false;
+    lock.unlock();
+    if (thread_.joinable()) thread_.join();
+    return true;
+  }
+
+  void terminate() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_ && !thread_.joinable()) return;
+      stop_ = true;
+      closed_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+  size_t size() const { return workers_.size(); }
+
+  std::vector<int> pids() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int> out;
+    for (auto& w : workers_) out.push_back(w.proc ? w.proc->pid() : -1);
+    return out;
+  }
+
+ private:
+  struct Worker {
+    std::unique_ptr<Process> proc;
+    Queue<PoolTask> inbox{0, {.capacity_bytes = 1 << 20}};
+    std::vector<std::pair<uint64_t, uint32_t>> outstanding;
+    uint64_t sent = 0;
+    bool told_to_exit = false;
+  };
+
+  void start_worker(size_t i) {
+    Worker& w = workers_[i];
+    w = Worker();
+    ProcessOptions po;
+    po.name = fmt::format("PoolWorker-{}", i);
+    po.daemon = true;
+    po.start_method = options_.start_method;
+    po.threads = options_.threads;
+    PoolInit init = options_.init;
+    if (init.set) init.args = std::make_shared<Payload>(init.make_args());  // fresh exports per worker
+    w.proc = std::make_unique<Process>(po, pool_worker_main, static_cast<int>(i), w.inbox, results_,
+                                       options_.maxtasksperchild, init);
+    w.proc->start();
+  }
+
+  // Completes (job, chunk) outside the lock: callbacks may run user code.
+  using Completion = std::tuple<std::shared_ptr<JobState>, uint32_t, std::vector<std::any>, std::exception_ptr>;
+
+  void take_result(const PoolResult& r, std::vector<Completion>& done) {
+    if (r.worker >= 0 && static_cast<size_t>(r.worker) < workers_.size()) {
+      auto& out = workers_[r.worker].outstanding;
+      for (auto it = out.begin(); it != out.end(); ++it) {
+        if (it->first == r.job && it->second == r.chunk) {
+          out.erase(it);
+          break;
+        }
+      }
+    }
+    auto it = jobs_.find(r.job);
+    if (it == jobs_.end()) return;
+    std::vector<std::any> values;
+    for (auto& v : r.values) values.emplace_back(v);
+    std::exception_ptr err = r.ok ? nullptr : std::make_exception_ptr(TaskError(r.type, r.message));
+    done.emplace_back(it->second, r.chunk, std::move(values), err);
+    if (++remaining_done_[r.job] == it->second->chunks.size()) {
+      remaining_done_.erase(r.job);
+      jobs_.erase(it);
+    }
+  }
+
+  void fail_chunk(uint64_t job, uint32_t chunk, std::exception_ptr err, std::vector<Completion>& done) {
+    auto it = jobs_.find(job);
+    if (it == jobs_.end()) return;
+    done.emplace_back(it->second, chunk, std::vector<std::any>{}, err);
+    if (++remaining_done_[job] == it->second->chunks.size()) {
+      remaining_done_.erase(job);
+      jobs_.erase(it);
+    }
+  }
+
+  void drain_results(std::vector<Completion>& done, std::optional<std::chrono::duration<double>> wait) {
+    try {
+      PoolResult r = results_.get(wait.value_or(std::chrono::duration<double>(0)));
+      std::lock_guard<std::mutex> lock(mu_);
+      take_result(r, done);
+    } catch (const Empty&) {
+      return;
+    }
+    for (;;) {
+      try {
+        PoolResult r = results_.get_nowait();
+        std::lock_guard<std::mutex> lock(mu_);
+        take_result(r, done);
+      } catch (const Empty&) {
+        return;
+      }
+    }
+  }
+
+  static void finish(std::vector<Completion>& done) {
+    for (auto& [job, chunk, values, err] : done) job->complete(chunk, std::move(values), err);
+    done.clear();
+  }
+
+  void manage() {
+    std::vector<Completion> done;
+    for (;;) {
+      drain_results(done, std::chrono::milliseconds(5));
+      finish(done);
+      bool stop = false, all_exited = true;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop = stop_;
+        for (size_t i = 0; i < workers_.size(); ++i) {
+          Worker& w = workers_[i];
+          if (!w.proc) continue;
+          if (w.proc->is_alive()) {
+            all_exited = false;
+            continue;
+          }
+          // Results it sent before dying are already queued: take them first.
+          mu_.unlock();
+          drain_results(done, std::nullopt);
+          mu_.lock();
+          const int code = w.proc->exitcode().value_or(-1);
+          const int pid = w.proc->pid();
+          for (auto [job, chunk] : w.outstanding)
+            fail_chunk(job, chunk, std::make_exception_ptr(WorkerLostError(pid, code)), done);
+          w.outstanding.clear();
+          w.proc.reset();
+          if (!stop_ && !(closed_ && pending_.empty())) {
+            start_worker(i);
+            all_exited = false;
+          }
+        }
+        if (!stop_) dispatch();
+        if (closed_ && !stop_ && pending_.empty()) {
+          bool idle = true;
+          for (auto& w : workers_) idle = idle && w.outstanding.empty();
+          if (idle) {
+            for (auto& w : workers_) {
+              if (w.proc && !w.told_to_exit) {
+                w.inbox.put(PoolTask{});  // job 0: exit
+                w.told_to_exit = true;
+              }
+            }
+          }
+        }
+      }
+      finish(done);
+      if (stop) break;
+      if (all_exited && closed_) break;
+    }
+    // terminate (or a clean close): kill what is left; fail what never ran.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& w : workers_) {
+      if (w.proc) {
+        w.proc->kill();
+        w.proc->join(std::chrono::seconds(10));
+      }
+      for (auto [job, chunk] : w.outstanding)
+        fail_chunk(job, chunk, std::make_exception_ptr(ClosedError("the pool was terminated while this task ran")), done);
+      w.outstanding.clear();
+      w.proc.reset();
+    }
+    for (auto& t : pending_)
+      fail_chunk(t.job, t.chunk, std::make_exception_ptr(ClosedError("the pool was terminated before this task ran")), done);
+    pending_.clear();
+    finished_ = true;
+    finished_cv_.notify_all();
+    mu_.unlock();
+    finish(done);
+    mu_.lock();
+  }
+
+  // Under mu_: hands pending chunks to workers with room (two in flight each, never more
+  // than a worker's remaining maxtasksperchild budget).
+  void dispatch() {
+    for (auto& w : workers_) {
+      if (!w.proc || w.told_to_exit) continue;
+      while (!pending_.empty() && w.outstanding.size() < 2 &&
+             (options_.maxtasksperchild == 0 || w.sent < options_.maxtasksperchild)) {
+        PoolTask t = std::move(pending_.front());
+        pending_.pop_front();
+        w.outstanding.emplace_back(t.job, t.chunk);
+        ++w.sent;
+        w.inbox.put(t);
+      }
+    }
+  }
+
+  PoolOptions options_;
+  std::mutex mu_;
+  std::condition_variable finished_cv_;
+  std::vector<Worker> workers_;
+  Queue<PoolResult> results_{0, {.capacity_bytes = 8 << 20}};
+  std::deque<PoolTask> pending_;
+  std::map<uint64_t, std::shared_ptr<JobState>> jobs_;
+  std::map<uint64_t, size_t> remaining_done_;
+  uint64_t next_job_ = 1;
+  bool closed_ = false;
+  bool stop_ = false;
+  bool finished_ = false;
+  std::thread thread_;
+};
+
+}  // namespace detail
+
+Pool::Pool(PoolOptions options) : copy_tensor_(options.copy_tensor) {
+  core_ = std::make_unique<detail::PoolCore>(std::move(options));
+}
+Pool::~Pool() = default;
+
+std::shared_ptr<detail::JobState> Pool::submit(detail::PoolCall call,
+                                               std::vector<std::vector<std::string>> chunks) {
+  return core_->submit(std::move(call), std::move(chunks));
+}
+void Pool::close() { core_->close(); }
+bool Pool::join(std::optional<std::chrono::duration<double>> timeout) { return core_->join(timeout); }
+void Pool::terminate() { core_->terminate(); }
+size_t Pool::size() const { return core_->size(); }
+std::vector<int> Pool::pids() const { return core_->pids(); }
+
+}  // namespace torchpar

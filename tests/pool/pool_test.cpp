@@ -1,0 +1,171 @@
+// Process Pool: results and order, chunksize, async callbacks, task errors, timeouts,
+// close/join, terminate, maxtasksperchild, initializer, tensors shared vs copied, and a
+// worker killed mid-map (WorkerLostError for its chunk, then the pool goes on).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <set>
+#include <thread>
+
+#include "support/start_methods.h"
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+using namespace std::chrono_literals;
+
+namespace {
+
+int square(int x) { return x * x; }
+int my_pid(int) { return static_cast<int>(::getpid()); }
+int add(int a, int b) { return a + b; }
+int fail_on_three(int x) {
+  if (x == 3) throw std::domain_error("three is not allowed");
+  return x;
+}
+int sleep_ms(int ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
+int die_on_five(int x) {
+  if (x == 5) ::raise(SIGKILL);
+  return x;
+}
+int write_tensor(at::Tensor t) {
+  t.fill_(9);
+  return static_cast<int>(t.numel());
+}
+void count_init(at::Tensor counter) {
+  std::atomic_ref<int64_t>(*counter.data_ptr<int64_t>()).fetch_add(1);
+}
+
+}  // namespace
+
+class PoolTest : public tp::testing::StartMethodTest {
+ protected:
+  tp::PoolOptions options(size_t processes = 2) {
+    tp::PoolOptions o;
+    o.processes = processes;
+    o.start_method = tp::start_method_from_string(GetParam());
+    return o;
+  }
+};
+
+TEST_P(PoolTest, MapImapStarmapApply) {
+  tp::Pool pool(options());
+  std::vector<int> items(50);
+  for (int i = 0; i < 50; ++i) items[i] = i;
+  for (size_t chunk : {size_t{0}, size_t{1}, size_t{1000}}) {
+    auto out = pool.map(square, items, chunk);
+    ASSERT_EQ(out.size(), 50u);
+    for (int i = 0; i < 50; ++i) EXPECT_EQ(out[i], i * i);
+  }
+  auto it = pool.imap(square, items, 3);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(it.next(30s), i * i);
+  EXPECT_FALSE(it.next(5s).has_value());
+  std::set<int> un;
+  auto u = pool.imap_unordered(square, items, 2);
+  while (auto v = u.next(30s)) un.insert(*v);
+  EXPECT_EQ(un.size(), 50u);
+  EXPECT_EQ(pool.starmap(add, std::vector<std::tuple<int, int>>{{1, 2}, {3, 4}}), (std::vector<int>{3, 7}));
+  EXPECT_EQ(pool.apply(add, std::make_tuple(20, 22)), 42);
+  EXPECT_EQ(pool.apply([](int x) { return x + 1; }, std::make_tuple(1)), 2) << "captureless lambda";
+  EXPECT_TRUE(pool.map(square, std::vector<int>{}).empty());
+}
+
+TEST_P(PoolTest, ErrorsTimeoutsAndCallbacks) {
+  tp::Pool pool(options());
+  try {
+    pool.map(fail_on_three, std::vector<int>{1, 2, 3, 4}, 1);
+    FAIL();
+  } catch (const tp::TaskError& e) {
+    EXPECT_NE(e.type().find("domain_error"), std::string::npos) << e.type();
+    EXPECT_EQ(e.message(), "three is not allowed");
+  }
+  std::atomic<int> got{0};
+  std::atomic<bool> errored{false};
+  auto r = pool.apply_async(square, std::make_tuple(7), [&](const int& v) { got = v; });
+  auto bad = pool.apply_async(fail_on_three, std::make_tuple(3), {},
+                              [&](std::exception_ptr) { errored = true; });
+  EXPECT_EQ(r.get(30s), 49);
+  EXPECT_THROW(bad.get(30s), tp::TaskError);
+  for (int i = 0; i < 200 && (got == 0 || !errored); ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(got, 49);
+  EXPECT_TRUE(errored);
+  auto slow = pool.apply_async(sleep_ms, std::make_tuple(500));
+  EXPECT_THROW(slow.get(0.05s), tp::TimeoutError);
+  EXPECT_EQ(slow.get(30s), 500);
+}
+
+TEST_P(PoolTest, WorkerKilledMidMapFailsItsChunkThenPoolGoesOn) {
+  tp::Pool pool(options());
+  std::vector<int> items(10);
+  for (int i = 0; i < 10; ++i) items[i] = i;
+  try {
+    pool.map(die_on_five, items, 1);
+    FAIL();
+  } catch (const tp::WorkerLostError& e) {
+    EXPECT_EQ(e.exit_code(), -SIGKILL);
+    EXPECT_NE(std::string(e.what()).find("SIGKILL"), std::string::npos) << e.what();
+  }
+  auto out = pool.map(square, items, 2);  // a fresh map on the repaired pool
+  EXPECT_EQ(out[9], 81);
+  for (int pid : pool.pids()) EXPECT_GT(pid, 0);
+}
+
+TEST_P(PoolTest, MaxTasksPerChildReplacesWorkers) {
+  auto o = options(1);
+  o.maxtasksperchild = 2;
+  tp::Pool pool(o);
+  auto pids = pool.map(my_pid, std::vector<int>(6, 0), 1);
+  EXPECT_EQ(std::set<int>(pids.begin(), pids.end()).size(), 3u) << "one worker per two tasks";
+}
+
+TEST_P(PoolTest, InitializerRunsOncePerWorker) {
+  at::Tensor counter = at::zeros({1}, at::kLong);
+  tp::share_memory_(counter);
+  auto o = options(2);
+  o.init = tp::initializer(count_init, counter);
+  tp::Pool pool(o);
+  EXPECT_EQ(pool.map(square, std::vector<int>{1, 2, 3}).size(), 3u);
+  pool.close();
+  EXPECT_TRUE(pool.join(30s));
+  EXPECT_EQ(counter.item<int64_t>(), 2);
+}
+
+TEST_P(PoolTest, TensorsSharedByDefaultCopiedOnRequest) {
+  for (bool copy : {false, true}) {
+    auto o = options(1);
+    o.copy_tensor = copy;
+    tp::Pool pool(o);
+    at::Tensor t = at::zeros({4});
+    EXPECT_EQ(pool.apply(write_tensor, std::make_tuple(t)), 4);
+    EXPECT_EQ(t.sum().item<float>(), copy ? 0.0f : 36.0f) << "copy=" << copy;
+  }
+}
+
+TEST_P(PoolTest, CloseJoinAndTerminate) {
+  tp::Pool pool(options());
+  auto r = pool.map_async(square, std::vector<int>{1, 2, 3});
+  pool.close();
+  EXPECT_THROW(pool.apply(square, std::make_tuple(1)), tp::ClosedError);
+  EXPECT_TRUE(pool.join(30s));
+  EXPECT_EQ(r.get(1s), (std::vector<int>{1, 4, 9}));
+
+  tp::Pool busy(options(1));
+  auto running = busy.map_async(sleep_ms, std::vector<int>{2000, 2000, 2000}, 1);
+  std::this_thread::sleep_for(200ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  busy.terminate();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_THROW(running.get(5s), tp::ClosedError);
+}
+
+TORCHPAR_INSTANTIATE_FOR_START_METHODS(PoolTest);
+
+int main(int argc, char** argv) {
+  torchpar::init(argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
