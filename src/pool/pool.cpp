@@ -14,9 +14,19 @@
 namespace torchpar {
 namespace detail {
 
+namespace {
+std::shared_ptr<Payload> g_worker_context;
+}  // namespace
+
+const Payload& worker_context_payload() {
+  static const Payload empty;
+  return g_worker_context ? *g_worker_context : empty;
+}
+
 // Runs in every worker process.
 void pool_worker_main(int index, Queue<PoolTask> inbox, Queue<PoolResult> results,
-                      uint64_t maxtasks, PoolInit init) {
+                      uint64_t maxtasks, PoolInit init, WorkerContext context) {
+  if (context.set) g_worker_context = context.payload;
   if (init.set) {
     auto tramp = reinterpret_cast<Trampoline>(from_code_address(init.call.tramp));
     tramp(from_code_address(init.call.fn), *init.args);
@@ -119,8 +129,13 @@ class PoolCore {
     po.threads = options_.threads;
     PoolInit init = options_.init;
     if (init.set) init.args = std::make_shared<Payload>(init.make_args());  // fresh exports per worker
+    WorkerContext context;
+    if (options_.worker_context) {
+      context.set = true;
+      context.payload = std::make_shared<Payload>(options_.worker_context(i));
+    }
     w.proc = std::make_unique<Process>(po, pool_worker_main, static_cast<int>(i), w.inbox, results_,
-                                       options_.maxtasksperchild, init);
+                                       options_.maxtasksperchild, init, context);
     w.proc->start();
   }
 

@@ -36,6 +36,19 @@ int write_tensor(at::Tensor t) {
   t.fill_(9);
   return static_cast<int>(t.numel());
 }
+struct WorkerCtx {
+  std::string name;
+  int64_t calls = 0;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(name, calls);
+  }
+};
+std::string ctx_name(WorkerCtx& c, int) {
+  ++c.calls;  // state stays with the worker between tasks
+  return c.name + ":" + std::to_string(c.calls);
+}
+
 void count_init(at::Tensor counter) {
   std::atomic_ref<int64_t>(*counter.data_ptr<int64_t>()).fetch_add(1);
 }
@@ -160,6 +173,28 @@ TEST_P(PoolTest, CloseJoinAndTerminate) {
   busy.terminate();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
   EXPECT_THROW(running.get(5s), tp::ClosedError);
+}
+
+TEST_P(PoolTest, CtxPoolContextsAreDistinctPerWorker) {
+  auto o = options(2);
+  tp::CtxPool<WorkerCtx> pool({WorkerCtx{"a"}, WorkerCtx{"b"}}, o);
+  auto out = pool.map(ctx_name, std::vector<int>(20, 0), 1);
+  std::set<std::string> names;
+  int64_t max_calls = 0;
+  for (auto& s : out) {
+    names.insert(s.substr(0, 1));
+    max_calls = std::max<int64_t>(max_calls, std::stoll(s.substr(2)));
+  }
+  EXPECT_EQ(names, (std::set<std::string>{"a", "b"}));
+  EXPECT_GE(max_calls, 10) << "a context keeps its state across that worker's tasks";
+  EXPECT_EQ(pool.apply(ctx_name, std::make_tuple(0)).size() > 2, true);
+}
+
+TEST_P(PoolTest, P2PPoolGivesPoolResults) {
+  std::vector<int> items{3, 1, 4, 1, 5, 9, 2, 6};
+  tp::P2PPool p2p(options());
+  tp::Pool pool(options());
+  EXPECT_EQ(p2p.map(square, items, 1), pool.map(square, items, 3));
 }
 
 TORCHPAR_INSTANTIATE_FOR_START_METHODS(PoolTest);

@@ -65,6 +65,20 @@ struct PoolResult {
   }
 };
 
+/// A payload nested in a worker's launch arguments, its fds out of band.
+inline void save_nested(OutputArchive& ar, const Payload& p) {
+  std::vector<uint32_t> fds;
+  for (const auto& fd : p.fds) fds.push_back(ar.fd_index(fd.get()));
+  ar(p.bytes, fds);
+}
+inline std::shared_ptr<Payload> load_nested(InputArchive& ar) {
+  auto p = std::make_shared<Payload>();
+  std::vector<uint32_t> fds;
+  ar(p->bytes, fds);
+  for (uint32_t i : fds) p->fds.push_back(ar.take_fd(i));
+  return p;
+}
+
 /// The initializer: its call and its arguments, serialized afresh for every worker (shared
 /// tensors are exported once per worker; queues, locks and values travel as fds).
 struct PoolInit {
@@ -74,22 +88,53 @@ struct PoolInit {
   std::shared_ptr<Payload> args;         // what a worker receives
   void save(OutputArchive& ar) const {
     ar(set, call);
-    if (!set) return;
-    const Payload& p = *args;
-    std::vector<uint32_t> fds;
-    for (const auto& fd : p.fds) fds.push_back(ar.fd_index(fd.get()));
-    ar(p.bytes, fds);
+    if (set) save_nested(ar, *args);
   }
   void load(InputArchive& ar) {
     ar(set, call);
-    if (!set) return;
-    auto p = std::make_shared<Payload>();
-    std::vector<uint32_t> fds;
-    ar(p->bytes, fds);
-    for (uint32_t i : fds) p->fds.push_back(ar.take_fd(i));
-    args = std::move(p);
+    if (set) args = load_nested(ar);
   }
 };
+
+/// A worker's context object (CtxPool), serialized for that worker only.
+struct WorkerContext {
+  bool set = false;
+  std::shared_ptr<Payload> payload;
+  void save(OutputArchive& ar) const {
+    ar(set);
+    if (set) save_nested(ar, *payload);
+  }
+  void load(InputArchive& ar) {
+    ar(set);
+    if (set) payload = load_nested(ar);
+  }
+};
+
+/// In a worker: the payload of its context (empty outside CtxPool workers).
+const Payload& worker_context_payload();
+
+/// In a CtxPool worker: its context, loaded on first use.
+template <class Ctx>
+Ctx& worker_context() {
+  static Ctx* ctx = new Ctx(loads<Ctx>(worker_context_payload()));
+  return *ctx;
+}
+
+/// Runs fn(context, args...) for CtxPool.
+template <class FnPtr, class Ctx, class Tuple>
+std::string run_ctx_task(void* fn, const std::string& args) {
+  auto f = reinterpret_cast<FnPtr>(fn);
+  Tuple t = loads<Tuple>(Payload{args, {}});
+  Ctx& c = worker_context<Ctx>();
+  auto call = [&](auto&... a) { return f(c, a...); };
+  using R = decltype(std::apply(call, t));
+  if constexpr (std::is_void_v<R>) {
+    std::apply(call, t);
+    return dumps(true).bytes;
+  } else {
+    return dumps(std::apply(call, t), {.copy_tensor = true}).bytes;
+  }
+}
 
 template <class Fn, class Tuple>
 PoolCall make_call(Fn fn) {
@@ -129,6 +174,8 @@ struct PoolOptions {
   std::optional<StartMethod> start_method;   ///< default: get_start_method()
   bool copy_tensor = false;                  ///< task arguments: tensors shared (false) or copied
   int threads = 1;                           ///< intra-op threads per worker
+  /// CtxPool: serializes worker i's context (set by CtxPool).
+  std::function<Payload(size_t)> worker_context;
 };
 
 /// Worker processes that run tasks. A worker killed mid-task fails exactly the tasks it
@@ -222,7 +269,7 @@ class Pool {
   /// pids of the current workers (they change as workers are replaced).
   std::vector<int> pids() const;
 
- private:
+ protected:
   template <class T>
   std::string encode(const T& args) const {
     Payload p = dumps(args, {.copy_tensor = copy_tensor_, .pass_fds = false});
@@ -255,5 +302,73 @@ class Pool {
   std::unique_ptr<detail::PoolCore> core_;
   bool copy_tensor_ = false;
 };
+
+/// A Pool whose worker i holds worker_contexts[i] and calls fn(context, args...): per-worker
+/// state (a model, an environment, a connection) without globals. Contexts are serialized
+/// once per worker (tensors shared). Source: machin.parallel.pool.CtxPool.
+template <class Ctx>
+class CtxPool : public Pool {
+ public:
+  CtxPool(std::vector<Ctx> worker_contexts, PoolOptions options = {})
+      : Pool(with_contexts(std::move(worker_contexts), std::move(options))) {}
+
+  /// fn(Ctx&, args...) in some worker.
+  template <class Fn, class... Args>
+  auto apply_async(Fn fn, std::tuple<Args...> args) {
+    using V = detail::result_of_t<Fn, Ctx, Args...>;
+    using Tuple = std::tuple<std::decay_t<Args>...>;
+    auto job = submit(ctx_call<Fn, Tuple>(fn), {{encode(Tuple(args))}});
+    return AsyncResult<V>(job, [](detail::JobState& j) {
+      return loads<V>(Payload{std::any_cast<std::string>(j.chunks[0].values[0]), {}});
+    });
+  }
+  template <class Fn, class... Args>
+  auto apply(Fn fn, std::tuple<Args...> args) {
+    return apply_async(fn, std::move(args)).get();
+  }
+  /// fn(Ctx&, item) for each item, in order.
+  template <class Fn, class T>
+  auto map(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
+    using V = detail::result_of_t<Fn, Ctx, T>;
+    using Tuple = std::tuple<std::decay_t<T>>;
+    std::vector<std::vector<std::string>> chunks;
+    for (auto [b, e] : detail::split_chunks(items.size(), chunksize, size())) {
+      chunks.emplace_back();
+      for (size_t i = b; i < e; ++i) chunks.back().push_back(encode(Tuple(items[i])));
+    }
+    auto job = submit(ctx_call<Fn, Tuple>(fn), std::move(chunks));
+    return AsyncResult<std::vector<V>>(job, [](detail::JobState& j) {
+      std::vector<V> out;
+      for (auto& c : j.chunks)
+        for (auto& v : c.values) out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
+      return out;
+    }).get();
+  }
+
+ private:
+  template <class Fn, class Tuple>
+  static detail::PoolCall ctx_call(Fn fn) {
+    auto fp = detail::function_pointer(fn);
+    static_assert(!std::is_same_v<decltype(fp), std::nullptr_t>,
+                  "CtxPool runs free functions and captureless lambdas");
+    return detail::PoolCall{
+        detail::to_code_address(reinterpret_cast<const void*>(&detail::run_ctx_task<decltype(fp), Ctx, Tuple>)),
+        detail::to_code_address(reinterpret_cast<const void*>(fp))};
+  }
+  static PoolOptions with_contexts(std::vector<Ctx> contexts, PoolOptions o) {
+    TORCH_CHECK(!contexts.empty(), "CtxPool needs one context per worker");
+    if (o.processes == 0) o.processes = contexts.size();
+    TORCH_CHECK(o.processes == contexts.size(), "CtxPool: ", contexts.size(),
+                " worker contexts for ", o.processes, " processes");
+    auto shared = std::make_shared<std::vector<Ctx>>(std::move(contexts));
+    o.worker_context = [shared](size_t i) { return dumps((*shared)[i], {.copy_tensor = false}); };
+    return o;
+  }
+};
+
+/// The Pool engine already feeds each worker through its own queue (so a dead worker's
+/// tasks are known exactly); P2PPool is the same pool under machin's name.
+/// Source: machin.parallel.pool.P2PPool.
+using P2PPool = Pool;
 
 }  // namespace torchpar
