@@ -36,9 +36,11 @@ ProcessExitedException::ProcessExitedException(int index, int pid, int exit_code
 
 WorkerLostError::WorkerLostError(int pid, int exit_code)
     : Error(exit_code < 0
-                ? fmt::format("pool worker (pid {}) was killed by {} while running this task", pid,
-                              signal_name(-exit_code))
-                : fmt::format("pool worker (pid {}) exited with code {} while running this task",
+                ? fmt::format("pool worker (pid {}) was killed by {} while it held this task "
+                              "(running or queued behind the running one)",
+                              pid, signal_name(-exit_code))
+                : fmt::format("pool worker (pid {}) exited with code {} while it held this task "
+                              "(running or queued behind the running one)",
                               pid, exit_code)),
       pid_(pid),
       exit_code_(exit_code) {}

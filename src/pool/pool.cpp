@@ -6,6 +6,7 @@
 #include <c10/util/Type.h>
 
 #include <atomic>
+#include <cstdio>
 #include <map>
 #include <thread>
 
@@ -87,18 +88,22 @@ class PoolCore {
     if (!timeout) finished_cv_.wait(lock, done);
     else if (!finished_cv_.wait_for(lock, *timeout, done)) return false;
     lock.unlock();
-    if (thread_.joinable()) thread_.join();
+    join_thread();
     return true;
   }
 
   void terminate() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stop_ && !thread_.joinable()) return;
       stop_ = true;
       closed_ = true;
     }
-    if (thread_.joinable()) thread_.join();
+    join_thread();
+  }
+
+  void join_thread() {
+    std::lock_guard<std::mutex> lock(join_mu_);  // join/terminate/destructor may race
+    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
   }
 
   size_t size() const { return workers_.size(); }
@@ -143,6 +148,7 @@ class PoolCore {
   using Completion = std::tuple<std::shared_ptr<JobState>, uint32_t, std::vector<std::any>, std::exception_ptr>;
 
   void take_result(const PoolResult& r, std::vector<Completion>& done) {
+    early_deaths_ = 0;  // workers do get work done
     if (r.worker >= 0 && static_cast<size_t>(r.worker) < workers_.size()) {
       auto& out = workers_[r.worker].outstanding;
       for (auto it = out.begin(); it != out.end(); ++it) {
@@ -162,6 +168,11 @@ class PoolCore {
       remaining_done_.erase(r.job);
       jobs_.erase(it);
     }
+  }
+
+  void fail_all_pending(std::exception_ptr err, std::vector<Completion>& done) {
+    for (auto& t : pending_) fail_chunk(t.job, t.chunk, err, done);
+    pending_.clear();
   }
 
   void fail_chunk(uint64_t job, uint32_t chunk, std::exception_ptr err, std::vector<Completion>& done) {
@@ -203,10 +214,11 @@ class PoolCore {
     for (;;) {
       drain_results(done, std::chrono::milliseconds(5));
       finish(done);
-      bool stop = false, all_exited = true;
+      bool stop = false, all_exited = true, closed = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
         stop = stop_;
+        closed = closed_;
         for (size_t i = 0; i < workers_.size(); ++i) {
           Worker& w = workers_[i];
           if (!w.proc) continue;
@@ -222,14 +234,37 @@ class PoolCore {
           const int pid = w.proc->pid();
           for (auto [job, chunk] : w.outstanding)
             fail_chunk(job, chunk, std::make_exception_ptr(WorkerLostError(pid, code)), done);
+          if (code != 0 && w.sent == 0) ++early_deaths_;
           w.outstanding.clear();
           w.proc.reset();
-          if (!stop_ && !(closed_ && pending_.empty())) {
-            start_worker(i);
-            all_exited = false;
+          if (early_deaths_ > 3 * workers_.size()) {
+            // Workers die before doing anything (a failing initializer?): stop replacing them.
+            fail_all_pending(std::make_exception_ptr(WorkerLostError(pid, code)), done);
+            if (!broken_)
+              std::fprintf(stderr, "torchpar: Pool workers keep dying at start (last exit code %d); "
+                                   "not replacing them\n", code);
+            broken_ = true;
+            continue;
+          }
+          if (!stop_ && !broken_ && !(closed_ && pending_.empty())) {
+            try {
+              start_worker(i);
+              all_exited = false;
+            } catch (...) {
+              // Could not start a replacement: fail what waits rather than hang.
+              workers_[i].proc.reset();
+              fail_all_pending(std::current_exception(), done);
+              broken_ = true;
+            }
           }
         }
         if (!stop_) dispatch();
+        if (broken_ && !pending_.empty()) {
+          bool any_alive = false;
+          for (auto& w : workers_) any_alive = any_alive || (w.proc != nullptr);
+          if (!any_alive)
+            fail_all_pending(std::make_exception_ptr(Error("the pool has no workers left")), done);
+        }
         if (closed_ && !stop_ && pending_.empty()) {
           bool idle = true;
           for (auto& w : workers_) idle = idle && w.outstanding.empty();
@@ -245,7 +280,7 @@ class PoolCore {
       }
       finish(done);
       if (stop) break;
-      if (all_exited && closed_) break;
+      if (all_exited && closed) break;
     }
     // terminate (or a clean close): kill what is left; fail what never ran.
     std::lock_guard<std::mutex> lock(mu_);
@@ -297,6 +332,9 @@ class PoolCore {
   bool closed_ = false;
   bool stop_ = false;
   bool finished_ = false;
+  bool broken_ = false;
+  size_t early_deaths_ = 0;
+  std::mutex join_mu_;
   std::thread thread_;
 };
 

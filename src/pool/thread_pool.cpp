@@ -53,9 +53,14 @@ bool ThreadPoolCore::join(std::optional<std::chrono::duration<double>> timeout) 
     if (!timeout) idle_cv_.wait(lock, done);
     else if (!idle_cv_.wait_for(lock, *timeout, done)) return false;
   }
-  for (auto& t : threads_)
-    if (t.joinable()) t.join();
+  join_threads();
   return true;
+}
+
+void ThreadPoolCore::join_threads() {
+  std::lock_guard<std::mutex> lock(join_mu_);  // join/terminate/destructor may race
+  for (auto& t : threads_)
+    if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
 }
 
 void ThreadPoolCore::terminate() {
@@ -69,8 +74,7 @@ void ThreadPoolCore::terminate() {
   cv_.notify_all();
   for (auto& [task, cancel] : dropped)
     if (cancel) cancel();  // their results fail with ClosedError instead of never arriving
-  for (auto& t : threads_)
-    if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
+  join_threads();
 }
 
 }  // namespace torchpar::detail

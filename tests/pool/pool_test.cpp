@@ -49,6 +49,8 @@ std::string ctx_name(WorkerCtx& c, int) {
   return c.name + ":" + std::to_string(c.calls);
 }
 
+void failing_init(int) { throw std::runtime_error("initializer failed"); }
+
 void count_init(at::Tensor counter) {
   std::atomic_ref<int64_t>(*counter.data_ptr<int64_t>()).fetch_add(1);
 }
@@ -188,6 +190,14 @@ TEST_P(PoolTest, CtxPoolContextsAreDistinctPerWorker) {
   EXPECT_EQ(names, (std::set<std::string>{"a", "b"}));
   EXPECT_GE(max_calls, 10) << "a context keeps its state across that worker's tasks";
   EXPECT_EQ(pool.apply(ctx_name, std::make_tuple(0)).size() > 2, true);
+}
+
+TEST_P(PoolTest, FailingInitializerFailsTasksInsteadOfHanging) {
+  auto o = options(1);
+  o.init = tp::initializer(failing_init, 0);
+  tp::Pool pool(o);
+  auto r = pool.apply_async(square, std::make_tuple(2));
+  EXPECT_THROW(r.get(60s), tp::WorkerLostError);
 }
 
 TEST_P(PoolTest, P2PPoolGivesPoolResults) {

@@ -64,6 +64,16 @@ TEST(ThreadPool, ApplyAsyncCallbacksAndErrors) {
   EXPECT_EQ(it.next(10s), 3);
 }
 
+TEST(ThreadPool, VoidCallablesAndRepeatedGet) {
+  tp::ThreadPool pool(2);
+  std::atomic<int> n{0};
+  EXPECT_TRUE(pool.apply([&](int k) { n += k; }, std::make_tuple(3)));
+  auto r = pool.map_async([&](int k) { n += k; }, std::vector<int>{1, 1});
+  EXPECT_EQ(r.get(10s).size(), 2u);
+  EXPECT_EQ(r.get(10s).size(), 2u) << "get() twice gives the same results";
+  EXPECT_EQ(n, 5);
+}
+
 TEST(ThreadPool, CloseJoinTerminate) {
   tp::ThreadPool pool(2);
   auto r = pool.apply_async([](int x) { return x; }, std::make_tuple(5));

@@ -42,7 +42,13 @@ struct JobState {
       if (++ndone == chunks.size()) cb = std::move(on_done);
     }
     cv.notify_all();
-    if (cb) cb();
+    if (cb) {
+      try {
+        cb();
+      } catch (...) {
+        // A throwing callback must not take the pool's thread down (Python logs and goes on).
+      }
+    }
   }
   bool wait(std::optional<std::chrono::duration<double>> timeout) {
     std::unique_lock<std::mutex> lock(mu);

@@ -29,7 +29,8 @@ class ThreadPoolCore {
 
  private:
   void run();
-  std::mutex mu_;
+  void join_threads();
+  std::mutex mu_, join_mu_;
   std::condition_variable cv_, idle_cv_;
   std::deque<std::pair<std::function<void()>, std::function<void()>>> tasks_;
   std::vector<std::thread> threads_;
@@ -51,10 +52,11 @@ class ThreadPool {
             threads == 0 ? std::max(1u, std::thread::hardware_concurrency()) : threads)) {}
 
   template <class Fn, class... Args>
-  auto apply_async(Fn fn, std::tuple<Args...> args, std::function<void(const std::invoke_result_t<Fn, Args...>&)> callback = {},
+  auto apply_async(Fn fn, std::tuple<Args...> args,
+                   std::function<void(const detail::result_of_t<Fn, Args...>&)> callback = {},
                    std::function<void(std::exception_ptr)> error_callback = {}) {
-    using R = std::invoke_result_t<Fn, Args...>;
-    using V = std::conditional_t<std::is_void_v<R>, bool, R>;
+    using R = std::invoke_result_t<Fn, Args&...>;
+    using V = detail::result_of_t<Fn, Args...>;
     auto job = std::make_shared<detail::JobState>(1);
     core_->submit(
         [job, fn, args]() mutable {
@@ -82,12 +84,12 @@ class ThreadPool {
 
   template <class Fn, class T>
   auto map_async(Fn fn, std::vector<T> items, size_t chunksize = 0) {
-    using R = std::invoke_result_t<Fn, T&>;
+    using R = detail::result_of_t<Fn, T>;
     auto job = run_chunks(fn, std::move(items), chunksize);
     return AsyncResult<std::vector<R>>(job, [](detail::JobState& j) {
-      std::vector<R> out;
+      std::vector<R> out;  // copies: get() may be called again
       for (auto& c : j.chunks)
-        for (auto& v : c.values) out.push_back(std::any_cast<R>(std::move(v)));
+        for (auto& v : c.values) out.push_back(std::any_cast<R>(v));
       return out;
     });
   }
@@ -97,13 +99,13 @@ class ThreadPool {
   }
   template <class Fn, class T>
   auto imap(Fn fn, std::vector<T> items, size_t chunksize = 1) {
-    using R = std::invoke_result_t<Fn, T&>;
+    using R = detail::result_of_t<Fn, T>;
     return IMapIterator<R>(run_chunks(fn, std::move(items), chunksize), true,
                            [](std::any& v) { return std::any_cast<R>(std::move(v)); });
   }
   template <class Fn, class T>
   auto imap_unordered(Fn fn, std::vector<T> items, size_t chunksize = 1) {
-    using R = std::invoke_result_t<Fn, T&>;
+    using R = detail::result_of_t<Fn, T>;
     return IMapIterator<R>(run_chunks(fn, std::move(items), chunksize), false,
                            [](std::any& v) { return std::any_cast<R>(std::move(v)); });
   }
@@ -135,7 +137,14 @@ class ThreadPool {
           [job, fn, shared, c, r = ranges[c]]() mutable {
             std::vector<std::any> values;
             try {
-              for (size_t i = r.first; i < r.second; ++i) values.emplace_back(fn((*shared)[i]));
+              for (size_t i = r.first; i < r.second; ++i) {
+                if constexpr (std::is_void_v<std::invoke_result_t<Fn, T&>>) {
+                  fn((*shared)[i]);
+                  values.emplace_back(true);
+                } else {
+                  values.emplace_back(fn((*shared)[i]));
+                }
+              }
               job->complete(c, std::move(values), nullptr);
             } catch (...) {
               job->complete(c, {}, std::current_exception());
