@@ -157,7 +157,12 @@ BENCHMARK(BM_QueuePingPong4K)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_QueueOneWay4K)->Arg(20000)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_PipePingPong4K)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_PipeOneWay4K)->Arg(20000)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_QueueHandoff64M)->ArgName("resend")->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_QueueHandoff64M)
+    ->ArgName("resend")
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 
 int main(int argc, char** argv) {
   torchpar::init(argc, argv);

@@ -1,7 +1,7 @@
 #include "torchpar/core/error.h"
 
-#include <cstring>
 #include <string.h>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -25,11 +25,10 @@ ProcessRaisedException::ProcessRaisedException(int index, int pid, std::string t
       message_(std::move(message)) {}
 
 ProcessExitedException::ProcessExitedException(int index, int pid, int exit_code)
-    : Error(exit_code < 0
-                ? fmt::format("process {} (pid {}) terminated with signal {}", index, pid,
-                              torchpar::signal_name(-exit_code))
-                : fmt::format("process {} (pid {}) terminated with exit code {}", index, pid,
-                              exit_code)),
+    : Error(exit_code < 0 ? fmt::format("process {} (pid {}) terminated with signal {}", index, pid,
+                                        torchpar::signal_name(-exit_code))
+                          : fmt::format("process {} (pid {}) terminated with exit code {}", index,
+                                        pid, exit_code)),
       index_(index),
       pid_(pid),
       exit_code_(exit_code) {}
@@ -46,7 +45,9 @@ WorkerLostError::WorkerLostError(int pid, int exit_code)
       exit_code_(exit_code) {}
 
 TaskError::TaskError(std::string type, std::string message)
-    : Error(fmt::format("{}: {}", type, message)), type_(std::move(type)), message_(std::move(message)) {}
+    : Error(fmt::format("{}: {}", type, message)),
+      type_(std::move(type)),
+      message_(std::move(message)) {}
 
 std::string ProcessExitedException::signal_name() const {
   return exit_code_ < 0 ? torchpar::signal_name(-exit_code_) : std::string();

@@ -36,7 +36,9 @@ Payload Connection::recv_payload_checked(std::optional<std::chrono::duration<dou
   // VMs, while a reply in a ping-pong usually arrives within a few.
   {
     const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-    struct pollfd pfd {fileno(), POLLIN, 0};
+    struct pollfd pfd {
+      fileno(), POLLIN, 0
+    };
     while (::poll(&pfd, 1, 0) == 0 && std::chrono::steady_clock::now() < spin_until) {
     }
   }
@@ -54,7 +56,9 @@ std::string Connection::recv_bytes(std::optional<std::chrono::duration<double>> 
 }
 
 bool Connection::poll(std::chrono::duration<double> timeout) {
-  struct pollfd pfd {fileno(), POLLIN, 0};
+  struct pollfd pfd {
+    fileno(), POLLIN, 0
+  };
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(timeout).count();
   const int r = detail::check_syscall("poll", "Connection", [&] {
     return ::poll(&pfd, 1, static_cast<int>(std::clamp<int64_t>(ms, 0, INT32_MAX)));
@@ -77,7 +81,8 @@ std::pair<Connection, Connection> Pipe(bool duplex) {
   int sv[2];
   detail::check_syscall("socketpair", "Pipe",
                         [&] { return ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv); });
-  if (duplex) return {Connection(UniqueFd(sv[0]), true, true), Connection(UniqueFd(sv[1]), true, true)};
+  if (duplex)
+    return {Connection(UniqueFd(sv[0]), true, true), Connection(UniqueFd(sv[1]), true, true)};
   ::shutdown(sv[0], SHUT_WR);
   ::shutdown(sv[1], SHUT_RD);
   return {Connection(UniqueFd(sv[0]), true, false), Connection(UniqueFd(sv[1]), false, true)};

@@ -29,7 +29,8 @@ inline bool past(const Deadline& d) { return d && SteadyClock::now() >= *d; }
 inline void futex_wait_until(uint32_t* addr, uint32_t expected, const Deadline& deadline) {
   auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::milliseconds(100));
   if (deadline) {
-    const auto d = std::chrono::duration_cast<std::chrono::nanoseconds>(*deadline - SteadyClock::now());
+    const auto d =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(*deadline - SteadyClock::now());
     if (d.count() <= 0) return;
     left = std::min(left, d);
   }

@@ -31,8 +31,8 @@ std::shared_ptr<SharedPage> SharedPage::open(UniqueFd fd, size_t min_bytes) {
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw ShmError("fstat", errno, "shared object");
   if (static_cast<size_t>(st.st_size) < min_bytes)
-    throw SerializationError(fmt::format("shared object of {} bytes, expected at least {}",
-                                         st.st_size, min_bytes));
+    throw SerializationError(
+        fmt::format("shared object of {} bytes, expected at least {}", st.st_size, min_bytes));
   std::shared_ptr<SharedPage> p(new SharedPage());
   p->size_ = static_cast<size_t>(st.st_size);
   void* m = ::mmap(nullptr, p->size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);

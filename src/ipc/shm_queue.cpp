@@ -14,11 +14,11 @@
 
 #include <fmt/format.h>
 
+#include "../shm/cleaner.h"
+#include "../shm/segment.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/serialize.h"
-#include "../shm/cleaner.h"
-#include "../shm/segment.h"
 #include "torchpar/shm/share.h"
 
 namespace torchpar::detail {
@@ -27,20 +27,20 @@ constexpr uint64_t kQueueMagic = 0x3145554555515054ULL;  // "TPQUEUE1"
 
 struct QueueControl {
   uint64_t magic;
-  pthread_mutex_t mu;          // robust, process-shared
-  uint32_t seq_put;            // futex word: bumped by every put (getters sleep on it)
-  uint32_t seq_get;            // futex word: bumped by every get (putters sleep on it)
-  uint32_t seq_done;           // futex word: bumped when unfinished reaches 0
+  pthread_mutex_t mu;  // robust, process-shared
+  uint32_t seq_put;    // futex word: bumped by every put (getters sleep on it)
+  uint32_t seq_get;    // futex word: bumped by every get (putters sleep on it)
+  uint32_t seq_done;   // futex word: bumped when unfinished reaches 0
   uint32_t sleeping_getters;
   uint32_t sleeping_putters;
   uint32_t closed;
-  uint64_t capacity;           // ring bytes
-  uint64_t head;               // byte position of the oldest message (monotonic)
-  uint64_t tail;               // byte position after the newest message
-  uint64_t count;              // messages in the ring
-  uint64_t maxsize;            // 0: unbounded
-  int64_t unfinished;          // put minus task_done
-  int32_t creator_pid;         // large messages are named under its prefix
+  uint64_t capacity;    // ring bytes
+  uint64_t head;        // byte position of the oldest message (monotonic)
+  uint64_t tail;        // byte position after the newest message
+  uint64_t count;       // messages in the ring
+  uint64_t maxsize;     // 0: unbounded
+  int64_t unfinished;   // put minus task_done
+  int32_t creator_pid;  // large messages are named under its prefix
   uint64_t spill_counter;
 };
 
@@ -64,7 +64,8 @@ std::atomic_ref<uint32_t> word(uint32_t& w) { return std::atomic_ref<uint32_t>(w
 std::atomic_ref<uint64_t> word64(uint64_t& w) { return std::atomic_ref<uint64_t>(w); }
 
 // Waits while *addr == expected, at most until `deadline` (none: forever).
-void futex_wait(uint32_t* addr, uint32_t expected, const std::optional<Clock::time_point>& deadline) {
+void futex_wait(uint32_t* addr, uint32_t expected,
+                const std::optional<Clock::time_point>& deadline) {
   struct timespec ts {};
   struct timespec* tsp = nullptr;
   if (deadline) {
@@ -83,11 +84,14 @@ void futex_wait(uint32_t* addr, uint32_t expected, const std::optional<Clock::ti
   ::syscall(SYS_futex, addr, FUTEX_WAIT, expected, tsp, nullptr, 0);
 }
 
-void futex_wake(uint32_t* addr, int n) { ::syscall(SYS_futex, addr, FUTEX_WAKE, n, nullptr, nullptr, 0); }
+void futex_wake(uint32_t* addr, int n) {
+  ::syscall(SYS_futex, addr, FUTEX_WAKE, n, nullptr, nullptr, 0);
+}
 
 std::optional<Clock::time_point> deadline_of(const ShmQueue::Timeout& t) {
   if (!t) return std::nullopt;
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::max(*t, std::chrono::duration<double>(0)));
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::max(*t, std::chrono::duration<double>(0)));
 }
 
 bool expired(const std::optional<Clock::time_point>& d) { return d && Clock::now() >= *d; }
@@ -149,15 +153,17 @@ std::string spill_name(int creator, uint64_t n) {
 }
 
 void write_spill(const std::string& name, const std::string& bytes) {
-  const int fd = retry_eintr([&] { return ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600); });
+  const int fd = retry_eintr(
+      [&] { return ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600); });
   if (fd < 0) throw ShmError("shm_open", errno, name, "queue message spill");
   UniqueFd owner(fd);
   const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(std::max<size_t>(bytes.size(), 1)));
   if (err != 0) {
     ::shm_unlink(name.c_str());
-    throw ShmError("posix_fallocate", err, "/dev/shm",
-                   fmt::format("queue message of {} does not fit (free {})", format_bytes(bytes.size()),
-                               format_bytes(shm_bytes_free(SharingStrategy::kFileSystem))));
+    throw ShmError(
+        "posix_fallocate", err, "/dev/shm",
+        fmt::format("queue message of {} does not fit (free {})", format_bytes(bytes.size()),
+                    format_bytes(shm_bytes_free(SharingStrategy::kFileSystem))));
   }
   if (!bytes.empty()) {
     void* p = ::mmap(nullptr, bytes.size(), PROT_WRITE, MAP_SHARED, fd, 0);
@@ -174,7 +180,9 @@ std::string read_spill(const std::string& name) {
   if (name.rfind("/torchpar_", 0) != 0 || name.find('/', 1) != std::string::npos)
     throw Error("queue ring corrupted (bad spill name)");
   const int fd = retry_eintr([&] { return ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0); });
-  if (fd < 0) throw ShmError("shm_open", errno, name, "a large queue message is gone (was the queue's creating process killed?)");
+  if (fd < 0)
+    throw ShmError("shm_open", errno, name,
+                   "a large queue message is gone (was the queue's creating process killed?)");
   UniqueFd owner(fd);
   ::shm_unlink(name.c_str());  // one getter per message: the name is no longer needed
   struct stat st {};

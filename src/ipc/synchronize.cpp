@@ -98,7 +98,8 @@ std::pair<bool, bool> lock_mutex(pthread_mutex_t* m, Timeout timeout) {
 template <class S>
 std::shared_ptr<SharedPage> load_page(InputArchive& ar) {
   auto page = SharedPage::load(ar, sizeof(S));
-  if (state<S>(page)->magic != kMagic) throw SerializationError("not a torchpar synchronization object");
+  if (state<S>(page)->magic != kMagic)
+    throw SerializationError("not a torchpar synchronization object");
   return page;
 }
 
@@ -111,7 +112,8 @@ using detail::word;
 // ---- Lock / RLock -----------------------------------------------------------------
 
 Lock::Lock() : Lock(false) {}
-Lock::Lock(bool recursive) : page_(detail::SharedPage::create(sizeof(detail::MutexState), "torchpar-lock")) {
+Lock::Lock(bool recursive)
+    : page_(detail::SharedPage::create(sizeof(detail::MutexState), "torchpar-lock")) {
   auto* s = state<detail::MutexState>(page_);
   detail::init_mutex(&s->mu, recursive);
   s->magic = detail::kMagic;
@@ -223,7 +225,8 @@ void Event::load(detail::InputArchive& ar) { page_ = detail::load_page<detail::E
 
 Condition::Condition() : Condition(RLock()) {}
 Condition::Condition(Lock lock)
-    : lock_(std::move(lock)), page_(detail::SharedPage::create(sizeof(detail::CondState), "torchpar-condition")) {
+    : lock_(std::move(lock)),
+      page_(detail::SharedPage::create(sizeof(detail::CondState), "torchpar-condition")) {
   state<detail::CondState>(page_)->magic = detail::kMagic;
 }
 
@@ -364,8 +367,12 @@ void Barrier::reset() {
 }
 
 uint32_t Barrier::parties() const { return state<detail::BarrierState>(page_)->parties; }
-uint32_t Barrier::n_waiting() const { return word(state<detail::BarrierState>(page_)->count).load(); }
-bool Barrier::broken() const { return word(state<detail::BarrierState>(page_)->broken).load() != 0; }
+uint32_t Barrier::n_waiting() const {
+  return word(state<detail::BarrierState>(page_)->count).load();
+}
+bool Barrier::broken() const {
+  return word(state<detail::BarrierState>(page_)->broken).load() != 0;
+}
 
 void Barrier::save(detail::OutputArchive& ar) const {
   detail::SharedPage::save(ar, page_);

@@ -56,7 +56,8 @@ void pool_worker_main(int index, Queue<PoolTask> inbox, Queue<PoolResult> result
 class PoolCore {
  public:
   explicit PoolCore(PoolOptions o) : options_(std::move(o)) {
-    if (options_.processes == 0) options_.processes = std::max(1u, std::thread::hardware_concurrency());
+    if (options_.processes == 0)
+      options_.processes = std::max(1u, std::thread::hardware_concurrency());
     workers_.resize(options_.processes);
     for (size_t i = 0; i < workers_.size(); ++i) start_worker(i);
     thread_ = std::thread([this] { manage(); });
@@ -85,8 +86,10 @@ class PoolCore {
     std::unique_lock<std::mutex> lock(mu_);
     if (!closed_ && !stop_) throw Error("Pool::join() before close() or terminate()");
     auto done = [&] { return finished_; };
-    if (!timeout) finished_cv_.wait(lock, done);
-    else if (!finished_cv_.wait_for(lock, *timeout, done)) return false;
+    if (!timeout)
+      finished_cv_.wait(lock, done);
+    else if (!finished_cv_.wait_for(lock, *timeout, done))
+      return false;
     lock.unlock();
     join_thread();
     return true;
@@ -133,7 +136,8 @@ class PoolCore {
     po.start_method = options_.start_method;
     po.threads = options_.threads;
     PoolInit init = options_.init;
-    if (init.set) init.args = std::make_shared<Payload>(init.make_args());  // fresh exports per worker
+    if (init.set)
+      init.args = std::make_shared<Payload>(init.make_args());  // fresh exports per worker
     WorkerContext context;
     if (options_.worker_context) {
       context.set = true;
@@ -145,7 +149,8 @@ class PoolCore {
   }
 
   // Completes (job, chunk) outside the lock: callbacks may run user code.
-  using Completion = std::tuple<std::shared_ptr<JobState>, uint32_t, std::vector<std::any>, std::exception_ptr>;
+  using Completion =
+      std::tuple<std::shared_ptr<JobState>, uint32_t, std::vector<std::any>, std::exception_ptr>;
 
   void take_result(const PoolResult& r, std::vector<Completion>& done) {
     early_deaths_ = 0;  // workers do get work done
@@ -175,7 +180,8 @@ class PoolCore {
     pending_.clear();
   }
 
-  void fail_chunk(uint64_t job, uint32_t chunk, std::exception_ptr err, std::vector<Completion>& done) {
+  void fail_chunk(uint64_t job, uint32_t chunk, std::exception_ptr err,
+                  std::vector<Completion>& done) {
     auto it = jobs_.find(job);
     if (it == jobs_.end()) return;
     done.emplace_back(it->second, chunk, std::vector<std::any>{}, err);
@@ -185,7 +191,8 @@ class PoolCore {
     }
   }
 
-  void drain_results(std::vector<Completion>& done, std::optional<std::chrono::duration<double>> wait) {
+  void drain_results(std::vector<Completion>& done,
+                     std::optional<std::chrono::duration<double>> wait) {
     try {
       PoolResult r = results_.get(wait.value_or(std::chrono::duration<double>(0)));
       std::lock_guard<std::mutex> lock(mu_);
@@ -241,8 +248,10 @@ class PoolCore {
             // Workers die before doing anything (a failing initializer?): stop replacing them.
             fail_all_pending(std::make_exception_ptr(WorkerLostError(pid, code)), done);
             if (!broken_)
-              std::fprintf(stderr, "torchpar: Pool workers keep dying at start (last exit code %d); "
-                                   "not replacing them\n", code);
+              std::fprintf(stderr,
+                           "torchpar: Pool workers keep dying at start (last exit code %d); "
+                           "not replacing them\n",
+                           code);
             broken_ = true;
             continue;
           }
@@ -290,12 +299,18 @@ class PoolCore {
         w.proc->join(std::chrono::seconds(10));
       }
       for (auto [job, chunk] : w.outstanding)
-        fail_chunk(job, chunk, std::make_exception_ptr(ClosedError("the pool was terminated while this task ran")), done);
+        fail_chunk(
+            job, chunk,
+            std::make_exception_ptr(ClosedError("the pool was terminated while this task ran")),
+            done);
       w.outstanding.clear();
       w.proc.reset();
     }
     for (auto& t : pending_)
-      fail_chunk(t.job, t.chunk, std::make_exception_ptr(ClosedError("the pool was terminated before this task ran")), done);
+      fail_chunk(
+          t.job, t.chunk,
+          std::make_exception_ptr(ClosedError("the pool was terminated before this task ran")),
+          done);
     pending_.clear();
     finished_ = true;
     finished_cv_.notify_all();
@@ -350,7 +365,9 @@ std::shared_ptr<detail::JobState> Pool::submit(detail::PoolCall call,
   return core_->submit(std::move(call), std::move(chunks));
 }
 void Pool::close() { core_->close(); }
-bool Pool::join(std::optional<std::chrono::duration<double>> timeout) { return core_->join(timeout); }
+bool Pool::join(std::optional<std::chrono::duration<double>> timeout) {
+  return core_->join(timeout);
+}
 void Pool::terminate() { core_->terminate(); }
 size_t Pool::size() const { return core_->size(); }
 std::vector<int> Pool::pids() const { return core_->pids(); }

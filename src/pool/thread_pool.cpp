@@ -50,8 +50,10 @@ bool ThreadPoolCore::join(std::optional<std::chrono::duration<double>> timeout) 
     std::unique_lock<std::mutex> lock(mu_);
     if (!closed_ && !stop_) throw Error("join() before close() or terminate()");
     auto done = [&] { return tasks_.empty() && busy_ == 0; };
-    if (!timeout) idle_cv_.wait(lock, done);
-    else if (!idle_cv_.wait_for(lock, *timeout, done)) return false;
+    if (!timeout)
+      idle_cv_.wait(lock, done);
+    else if (!idle_cv_.wait_for(lock, *timeout, done))
+      return false;
   }
   join_threads();
   return true;

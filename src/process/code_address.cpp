@@ -63,9 +63,10 @@ void* from_code_address(const CodeAddress& a) {
       },
       &s);
   if (!s.found)
-    throw Error(fmt::format("spawned child: module '{}' of the target is not loaded here (was it "
-                            "dlopen()ed by the parent?)",
-                            a.module.empty() ? "<main program>" : a.module));
+    throw Error(
+        fmt::format("spawned child: module '{}' of the target is not loaded here (was it "
+                    "dlopen()ed by the parent?)",
+                    a.module.empty() ? "<main program>" : a.module));
   return reinterpret_cast<void*>(s.base + a.offset);
 }
 

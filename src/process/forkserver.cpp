@@ -77,7 +77,9 @@ Client& client() {
 void run_forkserver(int sock) {
   std::map<pid_t, UniqueFd> children;
   for (;;) {
-    struct pollfd pfd {sock, POLLIN, 0};
+    struct pollfd pfd {
+      sock, POLLIN, 0
+    };
     const int r = ::poll(&pfd, 1, 50);
     reap(children);
     if (r <= 0) continue;
@@ -98,7 +100,8 @@ void run_forkserver(int sock) {
       ::close(sock);
       status.reset();
       children.clear();  // the siblings' status channels are the server's, not ours
-      void* slot = ::mmap(nullptr, kErrorSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, slot_fd.get(), 0);
+      void* slot =
+          ::mmap(nullptr, kErrorSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, slot_fd.get(), 0);
       slot_fd.reset();
       if (slot == MAP_FAILED) exit_child(71);
       std::vector<UniqueFd> args;
@@ -116,7 +119,8 @@ void run_forkserver(int sock) {
   exit_child(0);
 }
 
-std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int> arg_fds, int slot_fd) {
+std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int> arg_fds,
+                                          int slot_fd) {
   Client& c = client();
   std::lock_guard<std::mutex> lock(*c.mu);
   if (c.server_pid > 0) {
@@ -151,7 +155,9 @@ std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int
   send_payload(c.sock.get(), req);
   status_theirs.reset();
   // The server answers with the child's pid (it may be starting up: allow time for exec).
-  struct pollfd pfd {status_mine.get(), POLLIN, 0};
+  struct pollfd pfd {
+    status_mine.get(), POLLIN, 0
+  };
   if (::poll(&pfd, 1, 60000) <= 0) throw Error("forkserver did not answer within 60 s");
   int32_t pid = -1;
   if (::recv(status_mine.get(), &pid, sizeof pid, MSG_WAITALL) != sizeof pid || pid <= 0)

@@ -39,6 +39,7 @@ int exec_self(const std::vector<int>& keep, const std::string& env_entry, const 
 /// Starts `record` (+ its argument fds) in a child of the forkserver (started on first
 /// use). Returns the child's pid and the status channel: the server writes the raw wait
 /// status there when the child exits.
-std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int> arg_fds, int slot_fd);
+std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int> arg_fds,
+                                          int slot_fd);
 
 }  // namespace torchpar::detail

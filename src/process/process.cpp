@@ -107,14 +107,16 @@ void start_fork(ProcessImpl& p) {
 // The launch record of a spawn/forkserver child, and its argument payload (for the fds).
 Payload make_record(ProcessImpl& p, const char* method, Payload& args) {
   if (!is_initialized())
-    throw Error(fmt::format("start method '{}' needs torchpar::init(argc, argv) as the first "
-                            "statement of main(): the child re-executes this program and init() "
-                            "runs the target there",
-                            method));
+    throw Error(
+        fmt::format("start method '{}' needs torchpar::init(argc, argv) as the first "
+                    "statement of main(): the child re-executes this program and init() "
+                    "runs the target there",
+                    method));
   if (!p.spec.spawnable)
-    throw Error(fmt::format("start method '{}' cannot run this target: {}; use a free function "
-                            "or the 'fork' start method",
-                            method, p.spec.not_spawnable_reason));
+    throw Error(
+        fmt::format("start method '{}' cannot run this target: {}; use a free function "
+                    "or the 'fork' start method",
+                    method, p.spec.not_spawnable_reason));
   args = p.spec.make_args();
   LaunchRecord rec;
   rec.trampoline = to_code_address(reinterpret_cast<const void*>(p.spec.trampoline));
@@ -140,7 +142,8 @@ void start_spawn(ProcessImpl& p) {
   UniqueFd slot_fd = make_slot(&slot);
   p.slot = slot;
   std::vector<int> keep{record_fd.get(), slot_fd.get()};
-  std::string spec = fmt::format("TORCHPAR_SPAWN={},{},{}", record_fd.get(), slot_fd.get(), ::getpid());
+  std::string spec =
+      fmt::format("TORCHPAR_SPAWN={},{},{}", record_fd.get(), slot_fd.get(), ::getpid());
   for (const auto& fd : args.fds) {
     keep.push_back(fd.get());
     spec += fmt::format(",{}", fd.get());
@@ -162,9 +165,10 @@ void start_forkserver(ProcessImpl& p, Payload record, const std::vector<int>& ar
 int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what,
               bool die_with_parent) {
   if (!is_initialized())
-    throw Error("start methods 'spawn' and 'forkserver' need torchpar::init(argc, argv) as the "
-                "first statement of main(): the child re-executes this program and init() runs "
-                "the target there");
+    throw Error(
+        "start methods 'spawn' and 'forkserver' need torchpar::init(argc, argv) as the "
+        "first statement of main(): the child re-executes this program and init() runs "
+        "the target there");
   // Everything the child needs is built before the fork: after it, only raw syscalls.
   const std::string var = env_entry.substr(0, env_entry.find('=') + 1);
   std::vector<std::string> env_strings;
@@ -197,9 +201,7 @@ int exec_self(const std::vector<int>& keep, const std::string& env_entry, const 
   return static_cast<int>(pid);
 }
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 }  // namespace detail
 
 Process::Process(ProcessOptions options, detail::LaunchSpec spec)
@@ -264,7 +266,9 @@ void record_exit(detail::ProcessImpl& p, int status) {
   }
 }
 bool poll_status(detail::ProcessImpl& p, int wait_ms) {
-  struct pollfd pfd {p.status.get(), POLLIN, 0};
+  struct pollfd pfd {
+    p.status.get(), POLLIN, 0
+  };
   if (::poll(&pfd, 1, wait_ms) <= 0) return false;
   int32_t st = 0;
   const ssize_t n = ::recv(p.status.get(), &st, sizeof st, MSG_WAITALL);
@@ -279,9 +283,11 @@ bool Process::join(std::optional<std::chrono::duration<double>> timeout) {
   auto& p = *impl_;
   if (!p.started) throw Error(fmt::format("{}: join() before start()", p.options.name));
   if (p.exitcode) return true;
-  const auto deadline = timeout ? std::optional(std::chrono::steady_clock::now() +
-                                                std::chrono::duration_cast<std::chrono::steady_clock::duration>(*timeout))
-                                : std::nullopt;
+  const auto deadline =
+      timeout
+          ? std::optional(std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(*timeout))
+          : std::nullopt;
   if (p.status.valid()) {
     for (;;) {
       int wait_ms = 100;
@@ -314,10 +320,13 @@ bool Process::join(std::optional<std::chrono::duration<double>> timeout) {
       wait_ms = static_cast<int>(std::min<int64_t>(left.count(), INT32_MAX));
     }
     if (p.pidfd.valid()) {
-      struct pollfd pfd {p.pidfd.get(), POLLIN, 0};
+      struct pollfd pfd {
+        p.pidfd.get(), POLLIN, 0
+      };
       ::poll(&pfd, 1, wait_ms);
     } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(wait_ms < 0 ? 5 : std::min(wait_ms, 5)));
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(wait_ms < 0 ? 5 : std::min(wait_ms, 5)));
     }
   }
 }

@@ -66,13 +66,16 @@ bool ProcessContext::join(std::optional<std::chrono::duration<double>> timeout) 
     if (timeout) {
       const auto left = *timeout - (std::chrono::steady_clock::now() - start);
       if (left.count() <= 0) return false;
-      wait_ms = std::min(100, static_cast<int>(std::chrono::duration<double, std::milli>(left).count()) + 1);
+      wait_ms = std::min(
+          100, static_cast<int>(std::chrono::duration<double, std::milli>(left).count()) + 1);
     }
     std::vector<pollfd> fds;
     for (auto& p : processes_)
       if (p.pidfd() >= 0) fds.push_back({p.pidfd(), POLLIN, 0});
-    if (!fds.empty()) ::poll(fds.data(), fds.size(), wait_ms);
-    else std::this_thread::sleep_for(std::chrono::milliseconds(std::min(wait_ms, 5)));
+    if (!fds.empty())
+      ::poll(fds.data(), fds.size(), wait_ms);
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(wait_ms, 5)));
   }
 }
 

@@ -109,9 +109,12 @@ void set_start_method(const std::string& method) {
 
 std::string to_string(StartMethod m) {
   switch (m) {
-    case StartMethod::kFork: return "fork";
-    case StartMethod::kSpawn: return "spawn";
-    case StartMethod::kForkserver: return "forkserver";
+    case StartMethod::kFork:
+      return "fork";
+    case StartMethod::kSpawn:
+      return "spawn";
+    case StartMethod::kForkserver:
+      return "forkserver";
   }
   return "?";
 }

@@ -20,9 +20,19 @@ constexpr uint32_t kNoFd = 0xFFFFFFFFu;  // the fd did not travel with the paylo
 
 bool supported_dtype(int8_t v) {
   switch (static_cast<at::ScalarType>(v)) {
-    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
-    case at::kHalf: case at::kFloat: case at::kDouble: case at::kComplexHalf:
-    case at::kComplexFloat: case at::kComplexDouble: case at::kBool: case at::kBFloat16:
+    case at::kByte:
+    case at::kChar:
+    case at::kShort:
+    case at::kInt:
+    case at::kLong:
+    case at::kHalf:
+    case at::kFloat:
+    case at::kDouble:
+    case at::kComplexHalf:
+    case at::kComplexFloat:
+    case at::kComplexDouble:
+    case at::kBool:
+    case at::kBFloat16:
       return true;
     default:
       return false;
@@ -56,16 +66,16 @@ std::pair<uint32_t, bool> OutputArchive::storage_id(const c10::StorageImpl* impl
   if (inserted) {
     // Hold the storage until dumps returns: a temporary (resolve_conj) freed early could
     // hand its address to the next one, which would then alias the wrong id.
-    kept_.emplace_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
-        const_cast<c10::StorageImpl*>(impl)));
+    kept_.emplace_back(
+        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(impl)));
   }
   return {it->second, inserted};
 }
 
 UniqueFd InputArchive::take_fd(uint32_t index) const {
   if (index >= in_.fds.size() || !in_.fds[index].valid())
-    throw SerializationError(fmt::format("value refers to fd #{} but the payload has {}", index,
-                                         in_.fds.size()));
+    throw SerializationError(
+        fmt::format("value refers to fd #{} but the payload has {}", index, in_.fds.size()));
   return in_.fds[index].dup();
 }
 
@@ -79,7 +89,8 @@ std::shared_ptr<void> InputArchive::get_shared(uint32_t id, std::type_index type
   if (it == shared_.end())
     throw SerializationError(fmt::format("shared_ptr id {} used before it was defined", id));
   if (it->second.first != type)
-    throw SerializationError(fmt::format("shared_ptr id {} refers to an object of another type", id));
+    throw SerializationError(
+        fmt::format("shared_ptr id {} refers to an object of another type", id));
   return it->second.second;
 }
 
@@ -112,8 +123,8 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
               "dumps: only strided, non-quantized tensors can be serialized");
   at::Tensor t = tensor.detach();
   if (t.is_conj() || t.is_neg()) t = t.resolve_conj().resolve_neg();
-  TORCH_CHECK(supported_dtype(static_cast<int8_t>(t.scalar_type())),
-              "dumps: unsupported dtype ", t.scalar_type());
+  TORCH_CHECK(supported_dtype(static_cast<int8_t>(t.scalar_type())), "dumps: unsupported dtype ",
+              t.scalar_type());
   write<int8_t>(ar, static_cast<int8_t>(t.scalar_type()));
   write<uint8_t>(ar, static_cast<uint8_t>(t.dim()));
   for (auto s : t.sizes()) write<int64_t>(ar, s);
@@ -230,16 +241,18 @@ void load_payload(const Payload& payload, const std::function<void(InputArchive&
     char magic[4];
     uint8_t version = 0;
     if (payload.bytes.size() < 5)
-      throw SerializationError(fmt::format("payload of {} bytes is too short", payload.bytes.size()));
+      throw SerializationError(
+          fmt::format("payload of {} bytes is too short", payload.bytes.size()));
     ar.loadBinary(magic, 4);
     ar.loadBinary(&version, 1);
-    if (std::memcmp(magic, kMagic, 4) != 0) throw SerializationError("not a torchpar payload (bad magic)");
+    if (std::memcmp(magic, kMagic, 4) != 0)
+      throw SerializationError("not a torchpar payload (bad magic)");
     if (version != kFormatVersion)
       throw SerializationError(fmt::format("unsupported payload format version {}", version));
     body(ar);
     if (ar.remaining() != 0)
-      throw SerializationError(fmt::format("{} trailing bytes after the value (wrong type?)",
-                                           ar.remaining()));
+      throw SerializationError(
+          fmt::format("{} trailing bytes after the value (wrong type?)", ar.remaining()));
   } catch (const SerializationError&) {
     throw;
   } catch (const std::exception& e) {

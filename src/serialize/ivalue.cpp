@@ -11,44 +11,74 @@ namespace torchpar::detail {
 namespace {
 
 enum class Tag : uint8_t {
-  kNone = 0, kBool, kInt, kDouble, kComplex, kString, kTensor, kList, kDict, kTuple
+  kNone = 0,
+  kBool,
+  kInt,
+  kDouble,
+  kComplex,
+  kString,
+  kTensor,
+  kList,
+  kDict,
+  kTuple
 };
 enum class TypeCode : uint8_t { kAny = 0, kInt, kFloat, kBool, kTensor, kString, kComplex };
 
 TypeCode code_of(const c10::TypePtr& t) {
   switch (t->kind()) {
-    case c10::TypeKind::IntType: return TypeCode::kInt;
-    case c10::TypeKind::FloatType: return TypeCode::kFloat;
-    case c10::TypeKind::BoolType: return TypeCode::kBool;
-    case c10::TypeKind::TensorType: return TypeCode::kTensor;
-    case c10::TypeKind::StringType: return TypeCode::kString;
-    case c10::TypeKind::ComplexType: return TypeCode::kComplex;
-    default: return TypeCode::kAny;
+    case c10::TypeKind::IntType:
+      return TypeCode::kInt;
+    case c10::TypeKind::FloatType:
+      return TypeCode::kFloat;
+    case c10::TypeKind::BoolType:
+      return TypeCode::kBool;
+    case c10::TypeKind::TensorType:
+      return TypeCode::kTensor;
+    case c10::TypeKind::StringType:
+      return TypeCode::kString;
+    case c10::TypeKind::ComplexType:
+      return TypeCode::kComplex;
+    default:
+      return TypeCode::kAny;
   }
 }
 
 c10::TypePtr type_of(uint8_t code) {
   switch (static_cast<TypeCode>(code)) {
-    case TypeCode::kAny: return c10::AnyType::get();
-    case TypeCode::kInt: return c10::IntType::get();
-    case TypeCode::kFloat: return c10::FloatType::get();
-    case TypeCode::kBool: return c10::BoolType::get();
-    case TypeCode::kTensor: return c10::TensorType::get();
-    case TypeCode::kString: return c10::StringType::get();
-    case TypeCode::kComplex: return c10::ComplexType::get();
+    case TypeCode::kAny:
+      return c10::AnyType::get();
+    case TypeCode::kInt:
+      return c10::IntType::get();
+    case TypeCode::kFloat:
+      return c10::FloatType::get();
+    case TypeCode::kBool:
+      return c10::BoolType::get();
+    case TypeCode::kTensor:
+      return c10::TensorType::get();
+    case TypeCode::kString:
+      return c10::StringType::get();
+    case TypeCode::kComplex:
+      return c10::ComplexType::get();
   }
   throw SerializationError(fmt::format("invalid IValue type code {}", code));
 }
 
 bool matches(uint8_t code, const c10::IValue& v) {
   switch (static_cast<TypeCode>(code)) {
-    case TypeCode::kAny: return true;
-    case TypeCode::kInt: return v.isInt();
-    case TypeCode::kFloat: return v.isDouble();
-    case TypeCode::kBool: return v.isBool();
-    case TypeCode::kTensor: return v.isTensor();
-    case TypeCode::kString: return v.isString();
-    case TypeCode::kComplex: return v.isComplexDouble();
+    case TypeCode::kAny:
+      return true;
+    case TypeCode::kInt:
+      return v.isInt();
+    case TypeCode::kFloat:
+      return v.isDouble();
+    case TypeCode::kBool:
+      return v.isBool();
+    case TypeCode::kTensor:
+      return v.isTensor();
+    case TypeCode::kString:
+      return v.isString();
+    case TypeCode::kComplex:
+      return v.isComplexDouble();
   }
   return false;
 }
@@ -58,7 +88,9 @@ bool hashable_key(const c10::IValue& v) {
 }
 
 template <class T>
-void put(OutputArchive& ar, T v) { ar.saveBinary(&v, sizeof v); }
+void put(OutputArchive& ar, T v) {
+  ar.saveBinary(&v, sizeof v);
+}
 template <class T>
 T get(InputArchive& ar) {
   T v{};
@@ -123,10 +155,18 @@ void load_ivalue(InputArchive& ar, c10::IValue& v) {
   InputArchive::DepthGuard guard(ar);
   const auto tag = get<uint8_t>(ar);
   switch (static_cast<Tag>(tag)) {
-    case Tag::kNone: v = c10::IValue(); return;
-    case Tag::kBool: v = get<bool>(ar); return;
-    case Tag::kInt: v = get<int64_t>(ar); return;
-    case Tag::kDouble: v = get<double>(ar); return;
+    case Tag::kNone:
+      v = c10::IValue();
+      return;
+    case Tag::kBool:
+      v = get<bool>(ar);
+      return;
+    case Tag::kInt:
+      v = get<int64_t>(ar);
+      return;
+    case Tag::kDouble:
+      v = get<double>(ar);
+      return;
     case Tag::kComplex: {
       double re = get<double>(ar), im = get<double>(ar);
       v = c10::complex<double>(re, im);

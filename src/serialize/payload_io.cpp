@@ -28,7 +28,9 @@ struct FrameHeader {
 void send_with_fds(int sock, const char* data, size_t len, const int* fds, size_t nfds) {
   alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kFdsPerMessage)];
   while (len > 0) {
-    struct iovec iov {const_cast<char*>(data), len};
+    struct iovec iov {
+      const_cast<char*>(data), len
+    };
     struct msghdr msg {};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
@@ -57,11 +59,16 @@ using Deadline = std::optional<Clock::time_point>;
 void wait_readable(int sock, const Deadline& deadline) {
   if (!deadline) return;
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
-    struct pollfd pfd {sock, POLLIN, 0};
-    const int r = ::poll(&pfd, 1, static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX)));
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
+    struct pollfd pfd {
+      sock, POLLIN, 0
+    };
+    const int r =
+        ::poll(&pfd, 1, static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX)));
     if (r > 0) return;
-    if (r < 0 && errno != EINTR) detail::throw_system_error("poll", errno, fmt::format("socket fd {}", sock));
+    if (r < 0 && errno != EINTR)
+      detail::throw_system_error("poll", errno, fmt::format("socket fd {}", sock));
     if (r == 0 && Clock::now() >= *deadline)
       throw TimeoutError("recv_payload: the frame did not arrive before the deadline");
   }
@@ -74,7 +81,9 @@ void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bo
   size_t got = 0;
   while (got < len) {
     wait_readable(sock, deadline);
-    struct iovec iov {data + got, len - got};
+    struct iovec iov {
+      data + got, len - got
+    };
     struct msghdr msg {};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
@@ -93,12 +102,15 @@ void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bo
       }
     }
     if ((msg.msg_flags & MSG_CTRUNC) != 0)
-      throw SerializationError("file descriptors were dropped in transit (MSG_CTRUNC); raise "
-                               "RLIMIT_NOFILE");
+      throw SerializationError(
+          "file descriptors were dropped in transit (MSG_CTRUNC); raise "
+          "RLIMIT_NOFILE");
     if (n == 0) {
       if (at_start && got == 0) throw ClosedError("recv_payload: the peer closed the connection");
-      throw ClosedError(fmt::format("recv_payload: the peer closed the connection mid-frame "
-                                    "({} of {} bytes)", got, len));
+      throw ClosedError(
+          fmt::format("recv_payload: the peer closed the connection mid-frame "
+                      "({} of {} bytes)",
+                      got, len));
     }
     got += static_cast<size_t>(n);
   }
@@ -129,7 +141,8 @@ Payload recv_payload(int sock, std::optional<std::chrono::milliseconds> timeout)
   FrameHeader h{};
   recv_exact(sock, reinterpret_cast<char*>(&h), sizeof h, &p.fds, /*at_start=*/true, deadline);
   if (h.magic != kFrameMagic) throw SerializationError("recv_payload: bad frame magic");
-  if (h.nfds > kMaxFds) throw SerializationError(fmt::format("recv_payload: frame claims {} fds", h.nfds));
+  if (h.nfds > kMaxFds)
+    throw SerializationError(fmt::format("recv_payload: frame claims {} fds", h.nfds));
   while (p.fds.size() < h.nfds) {
     char one = 0;
     const size_t before = p.fds.size();
@@ -137,7 +150,8 @@ Payload recv_payload(int sock, std::optional<std::chrono::milliseconds> timeout)
     if (p.fds.size() == before) throw SerializationError("recv_payload: fd message without fds");
   }
   if (p.fds.size() != h.nfds)
-    throw SerializationError(fmt::format("recv_payload: expected {} fds, got {}", h.nfds, p.fds.size()));
+    throw SerializationError(
+        fmt::format("recv_payload: expected {} fds, got {}", h.nfds, p.fds.size()));
   // Grow with what actually arrives: a lying header cannot make us allocate.
   constexpr size_t kStep = 64 << 20;
   p.bytes.reserve(std::min<uint64_t>(h.nbytes, kStep));

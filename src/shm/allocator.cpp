@@ -1,7 +1,7 @@
 #include "allocator.h"
 
-#include <pthread.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,15 +20,16 @@
 namespace torchpar::detail {
 namespace {
 
-constexpr uint64_t kMinBlock = 512;             // smallest slab size class
-constexpr uint64_t kMaxSlabBlock = 256 << 10;   // larger storages get their own segment
-constexpr uint64_t kSlabBytes = 2 << 20;        // data bytes per slab segment
-constexpr uint64_t kLargeRound = 2 << 20;       // large segments round up to 2 MiB
-constexpr size_t kMaxPending = 1 << 20;         // released-but-still-referenced blocks kept
+constexpr uint64_t kMinBlock = 512;            // smallest slab size class
+constexpr uint64_t kMaxSlabBlock = 256 << 10;  // larger storages get their own segment
+constexpr uint64_t kSlabBytes = 2 << 20;       // data bytes per slab segment
+constexpr uint64_t kLargeRound = 2 << 20;      // large segments round up to 2 MiB
+constexpr size_t kMaxPending = 1 << 20;        // released-but-still-referenced blocks kept
 
 uint64_t cache_limit_bytes() {
   static const uint64_t limit = []() -> uint64_t {
-    if (const char* v = std::getenv("TORCHPAR_SHM_CACHE_BYTES")) return std::strtoull(v, nullptr, 10);
+    if (const char* v = std::getenv("TORCHPAR_SHM_CACHE_BYTES"))
+      return std::strtoull(v, nullptr, 10);
     return uint64_t{1} << 30;
   }();
   return limit;
@@ -143,8 +144,10 @@ void link_live(State& s, BlockRef* r) {
 }
 
 void unlink_live(State& s, BlockRef* r) {
-  if (r->prev != nullptr) r->prev->next = r->next;
-  else s.live = r->next;
+  if (r->prev != nullptr)
+    r->prev->next = r->next;
+  else
+    s.live = r->next;
   if (r->next != nullptr) r->next->prev = r->prev;
   --s.live_count;
 }
@@ -209,8 +212,10 @@ at::DataPtr make_data_ptr(State& s, std::shared_ptr<Segment> seg, uint32_t block
 void register_mapped(State& s, const std::shared_ptr<Segment>& seg) {
   if (s.mapped.size() > 1024) {  // drop expired entries now and then
     for (auto it = s.mapped.begin(); it != s.mapped.end();) {
-      if (it->second.expired()) it = s.mapped.erase(it);
-      else ++it;
+      if (it->second.expired())
+        it = s.mapped.erase(it);
+      else
+        ++it;
     }
   }
   s.mapped[seg->key()] = seg;
@@ -308,8 +313,10 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
           return make_data_ptr(s, slab->seg, b, nbytes, true);
         }
       }
-      if (attempt == 0 && !s.pending.empty()) reclaim_pending(s);
-      else break;
+      if (attempt == 0 && !s.pending.empty())
+        reclaim_pending(s);
+      else
+        break;
     }
     const uint64_t block_size = kMinBlock << c;
     const auto nblocks = static_cast<uint32_t>(kSlabBytes / block_size);
@@ -401,8 +408,10 @@ at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd) {
                                                        : Segment::open_name(h.name);
     std::lock_guard<std::mutex> lock(s.mu);
     auto it = s.mapped.find(key);
-    if (auto existing = it == s.mapped.end() ? nullptr : it->second.lock()) seg = existing;
-    else register_mapped(s, seg);
+    if (auto existing = it == s.mapped.end() ? nullptr : it->second.lock())
+      seg = existing;
+    else
+      register_mapped(s, seg);
   }
   {
     std::vector<std::shared_ptr<Segment>> drop;
@@ -410,20 +419,23 @@ at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd) {
     keep_recent(s, seg, drop);
   }
   if (seg->total_size() != segment_bytes)
-    throw SerializationError(fmt::format("shared tensor handle says its segment has {} bytes, "
-                                         "the segment has {}",
-                                         segment_bytes, seg->total_size()));
+    throw SerializationError(
+        fmt::format("shared tensor handle says its segment has {} bytes, "
+                    "the segment has {}",
+                    segment_bytes, seg->total_size()));
   if (block >= seg->num_blocks() || nbytes > seg->block_size())
-    throw SerializationError(fmt::format("shared tensor handle names block {} of {} bytes; the "
-                                         "segment has {} blocks of {} bytes",
-                                         block, nbytes, seg->num_blocks(), seg->block_size()));
+    throw SerializationError(
+        fmt::format("shared tensor handle names block {} of {} bytes; the "
+                    "segment has {} blocks of {} bytes",
+                    block, nbytes, seg->num_blocks(), seg->block_size()));
   // Claim one export of the block: the reference it carries becomes this storage's.
   auto exports = seg->exports(block);
   uint32_t cur = exports.load();
   do {
     if (cur == 0)
-      throw SerializationError("shared tensor handle was already imported, or never exported: "
-                               "a payload made with copy_tensor=false can be loaded once");
+      throw SerializationError(
+          "shared tensor handle was already imported, or never exported: "
+          "a payload made with copy_tensor=false can be loaded once");
   } while (!exports.compare_exchange_weak(cur, cur - 1));
   std::lock_guard<std::mutex> lock(s.mu);
   return make_data_ptr(s, std::move(seg), block, nbytes, false);

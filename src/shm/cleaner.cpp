@@ -69,8 +69,9 @@ void unlink_own_segments() noexcept {
   ::closedir(d);
 }
 
-
-std::string segment_prefix(int pid) { return fmt::format("torchpar_{}_{:x}_", pid, pid_namespace()); }
+std::string segment_prefix(int pid) {
+  return fmt::format("torchpar_{}_{:x}_", pid, pid_namespace());
+}
 
 size_t sweep_dead_segments() {
   DIR* d = ::opendir("/dev/shm");
@@ -83,7 +84,8 @@ size_t sweep_dead_segments() {
     const long pid = std::strtol(e->d_name + 9, &end, 10);
     if (pid <= 0 || end == nullptr || *end != '_') continue;
     const unsigned long their_ns = std::strtoul(end + 1, &end, 16);
-    if (end == nullptr || *end != '_' || their_ns != ns) continue;  // another namespace: not ours to judge
+    if (end == nullptr || *end != '_' || their_ns != ns)
+      continue;  // another namespace: not ours to judge
     if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
       if (::unlinkat(::dirfd(d), e->d_name, 0) == 0) ++removed;
     }
@@ -98,7 +100,8 @@ std::string make_segment_name() {
     std::random_device rd;
     g_counter.store((static_cast<uint64_t>(rd()) << 32) ^ rd());
   }
-  return fmt::format("/{}{:x}", segment_prefix(static_cast<int>(::getpid())), g_counter.fetch_add(1));
+  return fmt::format("/{}{:x}", segment_prefix(static_cast<int>(::getpid())),
+                     g_counter.fetch_add(1));
 }
 
 void ensure_cleaner() {
@@ -115,8 +118,8 @@ void ensure_cleaner() {
 
   // Everything the child needs is built here, before the fork: after it, only raw syscalls.
   // `tail --pid` returns 0 once the process is gone; any failure to wait skips the rm.
-  const std::string script =
-      fmt::format("tail --pid={} -s 0.2 -f /dev/null && rm -f /dev/shm/{}*", self, segment_prefix(self));
+  const std::string script = fmt::format("tail --pid={} -s 0.2 -f /dev/null && rm -f /dev/shm/{}*",
+                                         self, segment_prefix(self));
   const char* argv[] = {"sh", "-c", script.c_str(), nullptr};
   struct rlimit rl {};
   ::getrlimit(RLIMIT_NOFILE, &rl);

@@ -7,9 +7,9 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
-#include <atomic>
 #include <mutex>
 
 #include <pthread.h>
@@ -119,8 +119,7 @@ std::shared_ptr<Segment> Segment::create(SharingStrategy strategy, uint64_t bloc
   });
   if (err == ENOSPC || err == ENOMEM) throw_no_space(strategy, err, total);
   if (err != 0) throw_shm("posix_fallocate", err, what);
-  if (strategy == SharingStrategy::kFileDescriptor &&
-      ::fcntl(fd.get(), F_ADD_SEALS, kSeals) != 0) {
+  if (strategy == SharingStrategy::kFileDescriptor && ::fcntl(fd.get(), F_ADD_SEALS, kSeals) != 0) {
     throw_shm("fcntl(F_ADD_SEALS)", errno, what);
   }
   seg->fd_ = std::move(fd);

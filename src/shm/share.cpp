@@ -65,9 +65,10 @@ void check_view_fits(at::ScalarType dtype, const std::vector<int64_t>& sizes,
                      const std::vector<int64_t>& strides, int64_t storage_offset,
                      uint64_t storage_nbytes) {
   if (sizes.size() != strides.size())
-    throw SerializationError(fmt::format("tensor has {} sizes but {} strides", sizes.size(),
-                                         strides.size()));
-  if (sizes.size() > 64) throw SerializationError(fmt::format("tensor has {} dims (max 64)", sizes.size()));
+    throw SerializationError(
+        fmt::format("tensor has {} sizes but {} strides", sizes.size(), strides.size()));
+  if (sizes.size() > 64)
+    throw SerializationError(fmt::format("tensor has {} dims (max 64)", sizes.size()));
   if (storage_offset < 0) throw SerializationError("tensor has a negative storage offset");
   const uint64_t item = c10::elementSize(dtype);
   // Highest element index touched; an empty tensor touches nothing. Every term is below
@@ -88,10 +89,10 @@ void check_view_fits(at::ScalarType dtype, const std::vector<int64_t>& sizes,
   }
   if (empty) return;
   if (last >= storage_nbytes / item)
-    throw SerializationError(fmt::format("tensor view (offset {}, sizes {}, strides {}) needs more "
-                                         "than the {} bytes of its storage",
-                                         storage_offset, fmt::join(sizes, "x"),
-                                         fmt::join(strides, ","), storage_nbytes));
+    throw SerializationError(fmt::format(
+        "tensor view (offset {}, sizes {}, strides {}) needs more "
+        "than the {} bytes of its storage",
+        storage_offset, fmt::join(sizes, "x"), fmt::join(strides, ","), storage_nbytes));
 }
 
 }  // namespace detail

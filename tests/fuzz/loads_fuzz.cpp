@@ -39,9 +39,9 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   if (dir.empty() || !std::filesystem::is_directory(dir) || !std::filesystem::is_empty(dir))
     return 0;
   at::Tensor t = at::arange(12, at::kFloat).reshape({3, 4});
-  c10::IValue iv = c10::ivalue::Tuple::create(
-      {c10::IValue(t), c10::IValue("s"), c10::IValue(c10::List<int64_t>({1, 2})),
-       c10::IValue(2.5), c10::IValue(true), c10::IValue()});
+  c10::IValue iv = c10::ivalue::Tuple::create({c10::IValue(t), c10::IValue("s"),
+                                               c10::IValue(c10::List<int64_t>({1, 2})),
+                                               c10::IValue(2.5), c10::IValue(true), c10::IValue()});
   Record r{{"a", "bc"}, {{1, 2.0}, {2, std::string("x")}}, t.t()};
   std::vector<torchpar::Payload> seeds;
   seeds.push_back(torchpar::dumps(iv));
@@ -60,12 +60,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   // The first byte picks the type; the rest follows a valid header so that the fuzzer
   // spends its time past the magic check.
-  torchpar::Payload p{std::string("TPAR\1") + std::string(reinterpret_cast<const char*>(data + 1), size - 1), {}};
+  torchpar::Payload p{
+      std::string("TPAR\1") + std::string(reinterpret_cast<const char*>(data + 1), size - 1), {}};
   switch (data[0] % 4) {
-    case 0: try_load<c10::IValue>(p); break;
-    case 1: try_load<at::Tensor>(p); break;
-    case 2: try_load<Record>(p); break;
-    default: try_load<std::vector<at::Tensor>>(p); break;
+    case 0:
+      try_load<c10::IValue>(p);
+      break;
+    case 1:
+      try_load<at::Tensor>(p);
+      break;
+    case 2:
+      try_load<Record>(p);
+      break;
+    default:
+      try_load<std::vector<at::Tensor>>(p);
+      break;
   }
   return 0;
 }

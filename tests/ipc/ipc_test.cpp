@@ -110,10 +110,11 @@ TEST_P(Ipc, QueueSharesByDefaultAndCopiesOnRequest) {
   for (bool copy : {false, true}) {
     tp::Queue<at::Tensor> in(0, {.copy_tensor = copy});
     tp::Queue<std::string> out;
-    auto ctx = tp::start_processes([](int, tp::Queue<at::Tensor> i, tp::Queue<std::string> o) {
-                                     queue_modify(std::move(i), std::move(o));
-                                   },
-                                   std::make_tuple(in, out), 1, opts(false));
+    auto ctx = tp::start_processes(
+        [](int, tp::Queue<at::Tensor> i, tp::Queue<std::string> o) {
+          queue_modify(std::move(i), std::move(o));
+        },
+        std::make_tuple(in, out), 1, opts(false));
     at::Tensor t = at::zeros({16});
     in.put(t);
     EXPECT_EQ(out.get(30s), "modified");

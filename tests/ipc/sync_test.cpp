@@ -27,7 +27,9 @@ void add_under_lock(int, tp::Value<int64_t> v, tp::Array<int64_t> a, int n) {
   }
 }
 
-void barrier_party(int, tp::Barrier b, tp::Queue<int> out) { out.put(static_cast<int>(b.wait(30s))); }
+void barrier_party(int, tp::Barrier b, tp::Queue<int> out) {
+  out.put(static_cast<int>(b.wait(30s)));
+}
 
 void wait_event(int, tp::Event e, tp::Queue<std::string> out) {
   out.put(e.wait(30s) ? "set" : "timeout");

@@ -83,7 +83,8 @@ TEST_P(PoolTest, MapImapStarmapApply) {
   auto u = pool.imap_unordered(square, items, 2);
   while (auto v = u.next(30s)) un.insert(*v);
   EXPECT_EQ(un.size(), 50u);
-  EXPECT_EQ(pool.starmap(add, std::vector<std::tuple<int, int>>{{1, 2}, {3, 4}}), (std::vector<int>{3, 7}));
+  EXPECT_EQ(pool.starmap(add, std::vector<std::tuple<int, int>>{{1, 2}, {3, 4}}),
+            (std::vector<int>{3, 7}));
   EXPECT_EQ(pool.apply(add, std::make_tuple(20, 22)), 42);
   EXPECT_EQ(pool.apply([](int x) { return x + 1; }, std::make_tuple(1)), 2) << "captureless lambda";
   EXPECT_TRUE(pool.map(square, std::vector<int>{}).empty());

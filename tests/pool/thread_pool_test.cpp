@@ -50,14 +50,22 @@ TEST(ThreadPool, ApplyAsyncCallbacksAndErrors) {
   EXPECT_FALSE(bad.successful());
   for (int i = 0; i < 100 && !errored; ++i) std::this_thread::sleep_for(1ms);
   EXPECT_TRUE(errored);
-  auto slow = pool.apply_async([](int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); return 0; },
-                               std::make_tuple(300));
+  auto slow = pool.apply_async(
+      [](int ms) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+        return 0;
+      },
+      std::make_tuple(300));
   EXPECT_THROW(slow.get(0.01s), tp::TimeoutError);
   EXPECT_FALSE(slow.wait(0.01s));
   EXPECT_EQ(slow.get(10s), 0);
   // An exception in one chunk of imap surfaces at that item; the rest go on.
-  auto it = pool.imap([](int x) { if (x == 2) throw std::runtime_error("two"); return x; },
-                      std::vector<int>{0, 1, 2, 3}, 1);
+  auto it = pool.imap(
+      [](int x) {
+        if (x == 2) throw std::runtime_error("two");
+        return x;
+      },
+      std::vector<int>{0, 1, 2, 3}, 1);
   EXPECT_EQ(it.next(10s), 0);
   EXPECT_EQ(it.next(10s), 1);
   EXPECT_THROW(it.next(10s), std::runtime_error);
@@ -83,8 +91,12 @@ TEST(ThreadPool, CloseJoinTerminate) {
   EXPECT_EQ(r.get(1s), 5);
 
   tp::ThreadPool busy(1);
-  auto running = busy.apply_async([](int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); return 1; },
-                                  std::make_tuple(200));
+  auto running = busy.apply_async(
+      [](int ms) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+        return 1;
+      },
+      std::make_tuple(200));
   auto queued = busy.apply_async([](int x) { return x; }, std::make_tuple(2));
   std::this_thread::sleep_for(20ms);
   busy.terminate();

@@ -254,7 +254,8 @@ TEST(Process, ChildrenDieWithTheirParent) {
       if (FILE* f = std::fopen(path, "r")) {
         int pid_read = 0;
         char comm[256], state = '?';
-        if (std::fscanf(f, "%d %255s %c", &pid_read, comm, &state) == 3 && state == 'Z') gone = true;
+        if (std::fscanf(f, "%d %255s %c", &pid_read, comm, &state) == 3 && state == 'Z')
+          gone = true;
         std::fclose(f);
       }
     }

@@ -165,7 +165,9 @@ TEST_P(SerializeTensor, IValues) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, SerializeTensor, ::testing::Values(true, false),
-                         [](const auto& param_info) { return param_info.param ? "copy" : "shared"; });
+                         [](const auto& param_info) {
+                           return param_info.param ? "copy" : "shared";
+                         });
 
 TEST(SerializeHostile, EveryTruncationThrows) {
   Batch b{at::randn({4, 2}), at::arange(4), {{1, 2, "x"}}, {{"k", {1}}}};
@@ -204,8 +206,8 @@ TEST(SerializeHostile, HugeSizeClaimsDoNotAllocate) {
 
 TEST(SerializeHostile, RandomAndMutatedBytesNeverCrash) {
   std::mt19937_64 rng(1234);
-  c10::IValue v = c10::ivalue::Tuple::create({c10::IValue(at::ones({3})), c10::IValue("s"),
-                                              c10::IValue(c10::List<int64_t>({1, 2}))});
+  c10::IValue v = c10::ivalue::Tuple::create(
+      {c10::IValue(at::ones({3})), c10::IValue("s"), c10::IValue(c10::List<int64_t>({1, 2}))});
   tp::Payload good = tp::dumps(v);
   int rejected = 0;
   for (int i = 0; i < 3000; ++i) {
@@ -275,7 +277,8 @@ TEST(PayloadIo, SocketpairBothModesAcrossProcesses) {
 TEST(PayloadIo, ManyFdsInOnePayload) {
   // 600 distinct large segments -> 600 fds, more than one SCM_RIGHTS message carries.
   std::vector<at::Tensor> ts;
-  for (int i = 0; i < 600; ++i) ts.push_back(tp::empty_shared({300 << 10}, at::kByte).fill_(i % 256));
+  for (int i = 0; i < 600; ++i)
+    ts.push_back(tp::empty_shared({300 << 10}, at::kByte).fill_(i % 256));
   tp::Payload p = tp::dumps(ts, {.copy_tensor = false});
   EXPECT_EQ(p.fds.size(), 600u);
   int sv[2];
@@ -342,15 +345,18 @@ TEST(SerializeHostile, SharedPtrIdOfAnotherTypeIsRefused) {
   auto s = std::make_shared<std::string>("a string of some length");
   auto v = std::make_shared<std::vector<float>>(3, 1.0f);
   tp::Payload ok = tp::dumps(std::make_tuple(s, v, s));
-  auto back = tp::loads<std::tuple<std::shared_ptr<std::string>, std::shared_ptr<std::vector<float>>,
-                                   std::shared_ptr<std::string>>>(ok);
+  auto back =
+      tp::loads<std::tuple<std::shared_ptr<std::string>, std::shared_ptr<std::vector<float>>,
+                           std::shared_ptr<std::string>>>(ok);
   EXPECT_EQ(std::get<0>(back).get(), std::get<2>(back).get()) << "identity kept";
   EXPECT_EQ(*std::get<1>(back), *v);
   // Forge: the vector's slot refers back to the string's id (1).
-  tp::Payload bad = tp::dumps(std::make_tuple(uint32_t{0x80000001u}, std::string("abc"), uint32_t{1}));
-  EXPECT_THROW((void)(tp::loads<std::tuple<std::shared_ptr<std::string>,
-                                           std::shared_ptr<std::vector<float>>>>(bad)),
-               tp::SerializationError);
+  tp::Payload bad =
+      tp::dumps(std::make_tuple(uint32_t{0x80000001u}, std::string("abc"), uint32_t{1}));
+  EXPECT_THROW(
+      (void)(tp::loads<
+             std::tuple<std::shared_ptr<std::string>, std::shared_ptr<std::vector<float>>>>(bad)),
+      tp::SerializationError);
 }
 
 TEST(SerializeHostile, DeepUserRecursionIsRefused) {

@@ -35,9 +35,8 @@ class StrategyGuard {
 };
 
 std::vector<at::ScalarType> all_dtypes() {
-  return {at::kByte, at::kChar,  at::kShort,        at::kInt,          at::kLong,
-          at::kHalf, at::kFloat, at::kDouble,       at::kComplexFloat, at::kComplexDouble,
-          at::kBool, at::kBFloat16};
+  return {at::kByte,  at::kChar,   at::kShort,        at::kInt,           at::kLong, at::kHalf,
+          at::kFloat, at::kDouble, at::kComplexFloat, at::kComplexDouble, at::kBool, at::kBFloat16};
 }
 
 at::Tensor sample(at::ScalarType dt, at::IntArrayRef sizes) {
@@ -104,8 +103,8 @@ TEST_P(ShmTest, EmptyAndScalarAndAllDtypes) {
       ASSERT_TRUE(at::equal(t, expect)) << dt;
       // Handle round trip inside the process aliases the same memory.
       auto h = tp::export_tensor(t);
-      at::Tensor u = tp::import_tensor(h, h.storage.fd >= 0 ? tp::UniqueFd(::dup(h.storage.fd))
-                                                           : tp::UniqueFd());
+      at::Tensor u = tp::import_tensor(
+          h, h.storage.fd >= 0 ? tp::UniqueFd(::dup(h.storage.fd)) : tp::UniqueFd());
       ASSERT_EQ(u.scalar_type(), dt);
       ASSERT_EQ(u.sizes(), t.sizes());
       ASSERT_TRUE(at::equal(u, expect)) << dt;
@@ -128,8 +127,8 @@ TEST_P(ShmTest, NonContiguousAndOffsetViewsAcrossProcesses) {
       auto base = at::arange(0, 12, at::kDouble).reshape({3, 4});
       if (!at::equal(views[0], base.t())) return 3;
       if (!at::equal(views[1], at::arange(5, 9, at::kDouble))) return 4;
-      views[0].mul_(2);           // base becomes 2x
-      views[2].fill_(7);          // an int tensor
+      views[0].mul_(2);   // base becomes 2x
+      views[2].fill_(7);  // an int tensor
       send_line(sock, "written");
       return 0;
     }
@@ -201,7 +200,9 @@ TEST_P(ShmTest, TooLargeRequestThrowsShmErrorAndProcessContinues) {
 
 TEST_P(ShmTest, TenThousandTensorsWithUlimit1024) {
   Child c = fork_child([](int) {
-    struct rlimit rl {1024, 1024};
+    struct rlimit rl {
+      1024, 1024
+    };
     if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) return 2;
     const int before = tp::testing::count_open_fds();
     std::vector<at::Tensor> ts;
@@ -295,8 +296,7 @@ TEST_P(ShmTest, ForkedChildKeepsInheritedStorage) {
   EXPECT_EQ(wait_child(c), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, ShmTest,
-                         ::testing::Values("file_descriptor", "file_system"),
+INSTANTIATE_TEST_SUITE_P(Strategies, ShmTest, ::testing::Values("file_descriptor", "file_system"),
                          [](const auto& param_info) { return param_info.param; });
 
 TEST(ShmFileSystem, SigkillLeavesNoDevShmEntry) {

@@ -79,7 +79,9 @@ std::string recv_line(int sock, std::chrono::milliseconds timeout) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) throw std::runtime_error("recv_line timed out");
-    struct pollfd pfd {sock, POLLIN, 0};
+    struct pollfd pfd {
+      sock, POLLIN, 0
+    };
     if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) continue;
     char c;
     ssize_t n = ::recv(sock, &c, 1, 0);

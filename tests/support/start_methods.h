@@ -25,6 +25,6 @@ inline std::string start_method_name(const ::testing::TestParamInfo<std::string>
 
 }  // namespace torchpar::testing
 
-#define TORCHPAR_INSTANTIATE_FOR_START_METHODS(Suite)                                     \
+#define TORCHPAR_INSTANTIATE_FOR_START_METHODS(Suite)                                        \
   INSTANTIATE_TEST_SUITE_P(Methods, Suite, ::testing::Values("fork", "spawn", "forkserver"), \
                            ::torchpar::testing::start_method_name)

@@ -27,8 +27,8 @@ std::string read_first_line(const char* path) {
 int run_info() {
   fmt::print("torchpar          {}\n", torchpar::version());
   fmt::print("LibTorch          {}\n", TORCH_VERSION);
-  fmt::print("sharing strategies {} (current: {})\n",
-             fmt::join(get_all_sharing_strategies(), ", "), get_sharing_strategy());
+  fmt::print("sharing strategies {} (current: {})\n", fmt::join(get_all_sharing_strategies(), ", "),
+             get_sharing_strategy());
   fmt::print("start methods     {} (current: {})\n", fmt::join(get_all_start_methods(), ", "),
              get_start_method());
   struct statvfs st {};
@@ -38,8 +38,9 @@ int run_info() {
     fmt::print("/dev/shm          size {}, free {}\n", detail::format_bytes(total),
                detail::format_bytes(free));
     if (total < (512ULL << 20))
-      fmt::print("warning: /dev/shm is small; the file_system strategy will run out early "
-                 "(docker: --shm-size)\n");
+      fmt::print(
+          "warning: /dev/shm is small; the file_system strategy will run out early "
+          "(docker: --shm-size)\n");
   } else {
     fmt::print("/dev/shm          unavailable\n");
   }

@@ -1,6 +1,6 @@
 // torchpar: the command-line program. Thin: parses arguments and calls the library.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <exception>
 #include <vector>

@@ -48,8 +48,9 @@ class Queue {
     Payload p = dumps(value, {.copy_tensor = copy_tensor_, .pass_fds = false});
     if (!p.fds.empty()) {
       release_exports(p);
-      throw Error("Queue::put: the value carries file descriptors (a queue, connection, lock or "
-                  "shared value); pass those as Process arguments or through a Pipe");
+      throw Error(
+          "Queue::put: the value carries file descriptors (a queue, connection, lock or "
+          "shared value); pass those as Process arguments or through a Pipe");
     }
     try {
       q_->put(p.bytes, timeout);
@@ -89,7 +90,8 @@ class Queue {
   bool copy_tensor_ = false;
 
  public:
-  Queue(std::shared_ptr<detail::ShmQueue> q, bool copy_tensor) : q_(std::move(q)), copy_tensor_(copy_tensor) {}
+  Queue(std::shared_ptr<detail::ShmQueue> q, bool copy_tensor)
+      : q_(std::move(q)), copy_tensor_(copy_tensor) {}
 };
 
 /// An unbounded queue with just put, get, empty and close.
@@ -105,7 +107,8 @@ class SimpleQueue : public Queue<T> {
 template <class T>
 class JoinableQueue : public Queue<T> {
  public:
-  explicit JoinableQueue(uint64_t maxsize = 0, QueueOptions options = {}) : Queue<T>(maxsize, options) {}
+  explicit JoinableQueue(uint64_t maxsize = 0, QueueOptions options = {})
+      : Queue<T>(maxsize, options) {}
   /// Errors: torchpar::Error when called more often than items were put.
   void task_done() { this->q_->task_done(); }
   /// True when all tasks are done; false when `timeout` passed first.

@@ -22,7 +22,8 @@
 
 namespace torchpar {
 
-/// A Barrier was broken (abort, reset, or a waiter's timeout). Python: threading.BrokenBarrierError.
+/// A Barrier was broken (abort, reset, or a waiter's timeout). Python:
+/// threading.BrokenBarrierError.
 class BrokenBarrierError : public Error {
  public:
   using Error::Error;
@@ -55,7 +56,8 @@ class Lock {
   bool owner_died_ = false;
 };
 
-/// A Lock the holder may acquire again (released as often as acquired). Source: multiprocessing.RLock.
+/// A Lock the holder may acquire again (released as often as acquired). Source:
+/// multiprocessing.RLock.
 class RLock : public Lock {
  public:
   RLock();
@@ -91,7 +93,8 @@ class Semaphore {
   std::shared_ptr<detail::SharedPage> page_;
 };
 
-/// A Semaphore whose release may not exceed the initial value. Source: multiprocessing.BoundedSemaphore.
+/// A Semaphore whose release may not exceed the initial value. Source:
+/// multiprocessing.BoundedSemaphore.
 class BoundedSemaphore : public Semaphore {
  public:
   explicit BoundedSemaphore(uint32_t value = 1);

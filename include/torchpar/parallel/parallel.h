@@ -74,12 +74,15 @@ class Parallel {
   Out get(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
     std::unique_lock<std::mutex> lock(mu_);
     auto ready = [&] { return !out_.empty(); };
-    if (!timeout) out_cv_.wait(lock, ready);
-    else if (!out_cv_.wait_for(lock, *timeout, ready)) throw TimeoutError("Parallel::get timed out");
+    if (!timeout)
+      out_cv_.wait(lock, ready);
+    else if (!out_cv_.wait_for(lock, *timeout, ready))
+      throw TimeoutError("Parallel::get timed out");
     Result r = std::move(out_.front());
     out_.pop_front();
     lock.unlock();
-    if (std::holds_alternative<std::exception_ptr>(r)) std::rethrow_exception(std::get<std::exception_ptr>(r));
+    if (std::holds_alternative<std::exception_ptr>(r))
+      std::rethrow_exception(std::get<std::exception_ptr>(r));
     return std::move(std::get<Out>(r));
   }
 

@@ -89,7 +89,9 @@ class AsyncResult {
     return decode_(*job_);
   }
   /// True when ready within `timeout`.
-  bool wait(std::optional<std::chrono::duration<double>> timeout = std::nullopt) { return job_->wait(timeout); }
+  bool wait(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+    return job_->wait(timeout);
+  }
   bool ready() const {
     std::lock_guard<std::mutex> lock(job_->mu);
     return job_->ndone == job_->chunks.size();
@@ -176,14 +178,17 @@ void attach_callbacks(const std::shared_ptr<JobState>& job, AsyncResult<V> resul
   bool now = false;
   {
     std::lock_guard<std::mutex> lock(job->mu);
-    if (job->ndone == job->chunks.size()) now = true;
-    else job->on_done = run;
+    if (job->ndone == job->chunks.size())
+      now = true;
+    else
+      job->on_done = run;
   }
   if (now) run();
 }
 
 /// Splits n items into chunks of `chunksize` (0: Python's default, n / (4 * workers) rounded up).
-inline std::vector<std::pair<size_t, size_t>> split_chunks(size_t n, size_t chunksize, size_t workers) {
+inline std::vector<std::pair<size_t, size_t>> split_chunks(size_t n, size_t chunksize,
+                                                           size_t workers) {
   if (chunksize == 0) {
     chunksize = n / (4 * std::max<size_t>(workers, 1));
     if (n % (4 * std::max<size_t>(workers, 1)) != 0) ++chunksize;

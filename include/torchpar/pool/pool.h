@@ -84,8 +84,8 @@ inline std::shared_ptr<Payload> load_nested(InputArchive& ar) {
 struct PoolInit {
   bool set = false;
   PoolCall call;
-  std::function<Payload()> make_args;    // parent side
-  std::shared_ptr<Payload> args;         // what a worker receives
+  std::function<Payload()> make_args;  // parent side
+  std::shared_ptr<Payload> args;       // what a worker receives
   void save(OutputArchive& ar) const {
     ar(set, call);
     if (set) save_nested(ar, *args);
@@ -158,9 +158,9 @@ detail::PoolInit initializer(Fn fn, Args... args) {
                 "the initializer must be a free function or captureless lambda");
   detail::PoolInit init;
   init.set = true;
-  init.call = detail::PoolCall{
-      detail::to_code_address(reinterpret_cast<const void*>(&detail::Trampolines<decltype(fp), Tuple>::run)),
-      detail::to_code_address(reinterpret_cast<const void*>(fp))};
+  init.call = detail::PoolCall{detail::to_code_address(reinterpret_cast<const void*>(
+                                   &detail::Trampolines<decltype(fp), Tuple>::run)),
+                               detail::to_code_address(reinterpret_cast<const void*>(fp))};
   auto tup = std::make_shared<Tuple>(args...);
   init.make_args = [tup] { return dumps(*tup, {.copy_tensor = false}); };
   return init;
@@ -168,12 +168,12 @@ detail::PoolInit initializer(Fn fn, Args... args) {
 
 /// Options of a Pool.
 struct PoolOptions {
-  size_t processes = 0;                      ///< 0: the number of cores
-  detail::PoolInit init;                     ///< torchpar::initializer(fn, args...)
-  uint64_t maxtasksperchild = 0;             ///< a worker is replaced after this many tasks (0: never)
-  std::optional<StartMethod> start_method;   ///< default: get_start_method()
-  bool copy_tensor = false;                  ///< task arguments: tensors shared (false) or copied
-  int threads = 1;                           ///< intra-op threads per worker
+  size_t processes = 0;           ///< 0: the number of cores
+  detail::PoolInit init;          ///< torchpar::initializer(fn, args...)
+  uint64_t maxtasksperchild = 0;  ///< a worker is replaced after this many tasks (0: never)
+  std::optional<StartMethod> start_method;  ///< default: get_start_method()
+  bool copy_tensor = false;                 ///< task arguments: tensors shared (false) or copied
+  int threads = 1;                          ///< intra-op threads per worker
   /// CtxPool: serializes worker i's context (set by CtxPool).
   std::function<Payload(size_t)> worker_context;
 };
@@ -218,7 +218,8 @@ class Pool {
     return AsyncResult<std::vector<V>>(job, [](detail::JobState& j) {
       std::vector<V> out;
       for (auto& c : j.chunks)
-        for (auto& v : c.values) out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
+        for (auto& v : c.values)
+          out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
       return out;
     });
   }
@@ -249,7 +250,8 @@ class Pool {
     return AsyncResult<std::vector<V>>(job, [](detail::JobState& j) {
       std::vector<V> out;
       for (auto& c : j.chunks)
-        for (auto& v : c.values) out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
+        for (auto& v : c.values)
+          out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
       return out;
     });
   }
@@ -274,12 +276,14 @@ class Pool {
   std::string encode(const T& args) const {
     Payload p = dumps(args, {.copy_tensor = copy_tensor_, .pass_fds = false});
     if (!p.fds.empty())
-      throw Error("Pool: task arguments may not carry file descriptors (queues, locks, pipes); "
-                  "pass those with the initializer");
+      throw Error(
+          "Pool: task arguments may not carry file descriptors (queues, locks, pipes); "
+          "pass those with the initializer");
     return std::move(p.bytes);
   }
   template <class Fn, class T>
-  std::shared_ptr<detail::JobState> submit_items(Fn fn, const std::vector<T>& items, size_t chunksize) {
+  std::shared_ptr<detail::JobState> submit_items(Fn fn, const std::vector<T>& items,
+                                                 size_t chunksize) {
     using Tuple = std::tuple<std::decay_t<T>>;
     auto ranges = detail::split_chunks(items.size(), chunksize, size());
     std::vector<std::vector<std::string>> chunks;
@@ -337,12 +341,16 @@ class CtxPool : public Pool {
       for (size_t i = b; i < e; ++i) chunks.back().push_back(encode(Tuple(items[i])));
     }
     auto job = submit(ctx_call<Fn, Tuple>(fn), std::move(chunks));
-    return AsyncResult<std::vector<V>>(job, [](detail::JobState& j) {
-      std::vector<V> out;
-      for (auto& c : j.chunks)
-        for (auto& v : c.values) out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
-      return out;
-    }).get();
+    return AsyncResult<std::vector<V>>(
+               job,
+               [](detail::JobState& j) {
+                 std::vector<V> out;
+                 for (auto& c : j.chunks)
+                   for (auto& v : c.values)
+                     out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
+                 return out;
+               })
+        .get();
   }
 
  private:
@@ -351,9 +359,9 @@ class CtxPool : public Pool {
     auto fp = detail::function_pointer(fn);
     static_assert(!std::is_same_v<decltype(fp), std::nullptr_t>,
                   "CtxPool runs free functions and captureless lambdas");
-    return detail::PoolCall{
-        detail::to_code_address(reinterpret_cast<const void*>(&detail::run_ctx_task<decltype(fp), Ctx, Tuple>)),
-        detail::to_code_address(reinterpret_cast<const void*>(fp))};
+    return detail::PoolCall{detail::to_code_address(reinterpret_cast<const void*>(
+                                &detail::run_ctx_task<decltype(fp), Ctx, Tuple>)),
+                            detail::to_code_address(reinterpret_cast<const void*>(fp))};
   }
   static PoolOptions with_contexts(std::vector<Ctx> contexts, PoolOptions o) {
     TORCH_CHECK(!contexts.empty(), "CtxPool needs one context per worker");

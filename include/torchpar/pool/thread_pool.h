@@ -72,7 +72,8 @@ class ThreadPool {
           }
         },
         cancel_chunk(job, 0));
-    AsyncResult<V> result(job, [](detail::JobState& j) { return std::any_cast<V>(j.chunks[0].values[0]); });
+    AsyncResult<V> result(
+        job, [](detail::JobState& j) { return std::any_cast<V>(j.chunks[0].values[0]); });
     detail::attach_callbacks<V>(job, result, callback, error_callback);
     return result;
   }
@@ -116,14 +117,18 @@ class ThreadPool {
   }
 
   void close() { core_->close(); }
-  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt) { return core_->join(timeout); }
+  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+    return core_->join(timeout);
+  }
   void terminate() { core_->terminate(); }
   size_t size() const { return core_->size(); }
 
  private:
   static std::function<void()> cancel_chunk(std::shared_ptr<detail::JobState> job, size_t c) {
     return [job, c] {
-      job->complete(c, {}, std::make_exception_ptr(ClosedError("the pool was terminated before this task ran")));
+      job->complete(
+          c, {},
+          std::make_exception_ptr(ClosedError("the pool was terminated before this task ran")));
     };
   }
 

@@ -17,10 +17,10 @@ namespace torchpar {
 
 /// Options of a Process.
 struct ProcessOptions {
-  std::string name;                          ///< "Process-<n>" when empty
-  bool daemon = false;                       ///< terminated when the parent's Process object dies
-  std::optional<StartMethod> start_method;   ///< default: get_start_method()
-  int threads = 1;                           ///< LibTorch intra-op threads in the child
+  std::string name;                         ///< "Process-<n>" when empty
+  bool daemon = false;                      ///< terminated when the parent's Process object dies
+  std::optional<StartMethod> start_method;  ///< default: get_start_method()
+  int threads = 1;                          ///< LibTorch intra-op threads in the child
 };
 
 namespace detail {
@@ -84,10 +84,9 @@ constexpr auto function_pointer(Fn& fn) {
 }
 
 template <class T>
-constexpr bool is_serializable_v =
-    cereal::traits::is_output_serializable<T, OutputArchive>::value &&
-    cereal::traits::is_input_serializable<T, InputArchive>::value &&
-    std::is_default_constructible_v<T>;
+constexpr bool is_serializable_v = cereal::traits::is_output_serializable<T, OutputArchive>::value&&
+    cereal::traits::is_input_serializable<T, InputArchive>::value&&
+        std::is_default_constructible_v<T>;
 
 /// Builds the spec for fn(args...). Arguments are stored decayed (copied or moved).
 template <class Fn, class... Args>
@@ -129,8 +128,8 @@ struct ProcessImpl;
 class Process {
  public:
   template <class Fn, class... Args>
-    requires(!std::is_same_v<std::decay_t<Fn>, ProcessOptions>)
-  explicit Process(Fn&& target, Args&&... args)
+  requires(!std::is_same_v<std::decay_t<Fn>, ProcessOptions>) explicit Process(Fn&& target,
+                                                                               Args&&... args)
       : Process(ProcessOptions{}, std::forward<Fn>(target), std::forward<Args>(args)...) {}
 
   template <class Fn, class... Args>

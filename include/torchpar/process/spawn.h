@@ -61,9 +61,8 @@ ProcessContext start_processes(Fn fn, std::tuple<Args...> args, int nprocs,
     po.start_method = options.start_method;
     po.threads = options.threads;
     po.name = "SpawnProcess-" + std::to_string(i);
-    procs.emplace_back(po, std::apply(
-                               [&](auto&... a) { return detail::make_launch_spec(fn, i, a...); },
-                               args));
+    procs.emplace_back(
+        po, std::apply([&](auto&... a) { return detail::make_launch_spec(fn, i, a...); }, args));
     procs.back().set_index(i);
   }
   ProcessContext ctx(std::move(procs));

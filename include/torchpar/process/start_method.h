@@ -21,10 +21,10 @@ namespace torchpar {
 
 enum class StartMethod { kFork, kSpawn, kForkserver };
 
-/// Call first thing in main(): `int main(int argc, char** argv) { torchpar::init(argc, argv); ... }`.
-/// In a process started with the spawn method it runs the child's target and exits
-/// (never returns); otherwise it records argv (needed to re-exec) and returns.
-/// Using the spawn start method without it throws a clear torchpar::Error in the parent.
+/// Call first thing in main(): `int main(int argc, char** argv) { torchpar::init(argc, argv); ...
+/// }`. In a process started with the spawn method it runs the child's target and exits (never
+/// returns); otherwise it records argv (needed to re-exec) and returns. Using the spawn start
+/// method without it throws a clear torchpar::Error in the parent.
 void init(int argc, char** argv);
 
 /// True once init() ran in this process.

@@ -52,7 +52,8 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
   }
   const DumpsOptions& options() const { return opts_; }
   void reserve_more(size_t n) {
-    if (out_.bytes.capacity() - out_.bytes.size() < n) out_.bytes.reserve(out_.bytes.size() + n + 256);
+    if (out_.bytes.capacity() - out_.bytes.size() < n)
+      out_.bytes.reserve(out_.bytes.size() + n + 256);
   }
   /// Storage identity: returns {id, true} the first time a storage is seen.
   std::pair<uint32_t, bool> storage_id(const c10::StorageImpl* impl);
@@ -176,8 +177,8 @@ void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, cereal::SizeTag<T>& t) {
 
 // Containers: never allocate ahead of what the payload holds.
 template <class T, class A>
-  requires(!std::is_same_v<T, bool>)
-void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, std::vector<T, A>& v) {
+requires(!std::is_same_v<T, bool>) void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar,
+                                                                  std::vector<T, A>& v) {
   cereal::size_type n = 0;
   ar(cereal::make_size_tag(n));
   v.clear();
@@ -249,25 +250,17 @@ void save_ivalue(OutputArchive& ar, const c10::IValue& v);
 void load_ivalue(InputArchive& ar, c10::IValue& v);
 
 template <class T>
-  requires std::is_same_v<T, at::Tensor>
-void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const T& t) {
-  save_tensor(ar, t);
-}
+requires std::is_same_v<T, at::Tensor>
+void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const T& t) { save_tensor(ar, t); }
 template <class T>
-  requires std::is_same_v<T, at::Tensor>
-void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, T& t) {
-  load_tensor(ar, t);
-}
+requires std::is_same_v<T, at::Tensor>
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, T& t) { load_tensor(ar, t); }
 template <class T>
-  requires std::is_same_v<T, c10::IValue>
-void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const T& v) {
-  save_ivalue(ar, v);
-}
+requires std::is_same_v<T, c10::IValue>
+void CEREAL_SAVE_FUNCTION_NAME(OutputArchive& ar, const T& v) { save_ivalue(ar, v); }
 template <class T>
-  requires std::is_same_v<T, c10::IValue>
-void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, T& v) {
-  load_ivalue(ar, v);
-}
+requires std::is_same_v<T, c10::IValue>
+void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, T& v) { load_ivalue(ar, v); }
 
 /// Runs `body` on an InputArchive over `payload`, checks the header and that every byte
 /// was consumed, and turns any failure into SerializationError.

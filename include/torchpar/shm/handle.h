@@ -16,11 +16,11 @@ namespace torchpar {
 /// many bytes. Units: bytes.
 struct StorageHandle {
   SharingStrategy strategy = SharingStrategy::kFileDescriptor;
-  int fd = -1;             ///< file_descriptor: an fd valid in the process holding the handle
-  std::string name;        ///< file_system: POSIX shm name ("/torchpar_<pid>_<n>")
+  int fd = -1;                 ///< file_descriptor: an fd valid in the process holding the handle
+  std::string name;            ///< file_system: POSIX shm name ("/torchpar_<pid>_<n>")
   uint64_t segment_bytes = 0;  ///< size of the whole segment
-  uint32_t block = 0;      ///< block index inside the segment
-  uint64_t nbytes = 0;     ///< bytes of the storage
+  uint32_t block = 0;          ///< block index inside the segment
+  uint64_t nbytes = 0;         ///< bytes of the storage
   /// file_descriptor: the exporting process, its fd number for the segment and the
   /// segment's identity. A receiver that got no fd (the handle crossed shared memory, not a
   /// socket) opens /proc/<pid>/fd/<fd_number> while the exporter lives, and checks it.

@@ -44,12 +44,12 @@ at::Allocator* shm_allocator();
 
 /// Counters of this process's shared-memory allocator.
 struct ShmStats {
-  uint64_t segments = 0;        ///< segments mapped now (created or imported)
-  uint64_t mapped_bytes = 0;    ///< bytes of those mappings
-  uint64_t live_blocks = 0;     ///< storages alive in this process
-  uint64_t cached_bytes = 0;    ///< free large segments kept for reuse
+  uint64_t segments = 0;          ///< segments mapped now (created or imported)
+  uint64_t mapped_bytes = 0;      ///< bytes of those mappings
+  uint64_t live_blocks = 0;       ///< storages alive in this process
+  uint64_t cached_bytes = 0;      ///< free large segments kept for reuse
   uint64_t segments_created = 0;  ///< lifetime count of created segments
-  uint64_t cache_hits = 0;      ///< large allocations served from the cache
+  uint64_t cache_hits = 0;        ///< large allocations served from the cache
 };
 /// Safety: thread-safe.
 ShmStats shm_stats();
