@@ -132,7 +132,7 @@ class PoolCore {
     w = Worker();
     ProcessOptions po;
     po.name = fmt::format("PoolWorker-{}", i);
-    po.daemon = true;
+    po.daemon = options_.daemon;
     po.start_method = options_.start_method;
     po.threads = options_.threads;
     PoolInit init = options_.init;

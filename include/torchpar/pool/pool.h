@@ -174,6 +174,9 @@ struct PoolOptions {
   std::optional<StartMethod> start_method;  ///< default: get_start_method()
   bool copy_tensor = false;                 ///< task arguments: tensors shared (false) or copied
   int threads = 1;                          ///< intra-op threads per worker
+  /// Workers are daemons: killed (not waited for) when the pool goes. false: the pool's
+  /// destructor still terminates them, as Python's context-manager exit does.
+  bool daemon = true;
   /// CtxPool: serializes worker i's context (set by CtxPool).
   std::function<Payload(size_t)> worker_context;
 };
