@@ -18,6 +18,11 @@ PACKAGES=(
   dataset-fashion-mnist   # the data set of the main job
 )
 
+# --bench: also the peers the benchmarks compare against (PyTorch for Python).
+if [ "${1:-}" = "--bench" ]; then
+  PACKAGES+=(python3-torch)
+fi
+
 missing=()
 for p in "${PACKAGES[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
