@@ -18,19 +18,33 @@ namespace detail {
 
 using TaskTrampoline = std::string (*)(void* fn, const std::string& args);
 
-/// Runs fn(args...) from serialized args; returns the serialized result (copied tensors:
-/// the worker may exit before the parent reads it).
-template <class FnPtr, class Tuple>
-std::string run_task(void* fn, const std::string& args) {
-  auto f = reinterpret_cast<FnPtr>(fn);
-  Tuple t = loads<Tuple>(Payload{args, {}});
-  using R = decltype(std::apply(f, t));
+/// Calls `call` on the loaded argument tuple and serializes the result (void as true).
+/// Results are copied, never shared: the worker may exit before the parent reads them.
+template <class Call, class Tuple>
+std::string call_and_dump(Call&& call, Tuple& t) {
+  using R = decltype(std::apply(call, t));
   if constexpr (std::is_void_v<R>) {
-    std::apply(f, t);
+    std::apply(call, t);
     return dumps(true).bytes;
   } else {
-    return dumps(std::apply(f, t), {.copy_tensor = true}).bytes;
+    return dumps(std::apply(call, t), {.copy_tensor = true}).bytes;
   }
+}
+
+/// Runs fn(args...) from serialized args in a worker.
+template <class FnPtr, class Tuple>
+std::string run_task(void* fn, const std::string& args) {
+  Tuple t = loads<Tuple>(Payload{args, {}});
+  return call_and_dump(reinterpret_cast<FnPtr>(fn), t);
+}
+
+/// Decodes every value of every chunk, in order (map / starmap results).
+template <class V>
+std::vector<V> decode_all(JobState& j) {
+  std::vector<V> out;
+  for (auto& c : j.chunks)
+    for (auto& v : c.values) out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
+  return out;
 }
 
 struct PoolCall {  // a function and its trampoline, as code addresses
@@ -126,14 +140,7 @@ std::string run_ctx_task(void* fn, const std::string& args) {
   auto f = reinterpret_cast<FnPtr>(fn);
   Tuple t = loads<Tuple>(Payload{args, {}});
   Ctx& c = worker_context<Ctx>();
-  auto call = [&](auto&... a) { return f(c, a...); };
-  using R = decltype(std::apply(call, t));
-  if constexpr (std::is_void_v<R>) {
-    std::apply(call, t);
-    return dumps(true).bytes;
-  } else {
-    return dumps(std::apply(call, t), {.copy_tensor = true}).bytes;
-  }
+  return call_and_dump([&](auto&... a) { return f(c, a...); }, t);
 }
 
 template <class Fn, class Tuple>
@@ -218,13 +225,7 @@ class Pool {
   auto map_async(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
     using V = detail::result_of_t<Fn, T>;
     auto job = submit_items<Fn, T>(fn, items, chunksize);
-    return AsyncResult<std::vector<V>>(job, [](detail::JobState& j) {
-      std::vector<V> out;
-      for (auto& c : j.chunks)
-        for (auto& v : c.values)
-          out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
-      return out;
-    });
+    return AsyncResult<std::vector<V>>(job, &detail::decode_all<V>);
   }
   template <class Fn, class T>
   auto map(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
@@ -250,13 +251,7 @@ class Pool {
       for (size_t i = b; i < e; ++i) chunks.back().push_back(encode(Tuple(items[i])));
     }
     auto job = submit(detail::make_call<Fn, Tuple>(fn), std::move(chunks));
-    return AsyncResult<std::vector<V>>(job, [](detail::JobState& j) {
-      std::vector<V> out;
-      for (auto& c : j.chunks)
-        for (auto& v : c.values)
-          out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
-      return out;
-    });
+    return AsyncResult<std::vector<V>>(job, &detail::decode_all<V>);
   }
   template <class Fn, class... Args>
   auto starmap(Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0) {
@@ -344,16 +339,7 @@ class CtxPool : public Pool {
       for (size_t i = b; i < e; ++i) chunks.back().push_back(encode(Tuple(items[i])));
     }
     auto job = submit(ctx_call<Fn, Tuple>(fn), std::move(chunks));
-    return AsyncResult<std::vector<V>>(
-               job,
-               [](detail::JobState& j) {
-                 std::vector<V> out;
-                 for (auto& c : j.chunks)
-                   for (auto& v : c.values)
-                     out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
-                 return out;
-               })
-        .get();
+    return AsyncResult<std::vector<V>>(job, &detail::decode_all<V>).get();
   }
 
  private:
