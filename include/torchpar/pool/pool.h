@@ -195,6 +195,8 @@ struct PoolOptions {
 /// ClosedError), as Python's context-manager exit does.
 /// Safety: thread-safe. Errors: ClosedError for a call after close()/terminate(); results
 /// raise TaskError (the task's exception type and message) or WorkerLostError.
+/// Units: timeouts are std::chrono durations (seconds); chunksize counts items.
+/// Source: multiprocessing.Pool, torch.multiprocessing.Pool, machin.parallel.pool.Pool.
 class Pool {
  public:
   explicit Pool(PoolOptions options = {});

@@ -44,6 +44,7 @@ class ThreadPoolCore {
 /// Python's context-manager exit does. Safety: thread-safe.
 /// Errors: submitting after close()/terminate() throws ClosedError; task exceptions come
 /// back from AsyncResult::get / IMapIterator::next as themselves.
+/// Source: multiprocessing.pool.ThreadPool / machin.parallel.pool.ThreadPool.
 class ThreadPool {
  public:
   /// `threads` workers (0: std::thread::hardware_concurrency()).
