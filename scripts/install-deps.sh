@@ -16,11 +16,15 @@ PACKAGES=(
   ccache                  # faster rebuilds
   libclang-rt-14-dev      # libFuzzer runtime for the fuzz label
   dataset-fashion-mnist   # the data set of the main job
+  libgloo-dev             # headers of the Gloo that LibTorch's c10d links
+  iproute2                # ip netns for the two-host collective test
+  python3-torch           # interop test (torch.distributed rank) and benchmark peers
+  python3-matplotlib      # curves.png of torchpar train, benchmark plots
 )
 
-# --bench: also the peers the benchmarks compare against (PyTorch for Python).
+# --bench: also the peers only the benchmarks compare against (OpenMPI).
 if [ "${1:-}" = "--bench" ]; then
-  PACKAGES+=(python3-torch)
+  PACKAGES+=(openmpi-bin libopenmpi-dev)
 fi
 
 missing=()

@@ -3,6 +3,8 @@
 
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
+#include "torchpar/dist/collective_group.h"
+#include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
 #include "torchpar/ipc/queue.h"
 #include "torchpar/ipc/shared_value.h"

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <string>
+#include <utility>
 
 namespace torchpar {
 
@@ -73,6 +74,17 @@ class WorkerLostError : public Error {
  private:
   int pid_;
   int exit_code_;
+};
+
+/// A rank of a collective group died or failed mid-operation (the others raise it within
+/// the group timeout instead of hanging). rank() is relative to the group, -1 if unknown.
+class RankLostError : public Error {
+ public:
+  RankLostError(int rank, std::string msg) : Error(std::move(msg)), rank_(rank) {}
+  int rank() const noexcept { return rank_; }
+
+ private:
+  int rank_;
 };
 
 /// A task raised in a pool worker process: its exception type name and message.

@@ -1,0 +1,87 @@
+#pragma once
+/// World: the ranks of a distributed job and their rendezvous (torch.distributed's
+/// init_process_group, machin.parallel.distributed.World).
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torchpar/dist/collective_group.h"
+
+namespace torchpar {
+
+/// How a World finds its peers. Fields left unset come from the environment torchrun and
+/// `torchpar run` set: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+/// MASTER_PORT.
+struct WorldOptions {
+  /// Name of this rank (machin's World(name=...)); default "rank<rank>".
+  std::string name;
+  /// -1: from RANK / WORLD_SIZE.
+  int rank = -1;
+  int world_size = -1;
+  /// "env://" (default: MASTER_ADDR/MASTER_PORT), "tcp://host:port" or "file:///path"
+  /// (a c10d FileStore on a shared file system; the file must not exist before the run).
+  std::string init_method;
+  /// Override MASTER_ADDR / MASTER_PORT (port -1: from the environment).
+  std::string master_addr;
+  int master_port = -1;
+  /// Seconds: rendezvous limit and the default timeout of every collective group.
+  std::chrono::duration<double> timeout = std::chrono::seconds(300);
+  /// Lay the store out as Python's torch.distributed.init_process_group does, so a Python
+  /// rank (same LibTorch version) joins default_group() with backend gloo. Skips the
+  /// world-size cross-check, which Python ranks would not answer.
+  bool python_compatible = false;
+};
+
+/// Membership of one distributed job and the store its groups meet through.
+///
+/// Construction is collective: every rank constructs its World with the same world size;
+/// rank 0 hosts the c10d TCPStore (or all share a FileStore). It returns when all ranks
+/// joined. Safety: a World may be used from several threads; its groups may not (see
+/// CollectiveGroup).
+/// Errors (torchpar::Error, within `timeout`): rank outside [0, world_size), missing
+/// RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, master unreachable, ranks that disagree on the
+/// world size, a rank joining twice, a rank that never joins (TimeoutError naming it).
+/// Source: torch.distributed.init_process_group, machin.parallel.distributed.World.
+class World {
+ public:
+  explicit World(WorldOptions options = {});
+  ~World();
+  World(World&&) noexcept;
+  World& operator=(World&&) noexcept;
+
+  int get_rank() const;
+  int get_world_size() const;
+  const std::string& get_name() const;
+  /// LOCAL_RANK / LOCAL_WORLD_SIZE when set, else rank / world size.
+  int get_local_rank() const;
+  int get_local_world_size() const;
+  /// Names of every rank, by rank.
+  std::vector<std::string> get_names() const;
+
+  /// Creates a group of the world ranks `ranks` (empty: every rank). Collective over the
+  /// members only: each member calls it with the same ranks, in the same order relative to
+  /// its other group creations; non-members must not call it.
+  /// `timeout`: the group's limit for each operation (default: the World's).
+  /// Throws torchpar::Error when this rank is not in `ranks`, ranks repeat or are out of
+  /// range, or Shm is asked for ranks on different hosts.
+  CollectiveGroup create_collective_group(
+      std::vector<int> ranks = {}, Backend backend = Backend::Auto,
+      std::optional<std::chrono::duration<double>> timeout = std::nullopt);
+
+  /// The group of all ranks with backend gloo, laid out like Python's default process group
+  /// when python_compatible is set (created on first use; collective on first use).
+  CollectiveGroup& default_group();
+
+  /// Destroys the default group and drops the store connection; the World is unusable after.
+  void destroy();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace torchpar

@@ -1,0 +1,257 @@
+#include <fmt/format.h>
+
+#include "backend.h"
+#include "torchpar/core/error.h"
+#include "torchpar/dist/collective_group.h"
+#include "work.h"
+
+namespace torchpar {
+
+std::string to_string(Backend backend) {
+  switch (backend) {
+    case Backend::Auto: return "auto";
+    case Backend::Gloo: return "gloo";
+    case Backend::Shm: return "shm";
+  }
+  return "?";
+}
+
+std::string to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: return "SUM";
+    case ReduceOp::PRODUCT: return "PRODUCT";
+    case ReduceOp::MIN: return "MIN";
+    case ReduceOp::MAX: return "MAX";
+    case ReduceOp::AVG: return "AVG";
+  }
+  return "?";
+}
+
+Backend backend_from_string(const std::string& name) {
+  if (name == "auto") return Backend::Auto;
+  if (name == "gloo") return Backend::Gloo;
+  if (name == "shm") return Backend::Shm;
+  throw Error(fmt::format("unknown collective backend '{}': expected auto, gloo or shm", name));
+}
+
+// ---- Work ------------------------------------------------------------------------------
+
+Work::Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+int Work::wait(Timeout timeout) {
+  if (!impl_) throw Error("Work::wait: empty Work handle");
+  if (!impl_->wait_until(detail::deadline_after(timeout))) {
+    throw TimeoutError(
+        fmt::format("Work::wait: not finished within {:.3f} s (the operation goes on)",
+                    timeout ? timeout->count() : 0.0));
+  }
+  impl_->run_then_once();
+  return impl_->source();
+}
+
+bool Work::is_completed() const { return impl_ && impl_->done(); }
+
+// ---- CollectiveGroup -----------------------------------------------------------------------
+
+namespace {
+
+void check_tensor(const at::Tensor& t, const char* where, const char* what) {
+  if (!t.defined()) throw Error(fmt::format("CollectiveGroup::{}: {} is undefined", where, what));
+  if (!t.device().is_cpu()) {
+    throw Error(fmt::format("CollectiveGroup::{}: {} is on {}; only CPU tensors are supported",
+                            where, what, t.device().str()));
+  }
+  if (t.is_sparse()) throw Error(fmt::format("CollectiveGroup::{}: {} is sparse", where, what));
+}
+
+/// A contiguous stand-in for `t`, and a note to copy results back when it is a copy.
+at::Tensor contig(const at::Tensor& t, std::vector<std::pair<at::Tensor, at::Tensor>>* back) {
+  if (t.is_contiguous()) return t;
+  at::Tensor c = t.contiguous();
+  if (back) back->emplace_back(t, c);
+  return c;
+}
+
+std::vector<at::Tensor> contig_list(const std::vector<at::Tensor>& list,
+                                    std::vector<std::pair<at::Tensor, at::Tensor>>* back) {
+  std::vector<at::Tensor> out;
+  out.reserve(list.size());
+  for (const auto& t : list) out.push_back(contig(t, back));
+  return out;
+}
+
+void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int size,
+                const char* where, const char* what) {
+  if (static_cast<int>(list.size()) != size) {
+    throw Error(fmt::format("CollectiveGroup::{}: {} has {} tensors; the group has {} ranks",
+                            where, what, list.size(), size));
+  }
+  for (const auto& t : list) {
+    check_tensor(t, where, what);
+    if (t.scalar_type() != like.scalar_type() || t.numel() != like.numel()) {
+      throw Error(fmt::format(
+          "CollectiveGroup::{}: every tensor of {} must have dtype {} and {} elements like the "
+          "tensor; got {} with {}",
+          where, what, c10::toString(like.scalar_type()), like.numel(),
+          c10::toString(t.scalar_type()), t.numel()));
+    }
+  }
+}
+
+void check_rank(int r, int size, const char* where, const char* what) {
+  if (r < 0 || r >= size) {
+    throw Error(fmt::format("CollectiveGroup::{}: {} {} is out of range [0, {})", where, what, r,
+                            size));
+  }
+}
+
+}  // namespace
+
+CollectiveGroup::CollectiveGroup(std::shared_ptr<detail::GroupBackend> backend)
+    : backend_(std::move(backend)) {}
+
+detail::GroupBackend& CollectiveGroup::be() const {
+  if (!backend_) throw ClosedError("CollectiveGroup: the group was destroyed or never created");
+  return *backend_;
+}
+
+int CollectiveGroup::rank() const { return be().rank(); }
+int CollectiveGroup::size() const { return be().size(); }
+const std::vector<int>& CollectiveGroup::ranks() const { return be().world_ranks(); }
+Backend CollectiveGroup::backend() const { return be().kind(); }
+
+Work CollectiveGroup::finish(Work w, CopyBacks back, bool async_op) {
+  if (!back.empty()) {
+    w.impl_->add_then([back = std::move(back)] {
+      for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
+    });
+  }
+  if (!async_op) w.wait();
+  return w;
+}
+
+Work CollectiveGroup::all_reduce(at::Tensor tensor, ReduceOp op, bool async_op) {
+  check_tensor(tensor, "all_reduce", "tensor");
+  CopyBacks back;
+  auto t = contig(tensor, &back);
+  return finish(be().all_reduce(t, op, async_op), std::move(back), async_op);
+}
+
+Work CollectiveGroup::all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor,
+                                 bool async_op) {
+  check_tensor(tensor, "all_gather", "tensor");
+  check_list(tensor_list, tensor, size(), "all_gather", "tensor_list");
+  CopyBacks back;
+  auto out = contig_list(tensor_list, &back);
+  return finish(be().all_gather(out, contig(tensor, nullptr), async_op), std::move(back),
+                async_op);
+}
+
+Work CollectiveGroup::broadcast(at::Tensor tensor, int src, bool async_op) {
+  check_tensor(tensor, "broadcast", "tensor");
+  check_rank(src, size(), "broadcast", "src");
+  CopyBacks back;
+  auto t = contig(tensor, &back);
+  return finish(be().broadcast(t, src, async_op), std::move(back), async_op);
+}
+
+Work CollectiveGroup::reduce(at::Tensor tensor, int dst, ReduceOp op, bool async_op) {
+  check_tensor(tensor, "reduce", "tensor");
+  check_rank(dst, size(), "reduce", "dst");
+  CopyBacks back;
+  auto t = contig(tensor, &back);
+  // Only dst's tensor changes; other ranks reduce from a copy so theirs stay as they were.
+  if (rank() != dst) t = t.clone();
+  return finish(be().reduce(t, dst, op, async_op), std::move(back), async_op);
+}
+
+Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_list, int dst,
+                             bool async_op) {
+  check_tensor(tensor, "gather", "tensor");
+  check_rank(dst, size(), "gather", "dst");
+  CopyBacks back;
+  std::vector<at::Tensor> out;
+  if (rank() == dst) {
+    check_list(gather_list, tensor, size(), "gather", "gather_list");
+    out = contig_list(gather_list, &back);
+  } else if (!gather_list.empty()) {
+    throw Error("CollectiveGroup::gather: gather_list must be empty on ranks other than dst");
+  } else {
+    out.assign(static_cast<size_t>(size()), at::Tensor());
+  }
+  return finish(be().gather(contig(tensor, nullptr), out, dst, async_op), std::move(back),
+                async_op);
+}
+
+Work CollectiveGroup::scatter(at::Tensor tensor, std::vector<at::Tensor> scatter_list, int src,
+                              bool async_op) {
+  check_tensor(tensor, "scatter", "tensor");
+  check_rank(src, size(), "scatter", "src");
+  std::vector<at::Tensor> in;
+  if (rank() == src) {
+    check_list(scatter_list, tensor, size(), "scatter", "scatter_list");
+    in = contig_list(scatter_list, nullptr);
+  } else if (!scatter_list.empty()) {
+    throw Error("CollectiveGroup::scatter: scatter_list must be empty on ranks other than src");
+  }
+  CopyBacks back;
+  auto t = contig(tensor, &back);
+  return finish(be().scatter(t, in, src, async_op), std::move(back), async_op);
+}
+
+Work CollectiveGroup::reduce_scatter(at::Tensor output, std::vector<at::Tensor> input_list,
+                                     ReduceOp op, bool async_op) {
+  check_tensor(output, "reduce_scatter", "output");
+  check_list(input_list, output, size(), "reduce_scatter", "input_list");
+  CopyBacks back;
+  auto t = contig(output, &back);
+  return finish(be().reduce_scatter(t, contig_list(input_list, nullptr), op, async_op),
+                std::move(back), async_op);
+}
+
+Work CollectiveGroup::all_to_all(std::vector<at::Tensor> output_list,
+                                 std::vector<at::Tensor> input_list, bool async_op) {
+  if (input_list.empty()) throw Error("CollectiveGroup::all_to_all: input_list is empty");
+  check_tensor(input_list[0], "all_to_all", "input_list");
+  check_list(input_list, input_list[0], size(), "all_to_all", "input_list");
+  check_list(output_list, input_list[0], size(), "all_to_all", "output_list");
+  CopyBacks back;
+  auto out = contig_list(output_list, &back);
+  return finish(be().all_to_all(out, contig_list(input_list, nullptr), async_op),
+                std::move(back), async_op);
+}
+
+Work CollectiveGroup::barrier(bool async_op) {
+  return finish(be().barrier(async_op), {}, async_op);
+}
+
+void CollectiveGroup::send(at::Tensor tensor, int dst, int tag) { isend(tensor, dst, tag).wait(); }
+
+int CollectiveGroup::recv(at::Tensor tensor, std::optional<int> src, int tag) {
+  return irecv(tensor, src, tag).wait();
+}
+
+Work CollectiveGroup::isend(at::Tensor tensor, int dst, int tag) {
+  check_tensor(tensor, "send", "tensor");
+  check_rank(dst, size(), "send", "dst");
+  if (dst == rank()) throw Error("CollectiveGroup::send: dst is this rank");
+  return be().isend(contig(tensor, nullptr), dst, tag);
+}
+
+Work CollectiveGroup::irecv(at::Tensor tensor, std::optional<int> src, int tag) {
+  check_tensor(tensor, "recv", "tensor");
+  if (src) {
+    check_rank(*src, size(), "recv", "src");
+    if (*src == rank()) throw Error("CollectiveGroup::recv: src is this rank");
+  }
+  CopyBacks back;
+  auto t = contig(tensor, &back);
+  return finish(be().irecv(t, src, tag), std::move(back), true);
+}
+
+void CollectiveGroup::destroy() {
+  if (backend_) backend_->destroy();
+  backend_.reset();
+}
+
+}  // namespace torchpar

@@ -1,0 +1,72 @@
+#include "reduce_kernels.h"
+
+#include <ATen/Dispatch.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "torchpar/core/error.h"
+
+namespace torchpar::detail {
+namespace {
+
+template <class T>
+void combine_typed(T* d, const T* a, const T* b, size_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:
+      for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(a[i] + b[i]);
+      break;
+    case ReduceOp::PRODUCT:
+      for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(a[i] * b[i]);
+      break;
+    case ReduceOp::MIN:
+      for (size_t i = 0; i < n; ++i) d[i] = b[i] < a[i] ? b[i] : a[i];
+      break;
+    case ReduceOp::MAX:
+      for (size_t i = 0; i < n; ++i) d[i] = a[i] < b[i] ? b[i] : a[i];
+      break;
+  }
+}
+
+void combine_bool(bool* d, const bool* a, const bool* b, size_t n, ReduceOp op) {
+  const bool any = op == ReduceOp::SUM || op == ReduceOp::MAX;  // OR; PRODUCT/MIN: AND
+  for (size_t i = 0; i < n; ++i) d[i] = any ? (a[i] || b[i]) : (a[i] && b[i]);
+}
+
+}  // namespace
+
+void check_reducible(at::ScalarType dtype, ReduceOp op, const char* where) {
+  if (at::isComplexType(dtype)) {
+    throw Error(fmt::format("{}: complex dtype {} is not supported", where,
+                            c10::toString(dtype)));
+  }
+  if (op == ReduceOp::AVG && !at::isFloatingType(dtype)) {
+    throw Error(fmt::format("{}: ReduceOp AVG needs a floating dtype, got {}", where,
+                            c10::toString(dtype)));
+  }
+}
+
+void reduce_combine(void* dst, const void* a, const void* b, size_t n, at::ScalarType dtype,
+                    ReduceOp op) {
+  if (dtype == at::kBool) {
+    combine_bool(static_cast<bool*>(dst), static_cast<const bool*>(a),
+                 static_cast<const bool*>(b), n, op);
+    return;
+  }
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "reduce_combine", [&] {
+    combine_typed<scalar_t>(static_cast<scalar_t*>(dst), static_cast<const scalar_t*>(a),
+                            static_cast<const scalar_t*>(b), n, op);
+  });
+}
+
+void reduce_divide(void* dst, size_t n, at::ScalarType dtype, int divisor) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "reduce_divide", [&] {
+    auto* d = static_cast<scalar_t*>(dst);
+    for (size_t i = 0; i < n; ++i) d[i] = static_cast<scalar_t>(d[i] / divisor);
+  });
+}
+
+}  // namespace torchpar::detail

@@ -1,0 +1,641 @@
+#include "shm_backend.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <thread>
+
+#include "torchpar/core/fd.h"
+#include "torchpar/core/syscall.h"
+#include "../ipc/futex.h"
+#include "../shm/cleaner.h"
+#include "liveness.h"
+#include "reduce_kernels.h"
+#include "torchpar/core/error.h"
+#include "work.h"
+
+namespace torchpar::detail {
+namespace {
+
+constexpr uint64_t kMagic = 0x314c4c4f43524154ULL;  // "TPARCOLL" reversed-ish
+constexpr size_t kSmallBytes = 32 << 10;             // one-step all_reduce below this
+
+enum class OpCode : int32_t {
+  kAllReduce = 1, kAllGather, kBroadcast, kReduce, kGather, kScatter, kReduceScatter,
+  kAllToAll, kBarrier
+};
+
+const char* op_name(OpCode op) {
+  switch (op) {
+    case OpCode::kAllReduce: return "all_reduce";
+    case OpCode::kAllGather: return "all_gather";
+    case OpCode::kBroadcast: return "broadcast";
+    case OpCode::kReduce: return "reduce";
+    case OpCode::kGather: return "gather";
+    case OpCode::kScatter: return "scatter";
+    case OpCode::kReduceScatter: return "reduce_scatter";
+    case OpCode::kAllToAll: return "all_to_all";
+    case OpCode::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+/// What a rank is doing: every rank must agree on it for the operation to go on.
+struct OpMeta {
+  int32_t op;
+  int32_t dtype;
+  int64_t numel;  // per tensor (per list element for list operations)
+  int32_t root;   // src/dst, -1 when none
+  int32_t reduce_op;
+  uint64_t call;  // operations issued so far on this group
+};
+
+struct alignas(64) RankCtl {
+  std::atomic<uint32_t> seq;  // last step this rank arrived at
+  int32_t pid;
+  uint8_t pad0[56];
+  OpMeta meta[2];  // by step parity
+  uint8_t pad1[256 - 64 - 2 * sizeof(OpMeta)];
+};
+static_assert(sizeof(RankCtl) == 256);
+
+struct Header {
+  uint64_t magic;
+  uint32_t nranks;
+  uint32_t pad;
+  uint64_t slot_bytes;
+  uint64_t data_offset;
+  uint64_t total_bytes;
+  alignas(64) std::atomic<uint32_t> waiters;
+  alignas(64) std::atomic<uint32_t> aborted;
+  int32_t failed_rank;
+  char abort_msg[512];
+};
+static_assert(sizeof(Header) <= 4096);
+
+class ShmBackend final : public GroupBackend {
+ public:
+  ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+             std::vector<int> world_ranks, std::chrono::duration<double> timeout,
+             std::string name, std::shared_ptr<GroupBackend> p2p)
+      : GroupBackend(rank, std::move(world_ranks), timeout, std::move(name)),
+        p2p_(std::move(p2p)) {
+    attach(store);
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    spin_ = static_cast<unsigned>(size()) <= cores;
+  }
+
+  ~ShmBackend() override { destroy(); }
+
+  Backend kind() const override { return Backend::Shm; }
+
+  void destroy() override {
+    stop_worker();
+    if (base_) {
+      ::munmap(base_, total_);
+      base_ = nullptr;
+    }
+    if (p2p_) {
+      p2p_->destroy();
+      p2p_.reset();
+    }
+  }
+
+  // ---- collectives ------------------------------------------------------------------
+
+  Work all_reduce(at::Tensor t, ReduceOp op, bool async_op) override {
+    check_reducible(t.scalar_type(), op, "CollectiveGroup::all_reduce");
+    return submit(async_op, [this, t, op] {
+      begin(OpCode::kAllReduce, t, -1, op);
+      const size_t es = t.element_size();
+      const size_t n = t.numel();
+      char* data = static_cast<char*>(t.data_ptr());
+      if (n * es <= std::min(kSmallBytes, slot_)) {
+        small_reduce(data, n, t.scalar_type(), op, /*to_all=*/true, -1);
+      } else {
+        chunked_reduce(data, n, t.scalar_type(), op, /*to_all=*/true, -1);
+      }
+      if (op == ReduceOp::AVG) reduce_divide(data, n, t.scalar_type(), size());
+    });
+  }
+
+  Work reduce(at::Tensor t, int dst, ReduceOp op, bool async_op) override {
+    check_reducible(t.scalar_type(), op, "CollectiveGroup::reduce");
+    return submit(async_op, [this, t, dst, op] {
+      begin(OpCode::kReduce, t, dst, op);
+      const size_t es = t.element_size();
+      const size_t n = t.numel();
+      char* data = static_cast<char*>(t.data_ptr());
+      if (n * es <= std::min(kSmallBytes, slot_)) {
+        small_reduce(data, n, t.scalar_type(), op, false, dst);
+      } else {
+        chunked_reduce(data, n, t.scalar_type(), op, false, dst);
+      }
+      if (op == ReduceOp::AVG && rank() == dst) reduce_divide(data, n, t.scalar_type(), size());
+    });
+  }
+
+  Work broadcast(at::Tensor t, int src, bool async_op) override {
+    return submit(async_op, [this, t, src] {
+      begin(OpCode::kBroadcast, t, src, ReduceOp::SUM);
+      char* data = static_cast<char*>(t.data_ptr());
+      const size_t bytes = t.nbytes();
+      for_chunks(bytes, slot_, [&](size_t off, size_t len) {
+        if (rank() == src) std::memcpy(my_slot(), data + off, len);
+        arrive_and_wait();
+        if (rank() != src) std::memcpy(data + off, slot(src), len);
+      });
+    });
+  }
+
+  Work all_gather(std::vector<at::Tensor> out, at::Tensor in, bool async_op) override {
+    return submit(async_op, [this, out, in] {
+      begin(OpCode::kAllGather, in, -1, ReduceOp::SUM);
+      gather_impl(in, out, /*to_all=*/true, -1);
+    });
+  }
+
+  Work gather(at::Tensor in, std::vector<at::Tensor> out, int dst, bool async_op) override {
+    return submit(async_op, [this, in, out, dst] {
+      begin(OpCode::kGather, in, dst, ReduceOp::SUM);
+      gather_impl(in, out, false, dst);
+    });
+  }
+
+  Work scatter(at::Tensor out, std::vector<at::Tensor> in, int src, bool async_op) override {
+    return submit(async_op, [this, out, in, src] {
+      begin(OpCode::kScatter, out, src, ReduceOp::SUM);
+      const size_t bytes = out.nbytes();
+      const size_t piece = piece_bytes(out.element_size());
+      char* dst = static_cast<char*>(out.data_ptr());
+      for_chunks(bytes, piece, [&](size_t off, size_t len) {
+        if (rank() == src) {
+          for (int q = 0; q < size(); ++q) {
+            std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off,
+                        len);
+          }
+        }
+        arrive_and_wait();
+        std::memcpy(dst + off, slot(src) + rank() * piece, len);
+      });
+    });
+  }
+
+  Work reduce_scatter(at::Tensor out, std::vector<at::Tensor> in, ReduceOp op,
+                      bool async_op) override {
+    check_reducible(out.scalar_type(), op, "CollectiveGroup::reduce_scatter");
+    return submit(async_op, [this, out, in, op] {
+      begin(OpCode::kReduceScatter, out, -1, op);
+      const size_t es = out.element_size();
+      const size_t piece = piece_bytes(es);
+      char* dst = static_cast<char*>(out.data_ptr());
+      for_chunks(out.nbytes(), piece, [&](size_t off, size_t len) {
+        for (int q = 0; q < size(); ++q) {
+          std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off,
+                      len);
+        }
+        arrive_and_wait();
+        combine_all(dst + off, rank() * piece, len / es, out.scalar_type(), op);
+      });
+      if (op == ReduceOp::AVG) reduce_divide(dst, out.numel(), out.scalar_type(), size());
+    });
+  }
+
+  Work all_to_all(std::vector<at::Tensor> out, std::vector<at::Tensor> in,
+                  bool async_op) override {
+    return submit(async_op, [this, out, in] {
+      begin(OpCode::kAllToAll, in[0], -1, ReduceOp::SUM);
+      const size_t piece = piece_bytes(in[0].element_size());
+      for_chunks(in[0].nbytes(), piece, [&](size_t off, size_t len) {
+        for (int q = 0; q < size(); ++q) {
+          std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off,
+                      len);
+        }
+        arrive_and_wait();
+        for (int q = 0; q < size(); ++q) {
+          std::memcpy(static_cast<char*>(out[q].data_ptr()) + off, slot(q) + rank() * piece,
+                      len);
+        }
+      });
+    });
+  }
+
+  Work barrier(bool async_op) override {
+    return submit(async_op, [this] {
+      begin_meta(OpCode::kBarrier, -1, 0, -1, ReduceOp::SUM);
+      arrive_and_wait();
+      check_meta();
+    });
+  }
+
+  Work isend(at::Tensor t, int dst, int tag) override { return p2p_->isend(t, dst, tag); }
+  Work irecv(at::Tensor t, std::optional<int> src, int tag) override {
+    return p2p_->irecv(t, src, tag);
+  }
+
+ private:
+  // ---- segment ------------------------------------------------------------------------
+
+  void attach(const c10::intrusive_ptr<c10d::Store>& store) {
+    const int P = size();
+    slot_ = shm_slot_bytes();
+    const size_t ctl_bytes = (static_cast<size_t>(P) * sizeof(RankCtl) + 4095) / 4096 * 4096;
+    const size_t data_off = 4096 + ctl_bytes;
+    total_ = data_off + 2 * static_cast<size_t>(P) * slot_;
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout());
+    std::string shm_name;
+    UniqueFd fd;
+    if (rank() == 0) {
+      ensure_cleaner();  // the name goes with this process, even on SIGKILL
+      shm_name = make_segment_name();
+      fd = UniqueFd(::shm_open(shm_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600));
+      if (!fd) throw_system_error("shm_open", errno, shm_name);
+      int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(total_));
+      if (rc != 0) {
+        ::shm_unlink(shm_name.c_str());
+        throw ShmError("posix_fallocate", rc, shm_name,
+                       fmt::format("{}: cannot reserve {} in /dev/shm for the shm backend (use "
+                                   "backend gloo, or TORCHPAR_SHM_SLOT_BYTES to shrink it)",
+                                   name(), format_bytes(total_)));
+      }
+      map(fd.get());
+      auto* h = header();
+      h->nranks = static_cast<uint32_t>(P);
+      h->slot_bytes = slot_;
+      h->data_offset = data_off;
+      h->total_bytes = total_;
+      h->magic = kMagic;
+      store->set("shm_name", std::vector<uint8_t>(shm_name.begin(), shm_name.end()));
+    } else {
+      try {
+        store->wait({"shm_name"}, ms);
+      } catch (const std::exception&) {
+        throw TimeoutError(fmt::format(
+            "{}: rank 0 did not publish the shared-memory segment within {:.1f} s", name(),
+            timeout().count()));
+      }
+      auto v = store->get("shm_name");
+      shm_name.assign(v.begin(), v.end());
+      fd = UniqueFd(::shm_open(shm_name.c_str(), O_RDWR, 0600));
+      if (!fd) {
+        throw Error(fmt::format(
+            "{}: cannot open the shm backend's segment {} ({}): are all ranks on one host "
+            "(same /dev/shm)? Use backend gloo otherwise",
+            name(), shm_name, std::strerror(errno)));
+      }
+      map(fd.get());
+      if (header()->magic != kMagic || header()->nranks != static_cast<uint32_t>(P) ||
+          header()->total_bytes != total_) {
+        throw Error(fmt::format("{}: the shm backend's segment {} has a different geometry",
+                                name(), shm_name));
+      }
+    }
+    data_ = base_ + data_off;
+    ctl_ = reinterpret_cast<RankCtl*>(base_ + 4096);
+    ctl_[rank()].pid = ::getpid();
+    // Every rank attached -> unlink the name: the memory goes with the last mapping.
+    store->add("attached", 1);
+    const auto deadline = SteadyClock::now() + ms;
+    while (store->add("attached", 0) < P) {
+      if (SteadyClock::now() > deadline) {
+        if (rank() == 0) ::shm_unlink(shm_name.c_str());
+        std::string missing;
+        for (int q = 0; q < P; ++q) {
+          if (ctl_[q].pid == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+        }
+        throw TimeoutError(fmt::format(
+            "{}: rank(s) {} did not attach to the shared-memory segment within {:.1f} s",
+            name(), missing, timeout().count()));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (rank() == 0) ::shm_unlink(shm_name.c_str());
+  }
+
+  void map(int fd) {
+    void* p = ::mmap(nullptr, total_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) throw_system_error("mmap", errno, "shm backend segment");
+    base_ = static_cast<char*>(p);
+  }
+
+  Header* header() const { return reinterpret_cast<Header*>(base_); }
+  char* slot_of(uint32_t set, int q) const {
+    return data_ + (static_cast<size_t>(set) * size() + q) * slot_;
+  }
+  /// This rank's slot for the step it is about to arrive at.
+  char* my_slot() const { return slot_of((step_ + 1) & 1, rank()); }
+  /// Rank q's slot of the step every rank arrived at.
+  char* slot(int q) const { return slot_of(step_ & 1, q); }
+  size_t piece_bytes(size_t es) const { return slot_ / size() / es * es; }
+
+  template <class F>
+  static void for_chunks(size_t bytes, size_t chunk, F&& f) {
+    if (bytes == 0) {
+      f(0, 0);
+      return;
+    }
+    for (size_t off = 0; off < bytes; off += chunk) f(off, std::min(chunk, bytes - off));
+  }
+
+  // ---- steps ---------------------------------------------------------------------------
+
+  void begin(OpCode op, const at::Tensor& t, int root, ReduceOp rop) {
+    begin_meta(op, static_cast<int32_t>(t.scalar_type()), t.numel(), root, rop);
+  }
+
+  void begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, ReduceOp rop) {
+    if (!base_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
+    throw_if_aborted();
+    cur_ = OpMeta{static_cast<int32_t>(op), dtype, numel, root, static_cast<int32_t>(rop),
+                  ++calls_};
+    deadline_ = SteadyClock::now() +
+                std::chrono::duration_cast<SteadyClock::duration>(timeout());
+    meta_pending_ = true;
+  }
+
+  /// Arrive at the next step and wait for every rank to arrive there too.
+  void arrive_and_wait() {
+    const uint32_t next = step_ + 1;
+    if (meta_pending_) ctl_[rank()].meta[next & 1] = cur_;
+    ctl_[rank()].seq.store(next, std::memory_order_seq_cst);
+    if (header()->waiters.load(std::memory_order_seq_cst) != 0) {
+      futex_wake_n(reinterpret_cast<uint32_t*>(&ctl_[rank()].seq), INT_MAX);
+    }
+    step_ = next;
+    for (int q = 0; q < size(); ++q) {
+      if (q != rank()) wait_for(q, next);
+    }
+    if (meta_pending_) {
+      meta_pending_ = false;
+      check_meta();
+    }
+  }
+
+  static bool reached(uint32_t seq, uint32_t target) {
+    return static_cast<int32_t>(seq - target) >= 0;
+  }
+
+  void wait_for(int q, uint32_t target) {
+    auto& seq = ctl_[q].seq;
+    if (reached(seq.load(std::memory_order_acquire), target)) return;
+    if (spin_) {
+      for (int i = 0; i < 20000; ++i) {
+        __builtin_ia32_pause();
+        if (reached(seq.load(std::memory_order_acquire), target)) return;
+      }
+    }
+    for (int i = 0; i < 50; ++i) {
+      ::sched_yield();
+      if (reached(seq.load(std::memory_order_acquire), target)) return;
+    }
+    auto* h = header();
+    auto last_check = SteadyClock::now();
+    for (;;) {
+      h->waiters.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t seen = seq.load(std::memory_order_seq_cst);
+      if (!reached(seen, target) && h->aborted.load() == 0) {
+        futex_wait_until(reinterpret_cast<uint32_t*>(&seq), seen, deadline_);
+      }
+      h->waiters.fetch_sub(1, std::memory_order_seq_cst);
+      if (reached(seq.load(std::memory_order_acquire), target)) return;
+      throw_if_aborted();
+      const auto now = SteadyClock::now();
+      if (now >= deadline_) {
+        fail(q, fmt::format("{}: rank {} (pid {}) did not reach {} call #{} within {:.1f} s",
+                            name(), q, ctl_[q].pid, op_name(static_cast<OpCode>(cur_.op)),
+                            cur_.call, timeout().count()),
+             /*timeout=*/true);
+      }
+      if (now - last_check > std::chrono::milliseconds(50)) {
+        last_check = now;
+        if (!pid_alive(ctl_[q].pid)) {
+          fail(q, fmt::format("{}: rank {} (pid {}) died before finishing {} call #{}", name(), q,
+                              ctl_[q].pid, op_name(static_cast<OpCode>(cur_.op)), cur_.call),
+               false);
+        }
+      }
+    }
+  }
+
+  [[noreturn]] void fail(int q, const std::string& msg, bool timeout) {
+    auto* h = header();
+    uint32_t expected = 0;
+    if (h->aborted.compare_exchange_strong(expected, 1)) {
+      h->failed_rank = q;
+      std::snprintf(h->abort_msg, sizeof(h->abort_msg), "%s", msg.c_str());
+      h->aborted.store(2);
+      for (int r = 0; r < size(); ++r) {
+        futex_wake_n(reinterpret_cast<uint32_t*>(&ctl_[r].seq), INT_MAX);
+      }
+    }
+    if (timeout) throw TimeoutError(msg);
+    throw RankLostError(q, msg);
+  }
+
+  void throw_if_aborted() {
+    auto* h = header();
+    if (h->aborted.load(std::memory_order_acquire) == 0) return;
+    while (h->aborted.load(std::memory_order_acquire) == 1) ::sched_yield();
+    throw RankLostError(h->failed_rank,
+                        fmt::format("{}: the group is broken: {}", name(), h->abort_msg));
+  }
+
+  void check_meta() {
+    const OpMeta& mine = cur_;
+    for (int q = 0; q < size(); ++q) {
+      const OpMeta& m = ctl_[q].meta[step_ & 1];
+      if (m.op == mine.op && m.dtype == mine.dtype && m.numel == mine.numel &&
+          m.root == mine.root && m.reduce_op == mine.reduce_op) {
+        continue;
+      }
+      // Every rank sees the same metadata, so every rank raises; no one goes on.
+      auto describe = [](const OpMeta& x) {
+        return fmt::format("{}(dtype {}, numel {}, root {}, op {})",
+                           op_name(static_cast<OpCode>(x.op)),
+                           c10::toString(static_cast<at::ScalarType>(x.dtype)), x.numel, x.root,
+                           to_string(static_cast<ReduceOp>(x.reduce_op)));
+      };
+      const std::string msg = fmt::format(
+          "{}: ranks disagree on call #{}: rank {} called {}, rank {} called {}", name(),
+          mine.call, rank(), describe(mine), q, describe(m));
+      auto* h = header();
+      uint32_t expected = 0;
+      if (h->aborted.compare_exchange_strong(expected, 1)) {
+        h->failed_rank = q;
+        std::snprintf(h->abort_msg, sizeof(h->abort_msg), "%s", msg.c_str());
+        h->aborted.store(2);
+      }
+      throw Error(msg);
+    }
+  }
+
+  // ---- algorithms ----------------------------------------------------------------------
+
+  /// dst[i] = op over ranks (in rank order) of slot(q)[byte_off + i*es].
+  void combine_all(char* dst, size_t byte_off, size_t n, at::ScalarType dtype, ReduceOp op) {
+    if (size() == 1) {
+      std::memcpy(dst, slot(0) + byte_off, n * c10::elementSize(dtype));
+      return;
+    }
+    reduce_combine(dst, slot(0) + byte_off, slot(1) + byte_off, n, dtype, op);
+    for (int q = 2; q < size(); ++q) reduce_combine(dst, dst, slot(q) + byte_off, n, dtype, op);
+  }
+
+  void small_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
+                    int dst) {
+    const size_t bytes = n * c10::elementSize(dtype);
+    std::memcpy(my_slot(), data, bytes);
+    arrive_and_wait();
+    if (to_all || rank() == dst) combine_all(data, 0, n, dtype, op);
+  }
+
+  void chunked_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
+                      int dst) {
+    const size_t es = c10::elementSize(dtype);
+    const size_t P = static_cast<size_t>(size());
+    const size_t chunk_elems = slot_ / es;
+    for (size_t first = 0; first < n; first += chunk_elems) {
+      const size_t m = std::min(chunk_elems, n - first);
+      char* src = data + first * es;
+      auto lo = [&](size_t r) { return m * r / P; };
+      // step 1: publish the chunk
+      std::memcpy(my_slot(), src, m * es);
+      arrive_and_wait();
+      // reduce my share into my slot of the other set, then publish it (step 2)
+      const size_t a = lo(rank()), b = lo(rank() + 1);
+      char* out = my_slot();
+      combine_all(out + a * es, a * es, b - a, dtype, op);
+      arrive_and_wait();
+      if (to_all || rank() == dst) {
+        for (size_t r = 0; r < P; ++r) {
+          const size_t ra = lo(r), rb = lo(r + 1);
+          std::memcpy(src + ra * es, slot(static_cast<int>(r)) + ra * es, (rb - ra) * es);
+        }
+      }
+    }
+  }
+
+  void gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all,
+                   int dst) {
+    const char* src = static_cast<const char*>(in.data_ptr());
+    for_chunks(in.nbytes(), slot_, [&](size_t off, size_t len) {
+      std::memcpy(my_slot(), src + off, len);
+      arrive_and_wait();
+      if (to_all || rank() == dst) {
+        for (int q = 0; q < size(); ++q) {
+          std::memcpy(static_cast<char*>(out[q].data_ptr()) + off, slot(q), len);
+        }
+      }
+    });
+  }
+
+  // ---- ordering and async ----------------------------------------------------------------
+
+  Work submit(bool async_op, std::function<void()> fn) {
+    if (!base_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
+    auto w = std::make_shared<PromiseWork>();
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      if (!async_op && queue_.empty() && !busy_) {
+        busy_ = true;
+        lk.unlock();
+        try {
+          fn();
+          w->set_value();
+        } catch (...) {
+          w->set_error(std::current_exception());
+        }
+        lk.lock();
+        busy_ = false;
+        cv_.notify_all();
+        return Work(w);
+      }
+      if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
+      queue_.push_back([fn = std::move(fn), w] {
+        try {
+          fn();
+          w->set_value();
+        } catch (...) {
+          w->set_error(std::current_exception());
+        }
+      });
+      cv_.notify_all();
+    }
+    return Work(w);
+  }
+
+  void worker_loop() {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && !busy_); });
+      if (queue_.empty() && stop_) return;
+      auto fn = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      lk.unlock();
+      fn();
+      lk.lock();
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+
+  void stop_worker() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  std::shared_ptr<GroupBackend> p2p_;
+  char* base_ = nullptr;
+  char* data_ = nullptr;
+  RankCtl* ctl_ = nullptr;
+  size_t total_ = 0;
+  size_t slot_ = 0;
+  uint32_t step_ = 0;
+  uint64_t calls_ = 0;
+  OpMeta cur_{};
+  bool meta_pending_ = false;
+  bool spin_ = true;
+  SteadyClock::time_point deadline_{};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace
+
+size_t shm_slot_bytes() {
+  if (const char* env = std::getenv("TORCHPAR_SHM_SLOT_BYTES")) {
+    const long long v = std::atoll(env);
+    if (v >= 4096) return static_cast<size_t>(v) / 64 * 64;
+  }
+  return 1 << 20;
+}
+
+std::shared_ptr<GroupBackend> make_shm_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                               int rank, std::vector<int> world_ranks,
+                                               std::chrono::duration<double> timeout,
+                                               std::string name,
+                                               std::shared_ptr<GroupBackend> p2p) {
+  return std::make_shared<ShmBackend>(store, rank, std::move(world_ranks), timeout,
+                                      std::move(name), std::move(p2p));
+}
+
+}  // namespace torchpar::detail

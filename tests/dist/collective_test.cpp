@@ -1,0 +1,430 @@
+// CollectiveGroup on gloo and shm with 2, 3 and 4 ranks: every operation, several dtypes and
+// sizes (1 element to 16 MiB), contiguous and strided tensors, async handles, point-to-point
+// with any-source receives; ranks that disagree, a rank SIGKILLed before an all_reduce, bad
+// World configurations. Each rank checks its results against values it computes locally.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+
+#include "support/ranks.h"
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+using tp::testing::free_port;
+using tp::testing::run_ranks;
+using namespace std::chrono_literals;
+
+namespace {
+
+#define RCHECK(cond, ...) \
+  if (!(cond)) throw std::runtime_error(fmt::format(__VA_ARGS__))
+
+tp::World make_world(int rank, int world, int port, double timeout = 60) {
+  return tp::World(tp::WorldOptions{.rank = rank,
+                                    .world_size = world,
+                                    .master_addr = "127.0.0.1",
+                                    .master_port = port,
+                                    .timeout = std::chrono::duration<double>(timeout)});
+}
+
+/// Rank r's data for a test: small integers, exact in every dtype, different per rank.
+at::Tensor make(int r, int64_t n, at::ScalarType dtype) {
+  auto i = at::arange(n, at::kLong);
+  return ((i * 7 + r * 13) % 11 + r + 1).to(dtype);
+}
+
+void expect_equal(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  RCHECK(got.scalar_type() == want.scalar_type(), "{}: dtype {} != {}", what,
+         c10::toString(got.scalar_type()), c10::toString(want.scalar_type()));
+  RCHECK(got.sizes() == want.sizes(), "{}: shape differs", what);
+  RCHECK(at::equal(got, want), "{}: values differ (first got {}, want {})", what,
+         got.reshape({-1})[0].item<double>(), want.reshape({-1})[0].item<double>());
+}
+
+at::Tensor stack_of(int P, int64_t n, at::ScalarType dt, int offset = 0, int mul = 1) {
+  std::vector<at::Tensor> v;
+  for (int r = 0; r < P; ++r) v.push_back(make(r * mul + offset, n, dt));
+  return at::stack(v);
+}
+
+void check_ops(tp::CollectiveGroup& g, at::ScalarType dt, int64_t n, bool full) {
+  const int P = g.size();
+  const int me = g.rank();
+  const std::string tag = fmt::format("[{} n={} P={} rank {}]", c10::toString(dt), n, P, me);
+  const auto all = stack_of(P, n, dt);
+
+  // all_reduce: every op, contiguous
+  {
+    auto t = make(me, n, dt);
+    g.all_reduce(t, tp::ReduceOp::SUM);
+    expect_equal(t, all.sum(0, false, dt), "all_reduce SUM " + tag);
+  }
+  {
+    auto t = make(me, n, dt);
+    g.all_reduce(t, tp::ReduceOp::MAX);
+    expect_equal(t, std::get<0>(all.max(0)), "all_reduce MAX " + tag);
+    t = make(me, n, dt);
+    g.all_reduce(t, tp::ReduceOp::MIN);
+    expect_equal(t, std::get<0>(all.min(0)), "all_reduce MIN " + tag);
+  }
+  if (full && dt != at::kHalf && dt != at::kBFloat16) {  // no local prod for these
+    auto t = make(me, n, dt);
+    g.all_reduce(t, tp::ReduceOp::PRODUCT);
+    expect_equal(t, all.prod(0, false, dt), "all_reduce PRODUCT " + tag);
+  }
+  if (at::isFloatingType(dt)) {
+    auto t = make(me, n, dt);
+    g.all_reduce(t, tp::ReduceOp::AVG);
+    auto want = all.sum(0, false, dt) / P;
+    RCHECK(at::allclose(t, want), "all_reduce AVG {}", tag);
+  }
+  // non-contiguous (every other element of a [n, 2] tensor); the other column is untouched
+  {
+    auto base = at::full({n, 2}, -1, dt);
+    auto t = base.select(1, 0);
+    t.copy_(make(me, n, dt));
+    g.all_reduce(t, tp::ReduceOp::SUM);
+    expect_equal(base.select(1, 0), all.sum(0, false, dt), "strided all_reduce " + tag);
+    expect_equal(base.select(1, 1), at::full({n}, -1, dt), "strided neighbours " + tag);
+  }
+  // broadcast from the last rank
+  {
+    auto t = make(me, n, dt);
+    g.broadcast(t, P - 1);
+    expect_equal(t, make(P - 1, n, dt), "broadcast " + tag);
+  }
+  // all_gather
+  {
+    std::vector<at::Tensor> out;
+    for (int q = 0; q < P; ++q) out.push_back(at::zeros({n}, dt));
+    g.all_gather(out, make(me, n, dt));
+    for (int q = 0; q < P; ++q) expect_equal(out[q], make(q, n, dt), "all_gather " + tag);
+  }
+  if (!full) return;
+  // reduce to rank 1 % P: the others keep their input
+  {
+    const int dst = 1 % P;
+    auto t = make(me, n, dt);
+    g.reduce(t, dst, tp::ReduceOp::SUM);
+    expect_equal(t, me == dst ? all.sum(0, false, dt) : make(me, n, dt), "reduce " + tag);
+  }
+  // gather to rank 0
+  {
+    std::vector<at::Tensor> out;
+    if (me == 0) {
+      for (int q = 0; q < P; ++q) out.push_back(at::zeros({n}, dt));
+    }
+    g.gather(make(me, n, dt), out, 0);
+    for (int q = 0; q < static_cast<int>(out.size()); ++q) {
+      expect_equal(out[q], make(q, n, dt), "gather " + tag);
+    }
+  }
+  // scatter from rank 0: piece q is make(100 + q)
+  {
+    std::vector<at::Tensor> in;
+    if (me == 0) {
+      for (int q = 0; q < P; ++q) in.push_back(make(100 + q, n, dt));
+    }
+    auto t = at::zeros({n}, dt);
+    g.scatter(t, in, 0);
+    expect_equal(t, make(100 + me, n, dt), "scatter " + tag);
+  }
+  // reduce_scatter: rank r's piece q is make(r*P + q); I get the sum over r of make(r*P + me)
+  {
+    std::vector<at::Tensor> in;
+    for (int q = 0; q < P; ++q) in.push_back(make(me * P + q, n, dt));
+    auto t = at::zeros({n}, dt);
+    g.reduce_scatter(t, in, tp::ReduceOp::SUM);
+    expect_equal(t, stack_of(P, n, dt, me, P).sum(0, false, dt), "reduce_scatter " + tag);
+  }
+  // all_to_all: out[q] = rank q's piece for me = make(q*P + me)
+  {
+    std::vector<at::Tensor> in, out;
+    for (int q = 0; q < P; ++q) {
+      in.push_back(make(me * P + q, n, dt));
+      out.push_back(at::zeros({n}, dt));
+    }
+    g.all_to_all(out, in);
+    for (int q = 0; q < P; ++q) expect_equal(out[q], make(q * P + me, n, dt), "all_to_all " + tag);
+  }
+}
+
+void ops_rank(int rank, int world, int port, std::string backend) {
+  auto w = make_world(rank, world, port);
+  auto g = w.create_collective_group({}, tp::backend_from_string(backend));
+  const auto want = backend == "gloo" ? tp::Backend::Gloo : tp::Backend::Shm;
+  RCHECK(g.backend() == want, "backend {} resolved to {}", backend, tp::to_string(g.backend()));
+  RCHECK(g.rank() == rank && g.size() == world, "group rank/size");
+  for (auto dt : {at::kFloat, at::kDouble, at::kInt, at::kLong}) {
+    for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{70000}}) check_ops(g, dt, n, true);
+  }
+  // 16 MiB of float32: the chunked paths
+  check_ops(g, at::kFloat, 4 << 20, false);
+  if (want == tp::Backend::Shm) {
+    for (auto dt : {at::kHalf, at::kBFloat16, at::kShort, at::kChar}) check_ops(g, dt, 333, true);
+    // bool: SUM is OR, PRODUCT is AND
+    auto t = at::full({5}, rank == 0, at::kBool);
+    g.all_reduce(t, tp::ReduceOp::SUM);
+    RCHECK(t.all().item<bool>(), "bool OR");
+    t = at::full({5}, rank == 0, at::kBool);
+    g.all_reduce(t, tp::ReduceOp::PRODUCT);
+    RCHECK(!t.any().item<bool>() || world == 1, "bool AND");
+  }
+  // async handles
+  {
+    auto t = at::ones({1000});
+    auto b = at::full({10}, rank, at::kLong);
+    auto w1 = g.all_reduce(t, tp::ReduceOp::SUM, true);
+    auto w2 = g.broadcast(b, 0, true);
+    auto w3 = g.barrier(true);
+    RCHECK(w1.wait(30.0s) == -1, "async all_reduce source");
+    w2.wait();
+    w3.wait();
+    RCHECK(w1.is_completed() && w2.is_completed() && w3.is_completed(), "async completed");
+    RCHECK(at::equal(t, at::full({1000}, world)), "async all_reduce value");
+    RCHECK(at::equal(b, at::zeros({10}, at::kLong)), "async broadcast value");
+  }
+  // point to point around the ring; receive from any source and learn the sender
+  {
+    const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
+    auto out = make(rank, 100, at::kFloat);
+    auto in = at::zeros({100});
+    auto s = g.isend(out, next, 7);
+    auto r = g.irecv(in, std::nullopt, 7);
+    const int sender = r.wait(30.0s);
+    s.wait(30.0s);
+    RCHECK(sender == prev, "irecv from any source: sender {} want {}", sender, prev);
+    expect_equal(in, make(prev, 100, at::kFloat), "irecv any source");
+    // named source, blocking
+    if (rank == 0) {
+      g.send(at::full({3}, 42.0), world - 1);
+    } else if (rank == world - 1) {
+      auto x = at::zeros({3});
+      RCHECK(g.recv(x, 0) == 0, "recv sender");
+      RCHECK(at::equal(x, at::full({3}, 42.0)), "recv value");
+    }
+  }
+  g.barrier();
+}
+
+struct Case {
+  std::string backend;
+  int ranks;
+};
+
+class CollectiveOps : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CollectiveOps, EveryOpMatchesLocalResults) {
+  const auto c = GetParam();
+  auto res = run_ranks(c.ranks, 240, &ops_rank, c.ranks, free_port(), c.backend);
+  for (int r = 0; r < c.ranks; ++r) {
+    EXPECT_EQ(res[r].exitcode, 0) << "rank " << r << ": " << res[r].error;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CollectiveOps,
+                         ::testing::Values(Case{"shm", 2}, Case{"shm", 3}, Case{"auto", 4},
+                                           Case{"gloo", 2}, Case{"gloo", 3}, Case{"gloo", 4}),
+                         [](const auto& info) {
+                           return info.param.backend + std::to_string(info.param.ranks);
+                         });
+
+// ---- shm and gloo agree bit for bit on integer sums, within tolerance on floats ---------------
+
+void agree_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port);
+  auto shm = w.create_collective_group({}, tp::Backend::Shm);
+  auto gloo = w.create_collective_group({}, tp::Backend::Gloo);
+  at::manual_seed(1234 + rank);
+  auto ints = at::randint(-1000000, 1000000, {300000}, at::kLong);
+  auto floats = at::randn({300000});
+  auto a = ints.clone(), b = ints.clone(), c = floats.clone(), d = floats.clone();
+  shm.all_reduce(a);
+  gloo.all_reduce(b);
+  shm.all_reduce(c);
+  gloo.all_reduce(d);
+  RCHECK(at::equal(a, b), "integer sums differ between shm and gloo");
+  RCHECK(at::allclose(c, d, 1e-5, 1e-5), "float sums differ beyond tolerance");
+  // every rank holds the same bits after a float all_reduce (shm)
+  std::vector<at::Tensor> copies;
+  for (int q = 0; q < world; ++q) copies.push_back(at::empty_like(c));
+  shm.all_gather(copies, c);
+  for (auto& x : copies) RCHECK(at::equal(x, c), "ranks hold different float results");
+}
+
+TEST(Collective, ShmAndGlooAgree) {
+  auto res = run_ranks(3, 120, &agree_rank, 3, free_port());
+  for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
+// ---- ranks that disagree -------------------------------------------------------------------
+
+void mismatch_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port, 20);
+  auto g = w.create_collective_group({}, tp::Backend::Shm);
+  auto t = rank == 0 ? at::ones({10}, at::kFloat) : at::ones({10}, at::kDouble);
+  try {
+    g.all_reduce(t);
+  } catch (const tp::Error& e) {
+    RCHECK(std::string(e.what()).find("disagree") != std::string::npos, "message: {}",
+           e.what());
+    // the group is broken for good: the next call fails at once
+    try {
+      g.barrier();
+    } catch (const tp::Error&) {
+      return;
+    }
+    throw std::runtime_error("barrier after a broken all_reduce did not throw");
+  }
+  throw std::runtime_error("mismatched dtypes did not throw");
+}
+
+TEST(Collective, MismatchedDtypesRaiseOnEveryRank) {
+  auto res = run_ranks(2, 60, &mismatch_rank, 2, free_port());
+  for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
+// ---- a rank SIGKILLed before an all_reduce ------------------------------------------------------
+
+void killed_rank(int rank, int world, int port, std::string backend) {
+  auto w = make_world(rank, world, port, 60);
+  auto g = w.create_collective_group({}, tp::backend_from_string(backend), 8.0s);
+  auto t = at::ones({1000});
+  g.all_reduce(t);  // everyone is up
+  if (rank == 1) ::raise(SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    g.all_reduce(t);
+  } catch (const tp::Error& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    RCHECK(s < 8.5, "raised after {:.1f} s, beyond the 8 s timeout", s);
+    const std::string msg = e.what();
+    RCHECK(msg.find("rank 1") != std::string::npos, "the error does not name rank 1: {}", msg);
+    return;
+  }
+  throw std::runtime_error("all_reduce with a dead rank did not throw");
+}
+
+TEST(Collective, KilledRankMakesOthersRaiseNamingIt) {
+  for (std::string backend : {"shm", "gloo"}) {
+    auto res = run_ranks(3, 60, &killed_rank, 3, free_port(), backend);
+    EXPECT_EQ(res[0].exitcode, 0) << backend << ": " << res[0].error;
+    EXPECT_EQ(res[1].exitcode, -SIGKILL) << backend;
+    EXPECT_EQ(res[2].exitcode, 0) << backend << ": " << res[2].error;
+  }
+}
+
+// ---- sub-groups --------------------------------------------------------------------------------
+
+void subgroup_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port);
+  // ranks {2, 0} in that order: world rank 2 is group rank 0
+  if (rank == 0 || rank == 2) {
+    auto g = w.create_collective_group({2, 0}, tp::Backend::Auto);
+    RCHECK(g.rank() == (rank == 2 ? 0 : 1), "group-relative rank");
+    auto t = at::full({4}, rank, at::kInt);
+    g.broadcast(t, 0);
+    RCHECK(at::equal(t, at::full({4}, 2, at::kInt)), "broadcast from group rank 0");
+  } else {
+    try {
+      w.create_collective_group({2, 0});
+      throw std::runtime_error("a non-member created a group");
+    } catch (const tp::Error& e) {
+      RCHECK(std::string(e.what()).find("not in the group") != std::string::npos, "{}",
+             e.what());
+    }
+  }
+  RCHECK(w.get_names()[1] == "rank1", "names");
+}
+
+TEST(World, SubgroupsUseRelativeRanks) {
+  auto res = run_ranks(3, 60, &subgroup_rank, 3, free_port());
+  for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
+// ---- bad World configurations ---------------------------------------------------------------------
+
+TEST(World, RankOutOfRangeIsRefused) {
+  try {
+    make_world(3, 2, free_port(), 5);
+    FAIL() << "no error";
+  } catch (const tp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out of range"), std::string::npos) << e.what();
+  }
+}
+
+TEST(World, MissingEnvironmentIsNamed) {
+  ::unsetenv("RANK");
+  try {
+    tp::World w;
+    FAIL() << "no error";
+  } catch (const tp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK"), std::string::npos) << e.what();
+  }
+}
+
+TEST(World, UnreachableMasterFailsWithinTimeout) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    make_world(1, 2, free_port(), 2);
+    FAIL() << "no error";
+  } catch (const tp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot reach the master"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10);
+}
+
+void sized_rank(int rank, int port, int world) {
+  try {
+    auto w = make_world(rank, world, port, 4);
+  } catch (const tp::Error& e) {
+    const std::string msg = e.what();
+    RCHECK(msg.find("world size") != std::string::npos || msg.find("did not join") !=
+                                                               std::string::npos,
+           "unclear: {}", msg);
+    return;
+  }
+  throw std::runtime_error("mismatched world sizes were accepted");
+}
+
+TEST(World, MismatchedWorldSizesAreRefused) {
+  const int port = free_port();
+  tp::Process a(tp::ProcessOptions{.start_method = tp::StartMethod::kFork}, &sized_rank, 0, port,
+                2);
+  tp::Process b(tp::ProcessOptions{.start_method = tp::StartMethod::kFork}, &sized_rank, 1, port,
+                3);
+  a.start();
+  b.start();
+  ASSERT_TRUE(a.join(30.0s));
+  ASSERT_TRUE(b.join(30.0s));
+  EXPECT_EQ(a.exitcode(), 0) << (a.error() ? a.error()->second : "");
+  EXPECT_EQ(b.exitcode(), 0) << (b.error() ? b.error()->second : "");
+}
+
+void file_rank(int rank, int world, std::string path) {
+  tp::World w(tp::WorldOptions{.rank = rank, .world_size = world, .init_method = "file://" + path,
+                               .timeout = 30.0s});
+  auto g = w.create_collective_group();
+  auto t = at::full({8}, rank + 1, at::kLong);
+  g.all_reduce(t);
+  RCHECK(at::equal(t, at::full({8}, world * (world + 1) / 2, at::kLong)), "file store sum");
+}
+
+TEST(World, FileStoreRendezvous) {
+  const std::string path = fmt::format("/tmp/torchpar_filestore_{}", ::getpid());
+  ::unlink(path.c_str());
+  auto res = run_ranks(2, 60, &file_rank, 2, path);
+  ::unlink(path.c_str());
+  for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tp::init(argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

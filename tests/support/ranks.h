@@ -1,0 +1,65 @@
+#pragma once
+// Runs a function as N ranks of a World (forked processes on one host) and reports how
+// each ended. Ranks get RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT through their arguments.
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torchpar/process/process.h"
+
+namespace torchpar::testing {
+
+/// A TCP port nobody listens on right now.
+inline int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+struct RankResult {
+  std::optional<int> exitcode;
+  std::string error;  // "Type: message" when the rank threw
+};
+
+/// Starts fn(rank, args...) in `n` forked processes, waits up to `timeout` seconds for all,
+/// kills the stragglers, returns how each ended.
+template <class Fn, class... Args>
+std::vector<RankResult> run_ranks(int n, double timeout, Fn fn, Args... args) {
+  std::vector<Process> procs;
+  for (int r = 0; r < n; ++r) {
+    procs.emplace_back(ProcessOptions{.name = "rank" + std::to_string(r),
+                                      .start_method = StartMethod::kFork},
+                       fn, r, args...);
+    procs.back().start();
+  }
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout));
+  std::vector<RankResult> out;
+  for (auto& p : procs) {
+    const auto left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now());
+    if (!p.join(std::max(left, std::chrono::duration<double>(0.01)))) {
+      p.kill();
+      p.join();
+    }
+    RankResult r;
+    r.exitcode = p.exitcode();
+    if (auto e = p.error()) r.error = e->first + ": " + e->second;
+    out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace torchpar::testing
