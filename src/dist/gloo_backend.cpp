@@ -75,6 +75,8 @@ class GlooBackend final : public GroupBackend {
 
   Backend kind() const override { return Backend::Gloo; }
   void destroy() override { pg_.reset(); }
+  /// As torch.distributed does once a group exists: rank 0 sets, the others read it.
+  void set_sequence_number() { pg().setSequenceNumberForGroup(); }
 
   Work all_reduce(at::Tensor t, ReduceOp op, bool) override {
     std::vector<at::Tensor> v{t};
@@ -253,6 +255,10 @@ bool C10dWork::wait_until(const Deadline& deadline) {
 }
 
 }  // namespace
+
+void set_gloo_sequence_number(GroupBackend& backend) {
+  static_cast<GlooBackend&>(backend).set_sequence_number();
+}
 
 std::shared_ptr<GroupBackend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                 int rank, std::vector<int> world_ranks,

@@ -31,4 +31,8 @@ std::shared_ptr<GroupBackend> make_gloo_backend(const c10::intrusive_ptr<c10d::S
                                                 std::vector<MemberInfo> members,
                                                 std::string my_host);
 
+/// torch.distributed's sequence number of a new group (Python ranks wait for rank 0's);
+/// `backend` must come from make_gloo_backend. Collective.
+void set_gloo_sequence_number(GroupBackend& backend);
+
 }  // namespace torchpar::detail

@@ -208,7 +208,8 @@ struct World::Impl {
     o.port = static_cast<uint16_t>(master_port);
     o.isServer = rank == 0;
     o.numWorkers = world_size;
-    o.waitWorkers = false;
+    // Python ranks count arrivals on the store's init key: take part when mixing with them.
+    o.waitWorkers = opts.python_compatible;
     o.timeout = ms(opts.timeout);
     try {
       store = c10::make_intrusive<c10d::TCPStore>(master_addr, o);
@@ -378,6 +379,7 @@ struct World::Impl {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+    detail::set_gloo_sequence_number(*gloo);
     std::lock_guard<std::mutex> g(mu);
     default_group = CollectiveGroup(gloo);
     return *default_group;

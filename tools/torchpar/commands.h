@@ -11,5 +11,6 @@ namespace torchpar::cli {
 using Command = std::function<int()>;
 
 Command add_info(CLI::App& app);
+Command add_run(CLI::App& app);
 
 }  // namespace torchpar::cli

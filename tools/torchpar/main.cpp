@@ -15,9 +15,11 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::vector<torchpar::cli::Command> commands;
   auto info = torchpar::cli::add_info(app);
+  auto run = torchpar::cli::add_run(app);
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("info")) return info();
+    if (app.got_subcommand("run")) return run();
   } catch (const std::exception& e) {
     fmt::print(stderr, "torchpar: error: {}\n", e.what());
     return 1;

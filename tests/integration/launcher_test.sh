@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# `torchpar run`: 3 ranks all_reduce and print with rank prefixes; a rank exiting 3 makes the
+# launcher exit 3 and stops the others; SIGINT is forwarded; killing the launcher with
+# SIGKILL leaves no rank behind. usage: launcher_test.sh BIN_DIR
+set -u
+BIN=$1
+fail() { echo "FAILED: $*"; exit 1; }
+out=$(mktemp)
+trap 'rm -f $out' EXIT
+
+# 1. three ranks, prefixed output, exit 0
+timeout 120 "$BIN/torchpar" run -n 3 -- "$BIN/example_all_reduce" >"$out" 2>&1
+code=$?
+cat "$out"
+[ $code -eq 0 ] || fail "run -n 3 exited $code"
+for r in 0 1 2; do
+  grep -q "^\[$r\]: rank $r of 3 (shm): all_reduce sum = 6 (expected 6)" "$out" || fail "no line from rank $r"
+done
+
+# 2. rank 1 exits 3 before the all_reduce: the launcher exits 3, nobody is left
+start=$(date +%s)
+timeout 120 "$BIN/torchpar" run -n 3 -- "$BIN/example_all_reduce" --fail-rank 1 --exit-code 3 >"$out" 2>&1
+code=$?
+cat "$out"
+[ $code -eq 3 ] || fail "a rank exiting 3 made the launcher exit $code"
+grep -q "rank 1 (pid [0-9]*) exited with code 3" "$out" || fail "the launcher did not name rank 1"
+[ $(( $(date +%s) - start )) -lt 60 ] || fail "stopping the others took too long"
+sleep 0.2
+pgrep -f "example_all_reduce --fail-rank" && fail "ranks left behind"
+
+# 3. SIGINT to the launcher reaches every rank; exit code 130
+"$BIN/torchpar" run -n 2 -- sleep 1000.25 >"$out" 2>&1 &
+launcher=$!
+sleep 0.5
+[ "$(pgrep -fc 'sleep 1000.25')" -ge 2 ] || fail "ranks did not start"
+kill -INT $launcher
+wait $launcher
+code=$?
+[ $code -eq 130 ] || fail "SIGINT: launcher exited $code, expected 130"
+sleep 0.2
+pgrep -f "sleep 1000.25" && fail "SIGINT left ranks behind"
+
+# 4. SIGKILL of the launcher: the ranks die with it (PDEATHSIG)
+"$BIN/torchpar" run -n 2 -- sleep 1000.5 >/dev/null 2>&1 &
+launcher=$!
+sleep 0.5
+kill -KILL $launcher
+wait $launcher 2>/dev/null
+for i in $(seq 20); do
+  pgrep -f "sleep 1000.5" >/dev/null || break
+  sleep 0.1
+done
+pgrep -f "sleep 1000.5" && fail "SIGKILL of the launcher left ranks behind"
+
+# 5. bad use: no program
+"$BIN/torchpar" run -n 2 >"$out" 2>&1 && fail "run without a program succeeded"
+grep -q "program" "$out" || fail "no message naming the missing program"
+echo "PASSED: torchpar run"

@@ -1,0 +1,296 @@
+// `torchpar run`: starts N ranks of a program on this node with the environment torchrun
+// sets, prefixes their output with the rank, stops all when one fails, forwards signals.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "commands.h"
+
+namespace torchpar::cli {
+namespace {
+
+struct RunOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  int max_restarts = 0;
+  double grace = 5.0;
+  bool no_prefix = false;
+  std::vector<std::string> program;
+};
+
+volatile sig_atomic_t g_signal = 0;
+void on_signal(int sig) { g_signal = sig; }
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+struct Rank {
+  int rank = 0;
+  pid_t pid = -1;
+  int out = -1;  // read ends of the child's stdout / stderr
+  int err = -1;
+  std::string out_buf, err_buf;
+  bool running = false;
+  int status = 0;
+};
+
+/// Writes complete lines of `buf` to `fd`, each prefixed; keeps the incomplete tail.
+void flush_lines(std::string& buf, int fd, const std::string& prefix, bool all) {
+  size_t start = 0;
+  for (;;) {
+    const size_t nl = buf.find('\n', start);
+    if (nl == std::string::npos) break;
+    const std::string line = prefix + buf.substr(start, nl - start + 1);
+    (void)!::write(fd, line.data(), line.size());
+    start = nl + 1;
+  }
+  buf.erase(0, start);
+  if (all && !buf.empty()) {
+    const std::string line = prefix + buf + "\n";
+    (void)!::write(fd, line.data(), line.size());
+    buf.clear();
+  }
+}
+
+/// Reads what is there on `fd` into buf; closes it on EOF.
+void drain(int& fd, std::string& buf) {
+  char tmp[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, tmp, sizeof(tmp));
+    if (n > 0) {
+      buf.append(tmp, static_cast<size_t>(n));
+      continue;
+    }
+    if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+      ::close(fd);
+      fd = -1;
+    }
+    return;
+  }
+}
+
+pid_t start_rank(const RunOptions& o, int local, int port, int restart, int* out_fd,
+                 int* err_fd) {
+  int po[2], pe[2];
+  if (::pipe2(po, O_CLOEXEC) != 0 || ::pipe2(pe, O_CLOEXEC) != 0) {
+    throw std::runtime_error(fmt::format("pipe: {}", std::strerror(errno)));
+  }
+  const int world = o.nnodes * o.nproc_per_node;
+  const int rank = o.node_rank * o.nproc_per_node + local;
+  std::vector<std::string> env = {
+      fmt::format("RANK={}", rank),
+      fmt::format("WORLD_SIZE={}", world),
+      fmt::format("LOCAL_RANK={}", local),
+      fmt::format("LOCAL_WORLD_SIZE={}", o.nproc_per_node),
+      fmt::format("GROUP_RANK={}", o.node_rank),
+      fmt::format("MASTER_ADDR={}", o.master_addr),
+      fmt::format("MASTER_PORT={}", port),
+      fmt::format("TORCHELASTIC_RESTART_COUNT={}", restart),
+      fmt::format("TORCHELASTIC_MAX_RESTARTS={}", o.max_restarts),
+  };
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error(fmt::format("fork: {}", std::strerror(errno)));
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no orphans if the launcher is killed
+    if (::getppid() != parent) ::_exit(128 + SIGKILL);
+    ::dup2(po[1], STDOUT_FILENO);
+    ::dup2(pe[1], STDERR_FILENO);
+    for (auto& e : env) ::putenv(e.data());
+    std::vector<char*> argv;
+    for (const auto& a : o.program) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::execvp(argv[0], argv.data());
+    const std::string msg =
+        fmt::format("torchpar run: cannot execute {}: {}\n", o.program[0], std::strerror(errno));
+    (void)!::write(STDERR_FILENO, msg.data(), msg.size());
+    ::_exit(127);
+  }
+  ::close(po[1]);
+  ::close(pe[1]);
+  ::fcntl(po[0], F_SETFL, O_NONBLOCK);
+  ::fcntl(pe[0], F_SETFL, O_NONBLOCK);
+  *out_fd = po[0];
+  *err_fd = pe[0];
+  return pid;
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+std::string describe(int status) {
+  if (WIFSIGNALED(status)) {
+    return fmt::format("was killed by signal {} ({})", WTERMSIG(status),
+                       ::strsignal(WTERMSIG(status)));
+  }
+  return fmt::format("exited with code {}", exit_code_of(status));
+}
+
+/// One attempt: returns 0 when every rank exited 0, else the first failure's code.
+int run_once(const RunOptions& o, int port, int restart, bool* interrupted) {
+  std::vector<Rank> ranks(static_cast<size_t>(o.nproc_per_node));
+  for (int i = 0; i < o.nproc_per_node; ++i) {
+    auto& r = ranks[static_cast<size_t>(i)];
+    r.rank = o.node_rank * o.nproc_per_node + i;
+    r.pid = start_rank(o, i, port, restart, &r.out, &r.err);
+    r.running = true;
+  }
+  int first_failure = 0;
+  std::optional<std::chrono::steady_clock::time_point> kill_at;
+  auto stop_all = [&](int sig) {
+    for (auto& r : ranks) {
+      if (r.running) ::kill(r.pid, sig);
+    }
+  };
+  for (;;) {
+    // forward a signal we got, once
+    if (g_signal != 0 && !*interrupted) {
+      *interrupted = true;
+      std::fprintf(stderr, "torchpar run: got signal %d; stopping every rank\n",
+                   static_cast<int>(g_signal));
+      stop_all(g_signal);
+      kill_at = std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double>(o.grace));
+      if (first_failure == 0) first_failure = 128 + g_signal;
+    }
+    std::vector<pollfd> fds;
+    for (auto& r : ranks) {
+      if (r.out >= 0) fds.push_back({r.out, POLLIN, 0});
+      if (r.err >= 0) fds.push_back({r.err, POLLIN, 0});
+    }
+    if (!fds.empty()) ::poll(fds.data(), fds.size(), 50);
+    else std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    for (auto& r : ranks) {
+      const std::string prefix = o.no_prefix ? "" : fmt::format("[{}]: ", r.rank);
+      if (r.out >= 0) drain(r.out, r.out_buf);
+      if (r.err >= 0) drain(r.err, r.err_buf);
+      flush_lines(r.out_buf, STDOUT_FILENO, prefix, r.out < 0);
+      flush_lines(r.err_buf, STDERR_FILENO, prefix, r.err < 0);
+    }
+    bool any_running = false;
+    for (auto& r : ranks) {
+      if (!r.running) continue;
+      int status = 0;
+      const pid_t p = ::waitpid(r.pid, &status, WNOHANG);
+      if (p == r.pid) {
+        r.running = false;
+        r.status = status;
+        if (exit_code_of(status) != 0 && first_failure == 0) {
+          first_failure = exit_code_of(status);
+          std::fprintf(stderr, "torchpar run: rank %d (pid %d) %s; stopping the other ranks\n",
+                       r.rank, static_cast<int>(r.pid), describe(status).c_str());
+          stop_all(SIGTERM);
+          kill_at = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(o.grace));
+        }
+      } else {
+        any_running = true;
+      }
+    }
+    if (kill_at && std::chrono::steady_clock::now() > *kill_at) {
+      stop_all(SIGKILL);
+      kill_at.reset();
+    }
+    bool pipes_open = false;
+    for (auto& r : ranks) pipes_open = pipes_open || r.out >= 0 || r.err >= 0;
+    if (!any_running && (!pipes_open || kill_at)) {
+      for (auto& r : ranks) {
+        if (r.out >= 0) ::close(r.out);
+        if (r.err >= 0) ::close(r.err);
+      }
+      return first_failure;
+    }
+    if (!any_running) {
+      // ranks are gone; give grandchildren holding the pipes a moment, then stop reading
+      kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    }
+  }
+}
+
+}  // namespace
+
+Command add_run(CLI::App& app) {
+  auto o = std::make_shared<RunOptions>();
+  auto* cmd = app.add_subcommand(
+      "run",
+      "Start N ranks of a program with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
+      "MASTER_ADDR, MASTER_PORT set (like torchrun). Output lines get a \"[rank]: \" prefix; "
+      "the first failing rank's exit code ends the run after the others are stopped; "
+      "SIGINT/SIGTERM are forwarded.");
+  cmd->add_option("-n,--nproc-per-node", o->nproc_per_node, "ranks on this node")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--nnodes", o->nnodes, "nodes in the job")->check(CLI::Range(1, 4096));
+  cmd->add_option("--node-rank", o->node_rank, "this node's index in [0, nnodes)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--master-addr", o->master_addr, "address of the node serving rank 0's store");
+  cmd->add_option("--master-port", o->master_port,
+                  "port of rank 0's store (default: a free port when --nnodes is 1, else 29500)")
+      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--max-restarts", o->max_restarts,
+                  "restart every rank up to this many times after a failure")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--grace", o->grace,
+                  "seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--no-prefix", o->no_prefix, "do not prefix output lines with the rank");
+  cmd->add_option("program", o->program, "program and its arguments (after --)")->required();
+  return [o] {
+    if (o->node_rank >= o->nnodes) {
+      std::fprintf(stderr, "torchpar run: --node-rank %d must be below --nnodes %d\n",
+                   o->node_rank, o->nnodes);
+      return 2;
+    }
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    ::sigaction(SIGINT, &sa, nullptr);
+    ::sigaction(SIGTERM, &sa, nullptr);
+    int code = 0;
+    bool interrupted = false;
+    for (int attempt = 0; attempt <= o->max_restarts; ++attempt) {
+      int port = o->master_port;
+      if (port == 0) port = o->nnodes == 1 ? free_port() : 29500;
+      code = run_once(*o, port, attempt, &interrupted);
+      if (code == 0 || interrupted) break;
+      if (attempt < o->max_restarts) {
+        std::fprintf(stderr, "torchpar run: restarting every rank (%d of %d)\n", attempt + 1,
+                     o->max_restarts);
+      }
+    }
+    return code;
+  };
+}
+
+}  // namespace torchpar::cli
