@@ -8,6 +8,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 #include <climits>
 #include <cstring>
 #include <deque>
@@ -25,6 +28,52 @@
 
 namespace torchpar::detail {
 namespace {
+
+constexpr size_t kStreamBytes = 4 << 20;  // tensors at least this big: results bypass caches
+
+/// memcpy with non-temporal stores: the destination (a large user tensor) is not read
+/// before it is written, which saves the read-for-ownership traffic of normal stores.
+void stream_copy(char* dst, const char* src, size_t n) {
+#if defined(__x86_64__)
+  const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (n < head + 64) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  const size_t body = n & ~size_t{63};
+  for (size_t i = 0; i < body; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + body, src + body, n - body);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+void copy_out(char* dst, const char* src, size_t n, bool stream) {
+  if (stream) {
+    stream_copy(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
+
+void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
 
 constexpr uint64_t kMagic = 0x314c4c4f43524154ULL;  // "TPARCOLL" reversed-ish
 constexpr size_t kSmallBytes = 32 << 10;             // one-step all_reduce below this
@@ -149,11 +198,13 @@ class ShmBackend final : public GroupBackend {
       begin(OpCode::kBroadcast, t, src, ReduceOp::SUM);
       char* data = static_cast<char*>(t.data_ptr());
       const size_t bytes = t.nbytes();
+      const bool stream = bytes >= kStreamBytes;
       for_chunks(bytes, slot_, [&](size_t off, size_t len) {
         if (rank() == src) std::memcpy(my_slot(), data + off, len);
         arrive_and_wait();
-        if (rank() != src) std::memcpy(data + off, slot(src), len);
+        if (rank() != src) copy_out(data + off, slot(src), len, stream);
       });
+      if (stream) stream_fence();
     });
   }
 
@@ -503,6 +554,7 @@ class ShmBackend final : public GroupBackend {
     const size_t es = c10::elementSize(dtype);
     const size_t P = static_cast<size_t>(size());
     const size_t chunk_elems = slot_ / es;
+    const bool stream = n * es >= kStreamBytes;
     for (size_t first = 0; first < n; first += chunk_elems) {
       const size_t m = std::min(chunk_elems, n - first);
       char* src = data + first * es;
@@ -518,24 +570,27 @@ class ShmBackend final : public GroupBackend {
       if (to_all || rank() == dst) {
         for (size_t r = 0; r < P; ++r) {
           const size_t ra = lo(r), rb = lo(r + 1);
-          std::memcpy(src + ra * es, slot(static_cast<int>(r)) + ra * es, (rb - ra) * es);
+          copy_out(src + ra * es, slot(static_cast<int>(r)) + ra * es, (rb - ra) * es, stream);
         }
       }
     }
+    if (stream) stream_fence();
   }
 
   void gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all,
                    int dst) {
     const char* src = static_cast<const char*>(in.data_ptr());
+    const bool stream = in.nbytes() * size() >= kStreamBytes;
     for_chunks(in.nbytes(), slot_, [&](size_t off, size_t len) {
       std::memcpy(my_slot(), src + off, len);
       arrive_and_wait();
       if (to_all || rank() == dst) {
         for (int q = 0; q < size(); ++q) {
-          std::memcpy(static_cast<char*>(out[q].data_ptr()) + off, slot(q), len);
+          copy_out(static_cast<char*>(out[q].data_ptr()) + off, slot(q), len, stream);
         }
       }
     });
+    if (stream) stream_fence();
   }
 
   // ---- ordering and async ----------------------------------------------------------------

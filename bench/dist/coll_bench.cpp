@@ -1,0 +1,228 @@
+// Collective latency and bandwidth between ranks on this host: all_reduce (SUM), broadcast
+// (root 0) and all_gather of float32 tensors, for torchpar's shm and gloo backends and for
+// c10d's ProcessGroupGloo driven directly from C++ (the peer a C++ user would write by hand).
+//
+//   coll_bench [--systems torchpar-shm,torchpar-gloo,c10d-gloo-cpp] [--ops all_reduce,...]
+//              [--sizes 4,4096,1048576,16777216,67108864] [--iters 200] [--warmup 10]
+//              [--ranks 2]
+//
+// Forks --ranks processes per system; each op is timed on its own (steady_clock) and rank 0
+// prints one JSON line per (system, op, size) like the peers in bench/peers/:
+//   {"system", "op", "bytes", "ranks", "median_us", "busbw_GBps"}
+// Iterations shrink with size: max(3, iters * 1 MiB / bytes) above 1 MiB.
+// Bus bandwidth as nccl-tests: all_reduce 2(n-1)/n x bytes/t, broadcast bytes/t,
+// all_gather (n-1)/n x n*bytes/t.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+
+namespace {
+
+struct Args {
+  std::vector<std::string> systems{"torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp"};
+  std::vector<std::string> ops{"all_reduce", "broadcast", "all_gather"};
+  std::vector<long> sizes{4, 4096, 1 << 20, 16 << 20, 64 << 20};
+  int iters = 200;
+  int warmup = 10;
+  int ranks = 2;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) {
+    if (!x.empty()) out.push_back(x);
+  }
+  return out;
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+using Op = std::function<void(const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out)>;
+
+double busbw(const std::string& op, long bytes, int n, double seconds) {
+  const double b = static_cast<double>(bytes);
+  if (op == "all_reduce") return b / seconds * 2.0 * (n - 1) / n / 1e9;
+  if (op == "broadcast") return b / seconds / 1e9;
+  return b * n / seconds * (n - 1) / n / 1e9;  // all_gather
+}
+
+/// Times every op and size; rank 0 prints. `barrier` separates the groups.
+void measure(const Args& a, const std::string& system, int rank, const Op& run,
+             const std::function<void()>& barrier) {
+  for (const auto& op : a.ops) {
+    for (long bytes : a.sizes) {
+      const long numel = std::max(1L, bytes / 4);
+      at::Tensor t = at::ones({numel});
+      std::vector<at::Tensor> out;
+      if (op == "all_gather") {
+        for (int q = 0; q < a.ranks; ++q) out.push_back(at::empty({numel}));
+      }
+      const int iters =
+          bytes > (1 << 20) ? std::max(3, static_cast<int>(1L * a.iters * (1 << 20) / bytes))
+                            : a.iters;
+      barrier();
+      for (int i = 0; i < a.warmup; ++i) run(op, t, out);
+      std::vector<double> us;
+      us.reserve(static_cast<size_t>(iters));
+      for (int i = 0; i < iters; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        run(op, t, out);
+        us.push_back(
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                .count());
+      }
+      std::sort(us.begin(), us.end());
+      const double med = us[us.size() / 2];
+      if (rank == 0) {
+        std::printf("%s\n", fmt::format("{{\"system\": \"{}\", \"op\": \"{}\", \"bytes\": {}, "
+                                        "\"ranks\": {}, \"median_us\": {:.3f}, "
+                                        "\"busbw_GBps\": {:.4f}, \"iters\": {}}}",
+                                        system, op, bytes, a.ranks, med,
+                                        busbw(op, bytes, a.ranks, med * 1e-6), iters)
+                                .c_str());
+        std::fflush(stdout);
+      }
+    }
+  }
+}
+
+void run_torchpar(const Args& a, const std::string& system, int rank, int port) {
+  tp::World world(tp::WorldOptions{.rank = rank,
+                                   .world_size = a.ranks,
+                                   .master_addr = "127.0.0.1",
+                                   .master_port = port,
+                                   .timeout = std::chrono::seconds(120)});
+  auto g = world.create_collective_group(
+      {}, system == "torchpar-shm" ? tp::Backend::Shm : tp::Backend::Gloo);
+  measure(
+      a, system, rank,
+      [&](const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out) {
+        if (op == "all_reduce") {
+          g.all_reduce(t);
+        } else if (op == "broadcast") {
+          g.broadcast(t, 0);
+        } else {
+          g.all_gather(out, t);
+        }
+      },
+      [&] { g.barrier(); });
+}
+
+void run_c10d(const Args& a, int rank, int port) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(port);
+  o.isServer = rank == 0;
+  o.numWorkers = a.ranks;
+  o.timeout = std::chrono::seconds(120);
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+  auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(120));
+  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(
+      c10::make_intrusive<c10d::PrefixStore>("bench", store), rank, a.ranks, opts);
+  measure(
+      a, "c10d-gloo-cpp", rank,
+      [&](const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out) {
+        std::vector<at::Tensor> v{t};
+        if (op == "all_reduce") {
+          pg->allreduce(v)->wait();
+        } else if (op == "broadcast") {
+          pg->broadcast(v)->wait();
+        } else {
+          std::vector<std::vector<at::Tensor>> o{out};
+          pg->allgather(o, v)->wait();
+        }
+      },
+      [&] { pg->barrier()->wait(); });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tp::init(argc, argv);
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--systems") {
+      a.systems = split(v);
+    } else if (k == "--ops") {
+      a.ops = split(v);
+    } else if (k == "--sizes") {
+      a.sizes.clear();
+      for (auto& s : split(v)) a.sizes.push_back(std::stol(s));
+    } else if (k == "--iters") {
+      a.iters = std::stoi(v);
+    } else if (k == "--warmup") {
+      a.warmup = std::stoi(v);
+    } else if (k == "--ranks") {
+      a.ranks = std::stoi(v);
+    } else {
+      std::fprintf(stderr, "coll_bench: unknown option %s\n", k.c_str());
+      return 2;
+    }
+  }
+  int status_all = 0;
+  for (const auto& system : a.systems) {
+    const int port = free_port();
+    std::vector<pid_t> kids;
+    for (int r = 0; r < a.ranks; ++r) {
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        at::set_num_threads(1);
+        try {
+          if (system == "c10d-gloo-cpp") {
+            run_c10d(a, r, port);
+          } else if (system == "torchpar-shm" || system == "torchpar-gloo") {
+            run_torchpar(a, system, r, port);
+          } else {
+            std::fprintf(stderr, "coll_bench: unknown system %s\n", system.c_str());
+            ::_exit(2);
+          }
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "coll_bench %s rank %d: %s\n", system.c_str(), r, e.what());
+          std::fflush(stdout);
+          ::_exit(1);
+        }
+        std::fflush(stdout);
+        ::_exit(0);
+      }
+      kids.push_back(pid);
+    }
+    for (pid_t k : kids) {
+      int st = 0;
+      ::waitpid(k, &st, 0);
+      if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) status_all = 1;
+    }
+  }
+  return status_all;
+}
