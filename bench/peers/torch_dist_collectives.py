@@ -116,14 +116,15 @@ def run_all(procs, timeout):
     deadline = time.monotonic() + timeout
     timed_out = False
     try:
-        while any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs):
+        while True:
+            alive = [p for p in procs if p.is_alive()]  # one snapshot: wait() on [] would sleep
+            if not alive or any(p.exitcode not in (None, 0) for p in procs):
                 break
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
                 break
-            wait([p.sentinel for p in procs if p.is_alive()], timeout=left)
+            wait([p.sentinel for p in alive], timeout=left)  # returns when any of them exits
     finally:
         for p in procs:
             if p.is_alive():

@@ -16,10 +16,12 @@ int main(int argc, char** argv) {
   std::vector<torchpar::cli::Command> commands;
   auto info = torchpar::cli::add_info(app);
   auto run = torchpar::cli::add_run(app);
+  auto train = torchpar::cli::add_train(app);
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("info")) return info();
     if (app.got_subcommand("run")) return run();
+    if (app.got_subcommand("train")) return train();
   } catch (const std::exception& e) {
     fmt::print(stderr, "torchpar: error: {}\n", e.what());
     return 1;

@@ -1,0 +1,37 @@
+#pragma once
+// `torchpar train`: Fashion-MNIST with the mnist_hogwild Net, single / hogwild / ddp.
+
+#include <cstdint>
+#include <string>
+
+namespace torchpar::train {
+
+/// Everything a run needs; travels to spawned workers (serializable).
+struct TrainConfig {
+  std::string strategy = "ddp";  ///< single | hogwild | ddp
+  int workers = 0;               ///< 0: number of cores
+  int epochs = 1;
+  int batch_size = 64;
+  double lr = 0.01;
+  double momentum = 0.5;
+  int64_t seed = 1;
+  std::string data;              ///< directory of the idx .gz files
+  std::string out;               ///< output directory ("" : runs/<timestamp>)
+  int threads_per_worker = 1;    ///< LibTorch intra-op threads per worker
+  std::string backend = "auto";  ///< ddp: auto | shm | gloo
+  int64_t limit = 0;             ///< use the first `limit` training samples (0: all)
+  double timeout = 120;          ///< seconds: collectives, worker start, progress silence
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(strategy, workers, epochs, batch_size, lr, momentum, seed, data, out, threads_per_worker,
+       backend, limit, timeout);
+  }
+};
+
+/// Runs the training as the CLI does (progress on stdout, files in cfg.out); returns the
+/// process exit code: 0 done, 1 failed (a worker's error is printed, naming it), 2 bad
+/// input (missing or corrupt data, bad option), 130 interrupted by SIGINT/SIGTERM.
+int run_train(TrainConfig cfg);
+
+}  // namespace torchpar::train
