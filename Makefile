@@ -21,8 +21,10 @@ test: build
 	@cd $(BUILD) && ctest -L fast --output-on-failure --timeout 600
 
 # The main job. Until `torchpar train` exists it prints what this machine offers.
+# The main job: ddp training on Fashion-MNIST with the defaults (one epoch, every core).
 demo: build
 	@$(BUILD)/bin/torchpar info
+	@$(BUILD)/bin/torchpar train
 
 # libFuzzer on loads for 60 s (needs clang; builds its own tree).
 fuzz: build
