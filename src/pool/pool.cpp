@@ -74,6 +74,7 @@ class PoolCore {
     jobs_[id] = job;
     for (uint32_t c = 0; c < chunks.size(); ++c)
       pending_.push_back(PoolTask{id, c, call, std::move(chunks[c])});
+    if (!broken_) dispatch();  // idle workers start now, not at the manager's next turn
     return job;
   }
 

@@ -437,6 +437,8 @@ int run_train(TrainConfig cfg) {
     return 2;
   }
 
+  // Before any ATen work: an OpenMP pool made wider now keeps spinning beside the training.
+  at::set_num_threads(cfg.threads_per_worker);
   FashionMnist data;
   try {
     data = load_fashion_mnist(cfg.data);
@@ -465,11 +467,8 @@ int run_train(TrainConfig cfg) {
   Net net;
   Run run;
   run.cfg = cfg;
-  const int eval_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   auto finish_epoch = [&](int epoch, double secs, double loss_sum, int64_t batches) {
-    at::set_num_threads(eval_threads);
     const Eval ev = evaluate(net, data.test);
-    at::set_num_threads(cfg.threads_per_worker);
     const double train_loss = batches ? loss_sum / static_cast<double>(batches) : 0;
     run.epochs.push_back({epoch, train_loss, ev.loss, ev.accuracy, secs, per_epoch});
     std::printf("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, %.0f "
@@ -484,7 +483,6 @@ int run_train(TrainConfig cfg) {
   std::optional<Queue<int>> go;
   try {
     if (cfg.strategy == "single") {
-      at::set_num_threads(cfg.threads_per_worker);
       auto opt = make_sgd(net, cfg);
       for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
         const auto t0 = Clock::now();
