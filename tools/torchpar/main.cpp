@@ -2,7 +2,11 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
+#include <cstdlib>
 #include <exception>
+#include <string>
 #include <vector>
 
 #include "commands.h"
@@ -10,6 +14,13 @@
 #include "torchpar/process/start_method.h"
 
 int main(int argc, char** argv) {
+  // Training runs one LibTorch thread per process; OpenMP threads that spin while idle
+  // (libgomp's default) steal the core from it. libgomp reads OMP_WAIT_POLICY when it loads,
+  // so set it and start over once (torchrun likewise sets OMP_NUM_THREADS for its workers).
+  if (argc > 1 && std::string(argv[1]) == "train" && std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    ::setenv("OMP_WAIT_POLICY", "passive", 1);
+    ::execv("/proc/self/exe", argv);  // on failure, go on as we are
+  }
   torchpar::init(argc, argv);  // spawned children of torchpar commands run here
   CLI::App app{"torchpar: shared-memory tensors, processes, pools and collectives for LibTorch"};
   app.require_subcommand(1);

@@ -40,6 +40,11 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--backend", c->backend, "ddp's collective backend: auto | shm | gloo")
       ->check(CLI::IsMember({"auto", "shm", "gloo"}))
       ->capture_default_str();
+  cmd->add_option("--lr-scaling", c->lr_scaling,
+                  "ddp: linear (lr x workers, as the gradient of workers batches is averaged) "
+                  "or none")
+      ->check(CLI::IsMember({"linear", "none"}))
+      ->capture_default_str();
   cmd->add_option("--limit", c->limit, "use only the first N training samples (quick runs)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--timeout", c->timeout,

@@ -99,9 +99,16 @@ Eval evaluate(Net& net, const Split& test) {
           100.0 * static_cast<double>(correct) / static_cast<double>(test.size())};
 }
 
+/// ddp averages the gradients of `workers` batches per step: with lr_scaling "linear" its
+/// learning rate is lr x workers (the linear scaling rule, Goyal et al. 2017), so an epoch
+/// of ddp learns as much as an epoch of single with the same --lr.
+double effective_lr(const TrainConfig& c) {
+  return c.strategy == "ddp" && c.lr_scaling == "linear" ? c.lr * c.workers : c.lr;
+}
+
 torch::optim::SGD make_sgd(Net& net, const TrainConfig& c) {
   return torch::optim::SGD(net->parameters(),
-                           torch::optim::SGDOptions(c.lr).momentum(c.momentum));
+                           torch::optim::SGDOptions(effective_lr(c)).momentum(c.momentum));
 }
 
 // ---- workers (spawned) ---------------------------------------------------------------------
@@ -279,6 +286,8 @@ void write_outputs(const Run& run, Net& net, bool with_model) {
   if (run.cfg.strategy == "ddp") j["backend"] = run.cfg.backend;
   j["batch_size"] = run.cfg.batch_size;
   j["lr"] = run.cfg.lr;
+  j["lr_effective"] = effective_lr(run.cfg);
+  if (run.cfg.strategy == "ddp") j["lr_scaling"] = run.cfg.lr_scaling;
   j["momentum"] = run.cfg.momentum;
   j["seed"] = run.cfg.seed;
   j["threads_per_worker"] = run.cfg.threads_per_worker;
@@ -455,7 +464,7 @@ int run_train(TrainConfig cfg) {
               "lr %g, momentum %g -> %s\n",
               cfg.strategy.c_str(), cfg.workers, cfg.workers == 1 ? "" : "s", cfg.epochs,
               cfg.epochs == 1 ? "" : "s", static_cast<long long>(per_epoch), cfg.batch_size,
-              cfg.lr, cfg.momentum, cfg.out.c_str());
+              effective_lr(cfg), cfg.momentum, cfg.out.c_str());
   std::fflush(stdout);
 
   struct sigaction sa {};

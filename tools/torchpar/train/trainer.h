@@ -21,11 +21,12 @@ struct TrainConfig {
   std::string backend = "auto";  ///< ddp: auto | shm | gloo
   int64_t limit = 0;             ///< use the first `limit` training samples (0: all)
   double timeout = 120;          ///< seconds: collectives, worker start, progress silence
+  std::string lr_scaling = "linear";  ///< ddp: "linear" (lr x workers) or "none"
 
   template <class Archive>
   void serialize(Archive& ar) {
     ar(strategy, workers, epochs, batch_size, lr, momentum, seed, data, out, threads_per_worker,
-       backend, limit, timeout);
+       backend, limit, timeout, lr_scaling);
   }
 };
 
