@@ -3,12 +3,15 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo
 
-.PHONY: all deps configure build test demo fuzz test-all bench-smoke format clean
+.PHONY: all deps deps-bench configure build test demo bench bench-quick fuzz test-all bench-smoke format clean
 
 all: build
 
 deps:
 	@bash scripts/install-deps.sh
+
+deps-bench:
+	@bash scripts/install-deps.sh --bench
 
 configure: deps
 	@cmake -S . -B $(BUILD) $(CMAKE_FLAGS) > $(BUILD).configure.log 2>&1 || (cat $(BUILD).configure.log; exit 1)
@@ -20,7 +23,6 @@ build: configure
 test: build
 	@cd $(BUILD) && ctest -L fast --output-on-failure --timeout 600
 
-# The main job. Until `torchpar train` exists it prints what this machine offers.
 # The main job: ddp training on Fashion-MNIST with the defaults (one epoch, every core).
 demo: build
 	@$(BUILD)/bin/torchpar info
@@ -33,6 +35,13 @@ fuzz: build
 # Everything: fast, multiproc, fuzz, bench smoke.
 test-all: build
 	@cd $(BUILD) && ctest --output-on-failure --timeout 1800
+
+# Every benchmark beside its peers (OpenMPI installed by deps-bench): bench/results/<date>/.
+bench: deps-bench build
+	@$(BUILD)/bin/torchpar bench
+
+bench-quick: deps-bench build
+	@$(BUILD)/bin/torchpar bench --quick
 
 bench-smoke: build
 	@cd $(BUILD) && ctest -L bench_smoke --output-on-failure

@@ -4,7 +4,13 @@
 # SIGKILL leaves no rank behind. usage: launcher_test.sh BIN_DIR
 set -u
 BIN=$1
-fail() { echo "FAILED: $*"; exit 1; }
+fail() {
+  echo "FAILED: $*"
+  pkill -f "sleep 1000\.[0-9]" 2>/dev/null
+  exit 1
+}
+# the ranks themselves (not the launcher, whose command line also names them)
+count_ranks() { pgrep -fc "^sleep $1\$" || true; }
 out=$(mktemp)
 trap 'rm -f $out' EXIT
 
@@ -31,26 +37,32 @@ pgrep -f "example_all_reduce --fail-rank" && fail "ranks left behind"
 # 3. SIGINT to the launcher reaches every rank; exit code 130
 "$BIN/torchpar" run -n 2 -- sleep 1000.25 >"$out" 2>&1 &
 launcher=$!
-sleep 0.5
-[ "$(pgrep -fc 'sleep 1000.25')" -ge 2 ] || fail "ranks did not start"
+for i in $(seq 100); do
+  [ "$(count_ranks 1000.25)" -ge 2 ] && break
+  sleep 0.1
+done
+[ "$(count_ranks 1000.25)" -ge 2 ] || fail "ranks did not start"
 kill -INT $launcher
 wait $launcher
 code=$?
 [ $code -eq 130 ] || fail "SIGINT: launcher exited $code, expected 130"
 sleep 0.2
-pgrep -f "sleep 1000.25" && fail "SIGINT left ranks behind"
+[ "$(count_ranks 1000.25)" -eq 0 ] || fail "SIGINT left ranks behind"
 
 # 4. SIGKILL of the launcher: the ranks die with it (PDEATHSIG)
 "$BIN/torchpar" run -n 2 -- sleep 1000.5 >/dev/null 2>&1 &
 launcher=$!
-sleep 0.5
+for i in $(seq 100); do
+  [ "$(count_ranks 1000.5)" -ge 2 ] && break
+  sleep 0.1
+done
 kill -KILL $launcher
 wait $launcher 2>/dev/null
 for i in $(seq 20); do
-  pgrep -f "sleep 1000.5" >/dev/null || break
+  [ "$(count_ranks 1000.5)" -eq 0 ] && break
   sleep 0.1
 done
-pgrep -f "sleep 1000.5" && fail "SIGKILL of the launcher left ranks behind"
+[ "$(count_ranks 1000.5)" -eq 0 ] || fail "SIGKILL of the launcher left ranks behind"
 
 # 5. bad use: no program
 "$BIN/torchpar" run -n 2 >"$out" 2>&1 && fail "run without a program succeeded"

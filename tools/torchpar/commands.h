@@ -13,5 +13,6 @@ using Command = std::function<int()>;
 Command add_info(CLI::App& app);
 Command add_run(CLI::App& app);
 Command add_train(CLI::App& app);
+Command add_bench(CLI::App& app);
 
 }  // namespace torchpar::cli

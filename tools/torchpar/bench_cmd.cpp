@@ -1,0 +1,62 @@
+// `torchpar bench`: runs bench/run_bench.py, which runs every benchmark beside its peers and
+// writes bench/results/<date>/report.md, results.json and plots.
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+
+namespace torchpar::cli {
+
+namespace {
+struct BenchOptions {
+  bool quick = false;
+  std::string only;
+  std::string out;
+  int rounds = 0;
+};
+}  // namespace
+
+Command add_bench(CLI::App& app) {
+  auto o = std::make_shared<BenchOptions>();
+  auto* cmd = app.add_subcommand(
+      "bench",
+      "Run every benchmark and its peers (torch.multiprocessing, multiprocessing.Pool, "
+      "torch.distributed gloo, c10d Gloo, OpenMPI, the PyTorch training recipes) interleaved, "
+      "and write a report with ratios and plots to bench/results/<date>/.");
+  cmd->add_flag("--quick", o->quick, "small sizes and 2 rounds: a smoke check (< 3 min)");
+  cmd->add_option("--only", o->only,
+                  "comma-separated subset of handoff, pools, collectives, train, limits");
+  cmd->add_option("--out", o->out, "output directory (default bench/results/<date>)");
+  cmd->add_option("--rounds", o->rounds, "interleaved rounds per benchmark (default 5)")
+      ->check(CLI::Range(1, 100));
+  return [o] {
+    const std::filesystem::path bin = std::filesystem::read_symlink("/proc/self/exe").parent_path();
+    std::string runner;
+    if (const char* d = std::getenv("TORCHPAR_BENCH_DIR")) runner = std::string(d) + "/run_bench.py";
+#ifdef TORCHPAR_SOURCE_BENCH_DIR
+    if (runner.empty()) runner = TORCHPAR_SOURCE_BENCH_DIR "/run_bench.py";
+#endif
+    if (runner.empty() || !std::filesystem::exists(runner)) {
+      std::fprintf(stderr,
+                   "torchpar bench: cannot find run_bench.py (set TORCHPAR_BENCH_DIR to the "
+                   "bench/ directory of a torchpar source tree)\n");
+      return 2;
+    }
+    std::vector<std::string> args = {"/usr/bin/python3", runner, "--bin", bin.string()};
+    if (o->quick) args.push_back("--quick");
+    if (!o->only.empty()) args.insert(args.end(), {"--only", o->only});
+    if (!o->out.empty()) args.insert(args.end(), {"--out", o->out});
+    if (o->rounds > 0) args.insert(args.end(), {"--rounds", std::to_string(o->rounds)});
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    std::perror("torchpar bench: cannot run /usr/bin/python3 (install python3)");
+    return 2;
+  };
+}
+
+}  // namespace torchpar::cli
