@@ -38,8 +38,8 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    torchpar::World world(torchpar::WorldOptions{.timeout = std::chrono::seconds(60),
-                                                 .python_compatible = python});
+    torchpar::World world(
+        torchpar::WorldOptions{.timeout = std::chrono::seconds(60), .python_compatible = python});
     const int rank = world.get_rank();
     const int n = world.get_world_size();
     if (rank == fail_rank) {
@@ -47,10 +47,9 @@ int main(int argc, char** argv) {
       return exit_code;
     }
     std::optional<torchpar::CollectiveGroup> own;
-    torchpar::CollectiveGroup& group =
-        python ? world.default_group()
-               : own.emplace(world.create_collective_group(
-                     {}, torchpar::backend_from_string(backend)));
+    torchpar::CollectiveGroup& group = python ? world.default_group()
+                                              : own.emplace(world.create_collective_group(
+                                                    {}, torchpar::backend_from_string(backend)));
     auto t = at::full({4}, static_cast<float>(rank + 1));
     group.all_reduce(t);
     const float want = static_cast<float>(n * (n + 1) / 2);

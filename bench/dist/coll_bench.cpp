@@ -18,10 +18,10 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -88,8 +88,8 @@ void measure(const Args& a, const std::string& system, int rank, const Op& run,
       if (op == "all_gather") {
         for (int q = 0; q < a.ranks; ++q) out.push_back(at::empty({numel}));
       }
-      const int iters =
-          bytes > (1 << 20) ? std::max(3, static_cast<int>(1L * a.iters * (1 << 20) / bytes))
+      const int iters = bytes > (1 << 20)
+                            ? std::max(3, static_cast<int>(1L * a.iters * (1 << 20) / bytes))
                             : a.iters;
       barrier();
       for (int i = 0; i < a.warmup; ++i) run(op, t, out);

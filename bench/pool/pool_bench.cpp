@@ -36,8 +36,8 @@ void BM_PoolMapTrivial(benchmark::State& state) {
     if (r.size() != items.size() || r.back() != g_tasks) state.SkipWithError("wrong results");
   }
   state.SetItemsProcessed(state.iterations() * g_tasks);
-  state.counters["tasks_per_s"] =
-      benchmark::Counter(static_cast<double>(g_tasks), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tasks_per_s"] = benchmark::Counter(static_cast<double>(g_tasks),
+                                                     benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_PoolApplyAsyncRoundTrip(benchmark::State& state) {
@@ -63,7 +63,12 @@ void BM_PoolMapTensors1K(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_PoolMapTrivial)->ArgName("chunksize")->Arg(1)->Arg(1000)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_PoolMapTrivial)
+    ->ArgName("chunksize")
+    ->Arg(1)
+    ->Arg(1000)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_PoolApplyAsyncRoundTrip)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_PoolMapTensors1K)->Unit(benchmark::kMillisecond)->UseRealTime();
 

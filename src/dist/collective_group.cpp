@@ -9,20 +9,28 @@ namespace torchpar {
 
 std::string to_string(Backend backend) {
   switch (backend) {
-    case Backend::Auto: return "auto";
-    case Backend::Gloo: return "gloo";
-    case Backend::Shm: return "shm";
+    case Backend::Auto:
+      return "auto";
+    case Backend::Gloo:
+      return "gloo";
+    case Backend::Shm:
+      return "shm";
   }
   return "?";
 }
 
 std::string to_string(ReduceOp op) {
   switch (op) {
-    case ReduceOp::SUM: return "SUM";
-    case ReduceOp::PRODUCT: return "PRODUCT";
-    case ReduceOp::MIN: return "MIN";
-    case ReduceOp::MAX: return "MAX";
-    case ReduceOp::AVG: return "AVG";
+    case ReduceOp::SUM:
+      return "SUM";
+    case ReduceOp::PRODUCT:
+      return "PRODUCT";
+    case ReduceOp::MIN:
+      return "MIN";
+    case ReduceOp::MAX:
+      return "MAX";
+    case ReduceOp::AVG:
+      return "AVG";
   }
   return "?";
 }
@@ -83,8 +91,8 @@ std::vector<at::Tensor> contig_list(const std::vector<at::Tensor>& list,
 void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int size,
                 const char* where, const char* what) {
   if (static_cast<int>(list.size()) != size) {
-    throw Error(fmt::format("CollectiveGroup::{}: {} has {} tensors; the group has {} ranks",
-                            where, what, list.size(), size));
+    throw Error(fmt::format("CollectiveGroup::{}: {} has {} tensors; the group has {} ranks", where,
+                            what, list.size(), size));
   }
   for (const auto& t : list) {
     check_tensor(t, where, what);
@@ -100,8 +108,8 @@ void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int
 
 void check_rank(int r, int size, const char* where, const char* what) {
   if (r < 0 || r >= size) {
-    throw Error(fmt::format("CollectiveGroup::{}: {} {} is out of range [0, {})", where, what, r,
-                            size));
+    throw Error(
+        fmt::format("CollectiveGroup::{}: {} {} is out of range [0, {})", where, what, r, size));
   }
 }
 
@@ -143,8 +151,7 @@ Work CollectiveGroup::all_gather(std::vector<at::Tensor> tensor_list, at::Tensor
   check_list(tensor_list, tensor, size(), "all_gather", "tensor_list");
   CopyBacks back;
   auto out = contig_list(tensor_list, &back);
-  return finish(be().all_gather(out, contig(tensor, nullptr), async_op), std::move(back),
-                async_op);
+  return finish(be().all_gather(out, contig(tensor, nullptr), async_op), std::move(back), async_op);
 }
 
 Work CollectiveGroup::broadcast(at::Tensor tensor, int src, bool async_op) {
@@ -217,8 +224,8 @@ Work CollectiveGroup::all_to_all(std::vector<at::Tensor> output_list,
   check_list(output_list, input_list[0], size(), "all_to_all", "output_list");
   CopyBacks back;
   auto out = contig_list(output_list, &back);
-  return finish(be().all_to_all(out, contig_list(input_list, nullptr), async_op),
-                std::move(back), async_op);
+  return finish(be().all_to_all(out, contig_list(input_list, nullptr), async_op), std::move(back),
+                async_op);
 }
 
 Work CollectiveGroup::barrier(bool async_op) {

@@ -4,8 +4,8 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
-#include "torchpar/core/error.h"
 #include "liveness.h"
+#include "torchpar/core/error.h"
 #include "work.h"
 
 namespace torchpar::detail {
@@ -50,8 +50,8 @@ class C10dWork : public Work::Impl {
 class GlooBackend final : public GroupBackend {
  public:
   GlooBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, std::vector<int> ranks,
-              std::chrono::duration<double> timeout, std::string name,
-              const GlooDeviceSpec& device, std::vector<MemberInfo> members, std::string host)
+              std::chrono::duration<double> timeout, std::string name, const GlooDeviceSpec& device,
+              std::vector<MemberInfo> members, std::string host)
       : GroupBackend(rank, std::move(ranks), timeout, std::move(name)),
         members_(std::move(members)),
         host_(std::move(host)) {
@@ -68,8 +68,8 @@ class GlooBackend final : public GroupBackend {
       opts->threads = 2;
       pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size(), opts);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("{}: cannot connect the gloo group within {:.1f} s: {}",
-                              this->name(), timeout.count(), message_of(e)));
+      throw Error(fmt::format("{}: cannot connect the gloo group within {:.1f} s: {}", this->name(),
+                              timeout.count(), message_of(e)));
     }
   }
 
@@ -135,8 +135,7 @@ class GlooBackend final : public GroupBackend {
     std::vector<at::Tensor> v{at::cat(flat)};
     c10d::AllreduceOptions o;
     o.reduceOp = to_c10d(op);
-    auto w = wrap(call("reduce_scatter", [&] { return pg().allreduce(v, o); }),
-                  "reduce_scatter");
+    auto w = wrap(call("reduce_scatter", [&] { return pg().allreduce(v, o); }), "reduce_scatter");
     const int64_t n = out.numel();
     w->add_then([out, all = v[0], n, r = rank(), avg = op == ReduceOp::AVG, P = size()] {
       out.view({-1}).copy_(all.narrow(0, r * n, n));
@@ -159,9 +158,9 @@ class GlooBackend final : public GroupBackend {
     }
     at::Tensor src = at::cat(flat);
     at::Tensor dst = at::empty({total}, src.options());
-    auto w = wrap(call("all_to_all",
-                       [&] { return pg().alltoall_base(dst, src, out_splits, in_splits); }),
-                  "all_to_all");
+    auto w = wrap(
+        call("all_to_all", [&] { return pg().alltoall_base(dst, src, out_splits, in_splits); }),
+        "all_to_all");
     w->add_then([out, dst, src] {
       int64_t off = 0;
       for (auto& t : out) {
@@ -183,9 +182,8 @@ class GlooBackend final : public GroupBackend {
 
   Work irecv(at::Tensor t, std::optional<int> src, int tag) override {
     std::vector<at::Tensor> v{t};
-    auto w = call("recv", [&] {
-      return src ? pg().recv(v, *src, tag) : pg().recvAnysource(v, tag);
-    });
+    auto w =
+        call("recv", [&] { return src ? pg().recv(v, *src, tag) : pg().recvAnysource(v, tag); });
     return Work(std::make_shared<C10dWork>(std::move(w), this, "recv", true));
   }
 
@@ -232,9 +230,9 @@ class GlooBackend final : public GroupBackend {
 bool C10dWork::wait_until(const Deadline& deadline) {
   std::chrono::milliseconds ms{0};  // c10d's kNoTimeout
   if (deadline) {
-    ms = std::max(std::chrono::milliseconds(1),
-                  std::chrono::duration_cast<std::chrono::milliseconds>(*deadline -
-                                                                        SteadyClock::now()));
+    ms = std::max(
+        std::chrono::milliseconds(1),
+        std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - SteadyClock::now()));
   }
   try {
     w_->wait(ms);
@@ -249,8 +247,7 @@ bool C10dWork::wait_until(const Deadline& deadline) {
       lost = group_->lost_ranks(&first);
     }
     throw RankLostError(first, fmt::format("{}: gloo {} failed{}: {}", group_->name(), what_,
-                                           lost.empty() ? "" : " (" + lost + ")",
-                                           message_of(e)));
+                                           lost.empty() ? "" : " (" + lost + ")", message_of(e)));
   }
 }
 

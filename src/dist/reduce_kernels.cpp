@@ -40,8 +40,7 @@ void combine_bool(bool* d, const bool* a, const bool* b, size_t n, ReduceOp op) 
 
 void check_reducible(at::ScalarType dtype, ReduceOp op, const char* where) {
   if (at::isComplexType(dtype)) {
-    throw Error(fmt::format("{}: complex dtype {} is not supported", where,
-                            c10::toString(dtype)));
+    throw Error(fmt::format("{}: complex dtype {} is not supported", where, c10::toString(dtype)));
   }
   if (op == ReduceOp::AVG && !at::isFloatingType(dtype)) {
     throw Error(fmt::format("{}: ReduceOp AVG needs a floating dtype, got {}", where,
@@ -52,8 +51,8 @@ void check_reducible(at::ScalarType dtype, ReduceOp op, const char* where) {
 void reduce_combine(void* dst, const void* a, const void* b, size_t n, at::ScalarType dtype,
                     ReduceOp op) {
   if (dtype == at::kBool) {
-    combine_bool(static_cast<bool*>(dst), static_cast<const bool*>(a),
-                 static_cast<const bool*>(b), n, op);
+    combine_bool(static_cast<bool*>(dst), static_cast<const bool*>(a), static_cast<const bool*>(b),
+                 n, op);
     return;
   }
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "reduce_combine", [&] {

@@ -17,13 +17,13 @@
 #include <fstream>
 #include <thread>
 
-#include "torchpar/core/fd.h"
-#include "torchpar/core/syscall.h"
 #include "../ipc/futex.h"
 #include "../shm/cleaner.h"
 #include "liveness.h"
 #include "reduce_kernels.h"
 #include "torchpar/core/error.h"
+#include "torchpar/core/fd.h"
+#include "torchpar/core/syscall.h"
 #include "work.h"
 
 namespace torchpar::detail {
@@ -76,24 +76,40 @@ void stream_fence() {
 }
 
 constexpr uint64_t kMagic = 0x314c4c4f43524154ULL;  // "TPARCOLL" reversed-ish
-constexpr size_t kSmallBytes = 32 << 10;             // one-step all_reduce below this
+constexpr size_t kSmallBytes = 32 << 10;            // one-step all_reduce below this
 
 enum class OpCode : int32_t {
-  kAllReduce = 1, kAllGather, kBroadcast, kReduce, kGather, kScatter, kReduceScatter,
-  kAllToAll, kBarrier
+  kAllReduce = 1,
+  kAllGather,
+  kBroadcast,
+  kReduce,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAllToAll,
+  kBarrier
 };
 
 const char* op_name(OpCode op) {
   switch (op) {
-    case OpCode::kAllReduce: return "all_reduce";
-    case OpCode::kAllGather: return "all_gather";
-    case OpCode::kBroadcast: return "broadcast";
-    case OpCode::kReduce: return "reduce";
-    case OpCode::kGather: return "gather";
-    case OpCode::kScatter: return "scatter";
-    case OpCode::kReduceScatter: return "reduce_scatter";
-    case OpCode::kAllToAll: return "all_to_all";
-    case OpCode::kBarrier: return "barrier";
+    case OpCode::kAllReduce:
+      return "all_reduce";
+    case OpCode::kAllGather:
+      return "all_gather";
+    case OpCode::kBroadcast:
+      return "broadcast";
+    case OpCode::kReduce:
+      return "reduce";
+    case OpCode::kGather:
+      return "gather";
+    case OpCode::kScatter:
+      return "scatter";
+    case OpCode::kReduceScatter:
+      return "reduce_scatter";
+    case OpCode::kAllToAll:
+      return "all_to_all";
+    case OpCode::kBarrier:
+      return "barrier";
   }
   return "?";
 }
@@ -133,11 +149,10 @@ static_assert(sizeof(Header) <= 4096);
 
 class ShmBackend final : public GroupBackend {
  public:
-  ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-             std::vector<int> world_ranks, std::chrono::duration<double> timeout,
-             std::string name, std::shared_ptr<GroupBackend> p2p)
-      : GroupBackend(rank, std::move(world_ranks), timeout, std::move(name)),
-        p2p_(std::move(p2p)) {
+  ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, std::vector<int> world_ranks,
+             std::chrono::duration<double> timeout, std::string name,
+             std::shared_ptr<GroupBackend> p2p)
+      : GroupBackend(rank, std::move(world_ranks), timeout, std::move(name)), p2p_(std::move(p2p)) {
     attach(store);
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     spin_ = static_cast<unsigned>(size()) <= cores;
@@ -251,8 +266,7 @@ class ShmBackend final : public GroupBackend {
       char* dst = static_cast<char*>(out.data_ptr());
       for_chunks(out.nbytes(), piece, [&](size_t off, size_t len) {
         for (int q = 0; q < size(); ++q) {
-          std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off,
-                      len);
+          std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
         }
         arrive_and_wait();
         combine_all(dst + off, rank() * piece, len / es, out.scalar_type(), op);
@@ -261,20 +275,17 @@ class ShmBackend final : public GroupBackend {
     });
   }
 
-  Work all_to_all(std::vector<at::Tensor> out, std::vector<at::Tensor> in,
-                  bool async_op) override {
+  Work all_to_all(std::vector<at::Tensor> out, std::vector<at::Tensor> in, bool async_op) override {
     return submit(async_op, [this, out, in] {
       begin(OpCode::kAllToAll, in[0], -1, ReduceOp::SUM);
       const size_t piece = piece_bytes(in[0].element_size());
       for_chunks(in[0].nbytes(), piece, [&](size_t off, size_t len) {
         for (int q = 0; q < size(); ++q) {
-          std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off,
-                      len);
+          std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
         }
         arrive_and_wait();
         for (int q = 0; q < size(); ++q) {
-          std::memcpy(static_cast<char*>(out[q].data_ptr()) + off, slot(q) + rank() * piece,
-                      len);
+          std::memcpy(static_cast<char*>(out[q].data_ptr()) + off, slot(q) + rank() * piece, len);
         }
       });
     });
@@ -330,9 +341,9 @@ class ShmBackend final : public GroupBackend {
       try {
         store->wait({"shm_name"}, ms);
       } catch (const std::exception&) {
-        throw TimeoutError(fmt::format(
-            "{}: rank 0 did not publish the shared-memory segment within {:.1f} s", name(),
-            timeout().count()));
+        throw TimeoutError(
+            fmt::format("{}: rank 0 did not publish the shared-memory segment within {:.1f} s",
+                        name(), timeout().count()));
       }
       auto v = store->get("shm_name");
       shm_name.assign(v.begin(), v.end());
@@ -346,8 +357,8 @@ class ShmBackend final : public GroupBackend {
       map(fd.get());
       if (header()->magic != kMagic || header()->nranks != static_cast<uint32_t>(P) ||
           header()->total_bytes != total_) {
-        throw Error(fmt::format("{}: the shm backend's segment {} has a different geometry",
-                                name(), shm_name));
+        throw Error(fmt::format("{}: the shm backend's segment {} has a different geometry", name(),
+                                shm_name));
       }
     }
     data_ = base_ + data_off;
@@ -364,8 +375,8 @@ class ShmBackend final : public GroupBackend {
           if (ctl_[q].pid == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
         }
         throw TimeoutError(fmt::format(
-            "{}: rank(s) {} did not attach to the shared-memory segment within {:.1f} s",
-            name(), missing, timeout().count()));
+            "{}: rank(s) {} did not attach to the shared-memory segment within {:.1f} s", name(),
+            missing, timeout().count()));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -406,10 +417,9 @@ class ShmBackend final : public GroupBackend {
   void begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, ReduceOp rop) {
     if (!base_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
     throw_if_aborted();
-    cur_ = OpMeta{static_cast<int32_t>(op), dtype, numel, root, static_cast<int32_t>(rop),
-                  ++calls_};
-    deadline_ = SteadyClock::now() +
-                std::chrono::duration_cast<SteadyClock::duration>(timeout());
+    cur_ =
+        OpMeta{static_cast<int32_t>(op), dtype, numel, root, static_cast<int32_t>(rop), ++calls_};
+    deadline_ = SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(timeout());
     meta_pending_ = true;
   }
 
@@ -461,16 +471,18 @@ class ShmBackend final : public GroupBackend {
       throw_if_aborted();
       const auto now = SteadyClock::now();
       if (now >= deadline_) {
-        fail(q, fmt::format("{}: rank {} (pid {}) did not reach {} call #{} within {:.1f} s",
-                            name(), q, ctl_[q].pid, op_name(static_cast<OpCode>(cur_.op)),
-                            cur_.call, timeout().count()),
+        fail(q,
+             fmt::format("{}: rank {} (pid {}) did not reach {} call #{} within {:.1f} s", name(),
+                         q, ctl_[q].pid, op_name(static_cast<OpCode>(cur_.op)), cur_.call,
+                         timeout().count()),
              /*timeout=*/true);
       }
       if (now - last_check > std::chrono::milliseconds(50)) {
         last_check = now;
         if (!pid_alive(ctl_[q].pid)) {
-          fail(q, fmt::format("{}: rank {} (pid {}) died before finishing {} call #{}", name(), q,
-                              ctl_[q].pid, op_name(static_cast<OpCode>(cur_.op)), cur_.call),
+          fail(q,
+               fmt::format("{}: rank {} (pid {}) died before finishing {} call #{}", name(), q,
+                           ctl_[q].pid, op_name(static_cast<OpCode>(cur_.op)), cur_.call),
                false);
         }
       }
@@ -515,9 +527,9 @@ class ShmBackend final : public GroupBackend {
                            c10::toString(static_cast<at::ScalarType>(x.dtype)), x.numel, x.root,
                            to_string(static_cast<ReduceOp>(x.reduce_op)));
       };
-      const std::string msg = fmt::format(
-          "{}: ranks disagree on call #{}: rank {} called {}, rank {} called {}", name(),
-          mine.call, rank(), describe(mine), q, describe(m));
+      const std::string msg =
+          fmt::format("{}: ranks disagree on call #{}: rank {} called {}, rank {} called {}",
+                      name(), mine.call, rank(), describe(mine), q, describe(m));
       auto* h = header();
       uint32_t expected = 0;
       if (h->aborted.compare_exchange_strong(expected, 1)) {
@@ -541,8 +553,7 @@ class ShmBackend final : public GroupBackend {
     for (int q = 2; q < size(); ++q) reduce_combine(dst, dst, slot(q) + byte_off, n, dtype, op);
   }
 
-  void small_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
-                    int dst) {
+  void small_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all, int dst) {
     const size_t bytes = n * c10::elementSize(dtype);
     std::memcpy(my_slot(), data, bytes);
     arrive_and_wait();
@@ -577,8 +588,7 @@ class ShmBackend final : public GroupBackend {
     if (stream) stream_fence();
   }
 
-  void gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all,
-                   int dst) {
+  void gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all, int dst) {
     const char* src = static_cast<const char*>(in.data_ptr());
     const bool stream = in.nbytes() * size() >= kStreamBytes;
     for_chunks(in.nbytes(), slot_, [&](size_t off, size_t len) {
@@ -689,8 +699,8 @@ std::shared_ptr<GroupBackend> make_shm_backend(const c10::intrusive_ptr<c10d::St
                                                std::chrono::duration<double> timeout,
                                                std::string name,
                                                std::shared_ptr<GroupBackend> p2p) {
-  return std::make_shared<ShmBackend>(store, rank, std::move(world_ranks), timeout,
-                                      std::move(name), std::move(p2p));
+  return std::make_shared<ShmBackend>(store, rank, std::move(world_ranks), timeout, std::move(name),
+                                      std::move(p2p));
 }
 
 }  // namespace torchpar::detail

@@ -34,7 +34,6 @@ size_t shm_slot_bytes();
 std::shared_ptr<GroupBackend> make_shm_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                int rank, std::vector<int> world_ranks,
                                                std::chrono::duration<double> timeout,
-                                               std::string name,
-                                               std::shared_ptr<GroupBackend> p2p);
+                                               std::string name, std::shared_ptr<GroupBackend> p2p);
 
 }  // namespace torchpar::detail

@@ -5,10 +5,10 @@
 #include <netdb.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -141,15 +141,16 @@ struct World::Impl {
 
   void resolve() {
     rank = opts.rank >= 0 ? opts.rank : env_int("RANK", -1, true, "rank");
-    world_size = opts.world_size >= 0 ? opts.world_size
-                                      : env_int("WORLD_SIZE", -1, true, "world_size");
+    world_size =
+        opts.world_size >= 0 ? opts.world_size : env_int("WORLD_SIZE", -1, true, "world_size");
     if (world_size < 1) {
       throw Error(fmt::format("World: world size must be at least 1, got {}", world_size));
     }
     if (rank < 0 || rank >= world_size) {
-      throw Error(fmt::format("World: rank {} is out of range for world size {} (ranks are 0 .. "
-                              "{})",
-                              rank, world_size, world_size - 1));
+      throw Error(
+          fmt::format("World: rank {} is out of range for world size {} (ranks are 0 .. "
+                      "{})",
+                      rank, world_size, world_size - 1));
     }
     local_rank = env_int("LOCAL_RANK", rank, false, "local_rank");
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size, false, "local_world_size");
@@ -166,8 +167,8 @@ struct World::Impl {
       try {
         store = c10::make_intrusive<c10d::FileStore>(path, world_size);
       } catch (const std::exception& e) {
-        throw Error(fmt::format("World: cannot open the FileStore {}: {}", path,
-                                detail::message_of(e)));
+        throw Error(
+            fmt::format("World: cannot open the FileStore {}: {}", path, detail::message_of(e)));
       }
       store->setTimeout(ms(opts.timeout));
       return;
@@ -220,9 +221,9 @@ struct World::Impl {
         throw Error(fmt::format("World: rank 0 cannot serve the store on {}:{}: {}", master_addr,
                                 master_port, why));
       }
-      throw TimeoutError(fmt::format(
-          "World: rank {} cannot reach the master {}:{} within {:.1f} s: {}", rank, master_addr,
-          master_port, opts.timeout.count(), why));
+      throw TimeoutError(
+          fmt::format("World: rank {} cannot reach the master {}:{} within {:.1f} s: {}", rank,
+                      master_addr, master_port, opts.timeout.count(), why));
     }
     if (auto ifname = env("GLOO_SOCKET_IFNAME")) {
       device.interface = *ifname;
@@ -249,9 +250,9 @@ struct World::Impl {
     }
     store->set(fmt::format("torchpar/world/rank/{}", rank),
                bytes_of(fmt::format("{}\n{}\n{}\n{}", world_size, ::getpid(), host, name)));
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              opts.timeout);
+    const auto deadline =
+        std::chrono::steady_clock::now() +
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(opts.timeout);
     for (int q = 0; q < world_size; ++q) {
       const std::string key = fmt::format("torchpar/world/rank/{}", q);
       const auto left = std::max(std::chrono::milliseconds(1),
@@ -271,9 +272,9 @@ struct World::Impl {
       std::getline(in, h);
       std::getline(in, nm);
       if (ws != std::to_string(world_size)) {
-        throw Error(fmt::format(
-            "World: ranks disagree on the world size: rank {} says {}, rank {} says {}", q, ws,
-            rank, world_size));
+        throw Error(
+            fmt::format("World: ranks disagree on the world size: rank {} says {}, rank {} says {}",
+                        q, ws, rank, world_size));
       }
       members[static_cast<size_t>(q)] = {std::atoi(pid.c_str()), h};
       names[static_cast<size_t>(q)] = nm;
@@ -290,9 +291,10 @@ struct World::Impl {
     std::set<int> uniq;
     for (int r : ranks) {
       if (r < 0 || r >= world_size) {
-        throw Error(fmt::format("World::create_collective_group: rank {} is out of range for "
-                                "world size {}",
-                                r, world_size));
+        throw Error(
+            fmt::format("World::create_collective_group: rank {} is out of range for "
+                        "world size {}",
+                        r, world_size));
       }
       if (!uniq.insert(r).second) {
         throw Error(fmt::format("World::create_collective_group: rank {} is listed twice", r));
@@ -300,9 +302,10 @@ struct World::Impl {
     }
     const auto it = std::find(ranks.begin(), ranks.end(), rank);
     if (it == ranks.end()) {
-      throw Error(fmt::format("World::create_collective_group: this rank ({}) is not in the "
-                              "group [{}]; only members create a group",
-                              rank, join(ranks)));
+      throw Error(
+          fmt::format("World::create_collective_group: this rank ({}) is not in the "
+                      "group [{}]; only members create a group",
+                      rank, join(ranks)));
     }
     const int rel = static_cast<int>(it - ranks.begin());
     const int n = created[ranks]++;
@@ -327,19 +330,19 @@ struct World::Impl {
         if (string_of(gstore->get(hk)) != host) one_host = false;
       }
       if (!one_host && backend == Backend::Shm) {
-        throw Error(fmt::format("World::create_collective_group: backend shm needs every rank "
-                                "of [{}] on one host; use gloo or auto",
-                                join(ranks)));
+        throw Error(
+            fmt::format("World::create_collective_group: backend shm needs every rank "
+                        "of [{}] on one host; use gloo or auto",
+                        join(ranks)));
       }
       backend = one_host ? Backend::Shm : Backend::Gloo;
     }
     std::vector<detail::MemberInfo> info;
     for (int r : ranks) info.push_back(members[static_cast<size_t>(r)]);
-    const std::string gname = fmt::format("group [{}] #{} (rank {} of {}, {})", join(ranks), n,
-                                          rel, ranks.size(), to_string(backend));
-    auto gloo = detail::make_gloo_backend(
-        c10::make_intrusive<c10d::PrefixStore>("gloo", gstore), rel, ranks, t, gname, device,
-        info, host);
+    const std::string gname = fmt::format("group [{}] #{} (rank {} of {}, {})", join(ranks), n, rel,
+                                          ranks.size(), to_string(backend));
+    auto gloo = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", gstore),
+                                          rel, ranks, t, gname, device, info, host);
     if (backend == Backend::Gloo) return CollectiveGroup(gloo);
     return CollectiveGroup(detail::make_shm_backend(
         c10::make_intrusive<c10d::PrefixStore>("shm", gstore), rel, ranks, t, gname, gloo));
@@ -363,16 +366,15 @@ struct World::Impl {
     auto pg_store = c10::make_intrusive<c10d::PrefixStore>("default_pg", store);
     std::vector<int> all;
     for (int r = 0; r < world_size; ++r) all.push_back(r);
-    auto gloo = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("0", pg_store),
-                                          rank, all, opts.timeout,
-                                          fmt::format("default group (rank {} of {}, gloo)",
-                                                      rank, world_size),
-                                          device, members, host);
+    auto gloo = detail::make_gloo_backend(
+        c10::make_intrusive<c10d::PrefixStore>("0", pg_store), rank, all, opts.timeout,
+        fmt::format("default group (rank {} of {}, gloo)", rank, world_size), device, members,
+        host);
     const std::string key = "store_based_barrier_key:1";
     pg_store->add(key, 1);
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              opts.timeout);
+    const auto deadline =
+        std::chrono::steady_clock::now() +
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(opts.timeout);
     while (pg_store->add(key, 0) < world_size) {
       if (std::chrono::steady_clock::now() > deadline) {
         throw TimeoutError("World: not every rank created the default group in time");
@@ -437,8 +439,8 @@ int World::get_local_rank() const { return impl_->local_rank; }
 int World::get_local_world_size() const { return impl_->local_world_size; }
 std::vector<std::string> World::get_names() const { return impl_->names; }
 
-CollectiveGroup World::create_collective_group(std::vector<int> ranks, Backend backend,
-                                               std::optional<std::chrono::duration<double>> timeout) {
+CollectiveGroup World::create_collective_group(
+    std::vector<int> ranks, Backend backend, std::optional<std::chrono::duration<double>> timeout) {
   return impl_->make_group(std::move(ranks), backend, timeout);
 }
 

@@ -268,8 +268,7 @@ void mismatch_rank(int rank, int world, int port) {
   try {
     g.all_reduce(t);
   } catch (const tp::Error& e) {
-    RCHECK(std::string(e.what()).find("disagree") != std::string::npos, "message: {}",
-           e.what());
+    RCHECK(std::string(e.what()).find("disagree") != std::string::npos, "message: {}", e.what());
     // the group is broken for good: the next call fails at once
     try {
       g.barrier();
@@ -332,8 +331,7 @@ void subgroup_rank(int rank, int world, int port) {
       w.create_collective_group({2, 0});
       throw std::runtime_error("a non-member created a group");
     } catch (const tp::Error& e) {
-      RCHECK(std::string(e.what()).find("not in the group") != std::string::npos, "{}",
-             e.what());
+      RCHECK(std::string(e.what()).find("not in the group") != std::string::npos, "{}", e.what());
     }
   }
   RCHECK(w.get_names()[1] == "rank1", "names");
@@ -344,7 +342,8 @@ TEST(World, SubgroupsUseRelativeRanks) {
   for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
 }
 
-// ---- bad World configurations ---------------------------------------------------------------------
+// ---- bad World configurations
+// ---------------------------------------------------------------------
 
 TEST(World, RankOutOfRangeIsRefused) {
   try {
@@ -371,8 +370,7 @@ TEST(World, UnreachableMasterFailsWithinTimeout) {
     make_world(1, 2, free_port(), 2);
     FAIL() << "no error";
   } catch (const tp::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("cannot reach the master"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("cannot reach the master"), std::string::npos) << e.what();
   }
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10);
 }
@@ -382,8 +380,8 @@ void sized_rank(int rank, int port, int world) {
     auto w = make_world(rank, world, port, 4);
   } catch (const tp::Error& e) {
     const std::string msg = e.what();
-    RCHECK(msg.find("world size") != std::string::npos || msg.find("did not join") !=
-                                                               std::string::npos,
+    RCHECK(msg.find("world size") != std::string::npos ||
+               msg.find("did not join") != std::string::npos,
            "unclear: {}", msg);
     return;
   }
@@ -405,8 +403,8 @@ TEST(World, MismatchedWorldSizesAreRefused) {
 }
 
 void file_rank(int rank, int world, std::string path) {
-  tp::World w(tp::WorldOptions{.rank = rank, .world_size = world, .init_method = "file://" + path,
-                               .timeout = 30.0s});
+  tp::World w(tp::WorldOptions{
+      .rank = rank, .world_size = world, .init_method = "file://" + path, .timeout = 30.0s});
   auto g = w.create_collective_group();
   auto t = at::full({8}, rank + 1, at::kLong);
   g.all_reduce(t);

@@ -39,9 +39,9 @@ template <class Fn, class... Args>
 std::vector<RankResult> run_ranks(int n, double timeout, Fn fn, Args... args) {
   std::vector<Process> procs;
   for (int r = 0; r < n; ++r) {
-    procs.emplace_back(ProcessOptions{.name = "rank" + std::to_string(r),
-                                      .start_method = StartMethod::kFork},
-                       fn, r, args...);
+    procs.emplace_back(
+        ProcessOptions{.name = "rank" + std::to_string(r), .start_method = StartMethod::kFork}, fn,
+        r, args...);
     procs.back().start();
   }
   const auto deadline = std::chrono::steady_clock::now() +

@@ -35,7 +35,8 @@ Command add_bench(CLI::App& app) {
   return [o] {
     const std::filesystem::path bin = std::filesystem::read_symlink("/proc/self/exe").parent_path();
     std::string runner;
-    if (const char* d = std::getenv("TORCHPAR_BENCH_DIR")) runner = std::string(d) + "/run_bench.py";
+    if (const char* d = std::getenv("TORCHPAR_BENCH_DIR"))
+      runner = std::string(d) + "/run_bench.py";
 #ifdef TORCHPAR_SOURCE_BENCH_DIR
     if (runner.empty()) runner = TORCHPAR_SOURCE_BENCH_DIR "/run_bench.py";
 #endif

@@ -95,8 +95,7 @@ void drain(int& fd, std::string& buf) {
   }
 }
 
-pid_t start_rank(const RunOptions& o, int local, int port, int restart, int* out_fd,
-                 int* err_fd) {
+pid_t start_rank(const RunOptions& o, int local, int port, int restart, int* out_fd, int* err_fd) {
   int po[2], pe[2];
   if (::pipe2(po, O_CLOEXEC) != 0 || ::pipe2(pe, O_CLOEXEC) != 0) {
     throw std::runtime_error(fmt::format("pipe: {}", std::strerror(errno)));
@@ -190,8 +189,10 @@ int run_once(const RunOptions& o, int port, int restart, bool* interrupted) {
       if (r.out >= 0) fds.push_back({r.out, POLLIN, 0});
       if (r.err >= 0) fds.push_back({r.err, POLLIN, 0});
     }
-    if (!fds.empty()) ::poll(fds.data(), fds.size(), 50);
-    else std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (!fds.empty())
+      ::poll(fds.data(), fds.size(), 50);
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     for (auto& r : ranks) {
       const std::string prefix = o.no_prefix ? "" : fmt::format("[{}]: ", r.rank);
       if (r.out >= 0) drain(r.out, r.out_buf);
@@ -262,15 +263,14 @@ Command add_run(CLI::App& app) {
   cmd->add_option("--max-restarts", o->max_restarts,
                   "restart every rank up to this many times after a failure")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--grace", o->grace,
-                  "seconds between SIGTERM and SIGKILL when stopping ranks")
+  cmd->add_option("--grace", o->grace, "seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--no-prefix", o->no_prefix, "do not prefix output lines with the rank");
   cmd->add_option("program", o->program, "program and its arguments (after --)")->required();
   return [o] {
     if (o->node_rank >= o->nnodes) {
-      std::fprintf(stderr, "torchpar run: --node-rank %d must be below --nnodes %d\n",
-                   o->node_rank, o->nnodes);
+      std::fprintf(stderr, "torchpar run: --node-rank %d must be below --nnodes %d\n", o->node_rank,
+                   o->nnodes);
       return 2;
     }
     struct sigaction sa {};

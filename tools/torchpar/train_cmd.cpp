@@ -24,7 +24,9 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--batch-size", c->batch_size, "samples per step and worker")
       ->check(CLI::Range(1, 60000))
       ->capture_default_str();
-  cmd->add_option("--lr", c->lr, "SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--lr", c->lr, "SGD learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   cmd->add_option("--momentum", c->momentum, "SGD momentum")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();

@@ -92,8 +92,7 @@ class CollectiveGroup {
   /// tensor = op(tensor of every rank), in place on every rank.
   Work all_reduce(at::Tensor tensor, ReduceOp op = ReduceOp::SUM, bool async_op = false);
   /// tensor_list[r] = tensor of rank r; tensor_list has size() tensors like `tensor`.
-  Work all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor,
-                  bool async_op = false);
+  Work all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor, bool async_op = false);
   /// tensor = tensor of rank `src`.
   Work broadcast(at::Tensor tensor, int src, bool async_op = false);
   /// On `dst`: tensor = op(tensor of every rank); other ranks' tensors are left unchanged.

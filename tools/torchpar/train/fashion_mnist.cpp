@@ -34,8 +34,8 @@ void read_exact(gzFile f, const std::string& path, void* dst, size_t n, const ch
                               msg ? msg : "?", kInstall));
     }
     if (r == 0) {
-      throw Error(fmt::format("{}: truncated: {} needs {} bytes, the file has {} ({})", path,
-                              what, n, got, kInstall));
+      throw Error(fmt::format("{}: truncated: {} needs {} bytes, the file has {} ({})", path, what,
+                              n, got, kInstall));
     }
     got += static_cast<size_t>(r);
   }
@@ -58,9 +58,10 @@ at::Tensor read_idx_gz(const std::string& path, int expected_dims) {
   const uint32_t magic = big_endian(head);
   const uint32_t want = 0x800u | static_cast<uint32_t>(expected_dims);
   if (magic != want) {
-    throw Error(fmt::format("{}: not an idx file of {} ubyte dimensions (magic 0x{:08x}, expected "
-                            "0x{:08x}) ({})",
-                            path, expected_dims, magic, want, kInstall));
+    throw Error(
+        fmt::format("{}: not an idx file of {} ubyte dimensions (magic 0x{:08x}, expected "
+                    "0x{:08x}) ({})",
+                    path, expected_dims, magic, want, kInstall));
   }
   std::vector<int64_t> dims;
   uint64_t total = 1;

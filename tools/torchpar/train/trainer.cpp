@@ -113,8 +113,8 @@ torch::optim::SGD make_sgd(Net& net, const TrainConfig& c) {
 
 // ---- workers (spawned) ---------------------------------------------------------------------
 
-void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared,
-                    at::Tensor images, at::Tensor labels, Queue<Msg> msgs, Queue<int> go) {
+void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared, at::Tensor images,
+                    at::Tensor labels, Queue<Msg> msgs, Queue<int> go) {
   torch::manual_seed(cfg.seed + index);
   Net net;
   auto params = net->parameters();
@@ -127,7 +127,9 @@ void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared,
     const auto idx = shard(data.size(), cfg.seed, epoch, index, cfg.workers);
     train_epoch(
         net, opt, data, idx, cfg.batch_size,
-        [&](int64_t s, double l, int64_t b) { msgs.put({kProgress, index, epoch, s, l, b}); },
+        [&](int64_t s, double l, int64_t b) {
+          msgs.put({kProgress, index, epoch, s, l, b});
+        },
         [] {});
     msgs.put({kEpochDone, index, epoch, 0, 0.0, 0});
   }
@@ -175,7 +177,9 @@ void ddp_worker(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tens
     const auto idx = shard(data.size(), cfg.seed, epoch, rank, cfg.workers);
     train_epoch(
         net, opt, data, idx, cfg.batch_size,
-        [&](int64_t s, double l, int64_t b) { msgs.put({kProgress, rank, epoch, s, l, b}); },
+        [&](int64_t s, double l, int64_t b) {
+          msgs.put({kProgress, rank, epoch, s, l, b});
+        },
         [&] {
           pack(true);
           group.all_reduce(bucket, ReduceOp::AVG);
@@ -196,7 +200,10 @@ void ddp_worker(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tens
 class ProgressBar {
  public:
   ProgressBar(int epoch, int epochs, int64_t total)
-      : epoch_(epoch), epochs_(epochs), total_(total), tty_(::isatty(STDOUT_FILENO) != 0),
+      : epoch_(epoch),
+        epochs_(epochs),
+        total_(total),
+        tty_(::isatty(STDOUT_FILENO) != 0),
         start_(Clock::now()) {}
 
   void update(int64_t done, double loss) {
@@ -325,8 +332,8 @@ void write_outputs(const Run& run, Net& net, bool with_model) {
   if (!run.epochs.empty()) {
     const std::string script = tools_dir() + "/plot_curves.py";
     const std::string cmd =
-        fmt::format("/usr/bin/python3 '{}' '{}' '{}' 2>&1", script,
-                    (dir / "metrics.json").string(), (dir / "curves.png").string());
+        fmt::format("/usr/bin/python3 '{}' '{}' '{}' 2>&1", script, (dir / "metrics.json").string(),
+                    (dir / "curves.png").string());
     if (std::system(cmd.c_str()) != 0) {
       std::fprintf(stderr,
                    "torchpar train: warning: curves.png not drawn (needs /usr/bin/python3 with "
@@ -435,7 +442,8 @@ int run_train(TrainConfig cfg) {
                  cfg.strategy.c_str());
     return 2;
   }
-  if (cfg.workers <= 0) cfg.workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (cfg.workers <= 0)
+    cfg.workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (cfg.strategy == "single") cfg.workers = 1;
   if (cfg.data.empty()) cfg.data = kDefaultDataDir;
   if (cfg.out.empty()) cfg.out = "runs/" + now_stamp();
@@ -460,11 +468,12 @@ int run_train(TrainConfig cfg) {
     data.train.labels = data.train.labels.slice(0, 0, cfg.limit).contiguous();
   }
   const int64_t per_epoch = data.train.size() / cfg.workers * cfg.workers;
-  std::printf("torchpar train: %s, %d worker%s, %d epoch%s, %lld training samples, batch %d, "
-              "lr %g, momentum %g -> %s\n",
-              cfg.strategy.c_str(), cfg.workers, cfg.workers == 1 ? "" : "s", cfg.epochs,
-              cfg.epochs == 1 ? "" : "s", static_cast<long long>(per_epoch), cfg.batch_size,
-              effective_lr(cfg), cfg.momentum, cfg.out.c_str());
+  std::printf(
+      "torchpar train: %s, %d worker%s, %d epoch%s, %lld training samples, batch %d, "
+      "lr %g, momentum %g -> %s\n",
+      cfg.strategy.c_str(), cfg.workers, cfg.workers == 1 ? "" : "s", cfg.epochs,
+      cfg.epochs == 1 ? "" : "s", static_cast<long long>(per_epoch), cfg.batch_size,
+      effective_lr(cfg), cfg.momentum, cfg.out.c_str());
   std::fflush(stdout);
 
   struct sigaction sa {};
@@ -480,10 +489,10 @@ int run_train(TrainConfig cfg) {
     const Eval ev = evaluate(net, data.test);
     const double train_loss = batches ? loss_sum / static_cast<double>(batches) : 0;
     run.epochs.push_back({epoch, train_loss, ev.loss, ev.accuracy, secs, per_epoch});
-    std::printf("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, %.0f "
-                "samples/s\n",
-                epoch, train_loss, ev.loss, ev.accuracy, secs,
-                static_cast<double>(per_epoch) / secs);
+    std::printf(
+        "epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, %.0f "
+        "samples/s\n",
+        epoch, train_loss, ev.loss, ev.accuracy, secs, static_cast<double>(per_epoch) / secs);
     std::fflush(stdout);
   };
 
@@ -524,7 +533,9 @@ int run_train(TrainConfig cfg) {
         for (auto& p : net->parameters()) shared.push_back(p.detach());
       }
       const int port = cfg.strategy == "ddp" ? pick_free_port() : 0;
-      ProcessOptions po{.name = "", .daemon = false, .start_method = StartMethod::kSpawn,
+      ProcessOptions po{.name = "",
+                        .daemon = false,
+                        .start_method = StartMethod::kSpawn,
                         .threads = cfg.threads_per_worker};
       for (int i = 0; i < cfg.workers; ++i) {
         po.name = fmt::format("train-worker-{}", i);
@@ -575,9 +586,10 @@ int run_train(TrainConfig cfg) {
       stop_workers(procs, *go);
     }
   } catch (const Interrupted&) {
-    std::printf("\ntorchpar train: interrupted; stopping the workers, keeping %zu finished "
-                "epoch(s) in %s\n",
-                run.epochs.size(), cfg.out.c_str());
+    std::printf(
+        "\ntorchpar train: interrupted; stopping the workers, keeping %zu finished "
+        "epoch(s) in %s\n",
+        run.epochs.size(), cfg.out.c_str());
     kill_workers(procs);
     run.status = "interrupted";
     code = 130;
@@ -604,10 +616,11 @@ int run_train(TrainConfig cfg) {
     double secs = 0;
     for (auto& e : run.epochs) secs += e.seconds;
     const auto& last = run.epochs.back();
-    std::printf("done: test accuracy %.2f%% after %d epoch(s); training %.1f s, %.0f samples/s; "
-                "outputs in %s\n",
-                last.test_accuracy, cfg.epochs, secs,
-                static_cast<double>(per_epoch) * cfg.epochs / secs, cfg.out.c_str());
+    std::printf(
+        "done: test accuracy %.2f%% after %d epoch(s); training %.1f s, %.0f samples/s; "
+        "outputs in %s\n",
+        last.test_accuracy, cfg.epochs, secs, static_cast<double>(per_epoch) * cfg.epochs / secs,
+        cfg.out.c_str());
   }
   return code;
 }

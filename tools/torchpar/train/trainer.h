@@ -15,12 +15,12 @@ struct TrainConfig {
   double lr = 0.01;
   double momentum = 0.5;
   int64_t seed = 1;
-  std::string data;              ///< directory of the idx .gz files
-  std::string out;               ///< output directory ("" : runs/<timestamp>)
-  int threads_per_worker = 1;    ///< LibTorch intra-op threads per worker
-  std::string backend = "auto";  ///< ddp: auto | shm | gloo
-  int64_t limit = 0;             ///< use the first `limit` training samples (0: all)
-  double timeout = 120;          ///< seconds: collectives, worker start, progress silence
+  std::string data;                   ///< directory of the idx .gz files
+  std::string out;                    ///< output directory ("" : runs/<timestamp>)
+  int threads_per_worker = 1;         ///< LibTorch intra-op threads per worker
+  std::string backend = "auto";       ///< ddp: auto | shm | gloo
+  int64_t limit = 0;                  ///< use the first `limit` training samples (0: all)
+  double timeout = 120;               ///< seconds: collectives, worker start, progress silence
   std::string lr_scaling = "linear";  ///< ddp: "linear" (lr x workers) or "none"
 
   template <class Archive>
