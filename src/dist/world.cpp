@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <netdb.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -420,6 +421,13 @@ struct World::Impl {
 };
 
 World::World(WorldOptions options) : impl_(std::make_unique<Impl>()) {
+  // Gloo and the store write to sockets without MSG_NOSIGNAL: a peer that died would kill
+  // this process with SIGPIPE instead of failing the operation. Python ignores SIGPIPE;
+  // do the same unless the program chose a disposition of its own.
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
   impl_->opts = std::move(options);
   impl_->resolve();
   impl_->connect();

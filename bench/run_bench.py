@@ -1,0 +1,974 @@
+#!/usr/bin/python3
+"""The benchmark runner behind `torchpar bench` and `make bench`: runs every torchpar benchmark
+beside its peers, interleaved, and writes a report with medians, ratios, targets and plots.
+
+usage: run_bench.py --bin BUILD/bin [--quick] [--only NAME[,NAME]] [--out DIR] [--rounds N]
+
+Benchmarks (names for --only), run in this order:
+  limits       shm_bench: one thread's memcpy and a fresh shared segment's create+map+touch,
+               the physical limits the other sections are compared with
+  handoff      ipc_bench vs peers/torch_ipc.py (both sharing strategies); shm_bench's
+               share_memory_ and dumps+loads vs peers/torch_share_memory.py
+  pools        pool_bench vs peers/python_pool.py (multiprocessing.Pool, torch.multiprocessing.Pool)
+  collectives  coll_bench (torchpar-shm, torchpar-gloo, c10d-gloo-cpp) vs
+               peers/torch_dist_collectives.py and peers/mpi_collectives.c (Open MPI, compiled
+               with mpicc into <out>/raw/ when the benchmark starts)
+  train        torchpar train --strategy single|hogwild|ddp vs peers/mnist_hogwild.py, mnist_ddp.py
+
+Method: every round runs ours, then each peer (round r: ours, peer1, peer2, ...). A full run does
+one untimed warm-up round, then 5 rounds; train does 3 rounds and no warm-up (each run is a fresh
+set of processes that loads its data outside the timed region, and runs take 5-15 s). --quick
+does 2 rounds (train 1), no warm-up, smaller sizes and fewer tasks; --rounds N overrides the
+round count of every benchmark. The value reported for a (system, measure) is the median over
+rounds of each run's own value. Every subprocess runs in its own process group with a timeout
+(the whole group is killed when it expires). A peer that fails is reported as "not run: <reason>"
+and is not retried; ours failing makes the exit status 1, after the report has been written.
+
+Output in --out (default bench/results/<YYYY-MM-DD_HHMMSS>/ of this repository): report.md,
+results.json (every round's values and the medians), PNG plots (matplotlib, Agg) and raw/
+(each run's stdout and stderr, the MPI binary, the training output directories; ignored by git).
+When the out dir is inside bench/results/, bench/results/latest is pointed at it (relative
+symlink), so the README can link bench/results/latest/report.md.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+sys.dont_write_bytecode = True
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+PEERS = BENCH_DIR / "peers"
+RESULTS = BENCH_DIR / "results"
+PY = "/usr/bin/python3"
+BENCHMARKS = ("limits", "handoff", "pools", "collectives", "train")
+KiB, MiB = 1 << 10, 1 << 20
+TIME_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration, subprocesses, interleaved rounds
+
+
+@dataclass
+class Config:
+    bin: Path
+    quick: bool
+    out: Path
+    rounds_override: Optional[int]
+
+    @property
+    def raw(self):
+        return self.out / "raw"
+
+    def pick(self, quick, full):
+        return quick if self.quick else full
+
+    def rounds(self, bench):
+        if self.rounds_override:
+            return self.rounds_override
+        if bench == "train":
+            return self.pick(1, 3)
+        return self.pick(2, 5)
+
+    def warmup(self, bench):
+        return 0 if self.quick or bench == "train" else 1
+
+
+class RunError(Exception):
+    """A benchmark process failed; the message is a one-line reason."""
+
+
+@dataclass
+class Runner:
+    name: str  # shown in progress lines and in the report
+    ours: bool
+    cmd: list
+    parse: Callable[[str], dict]  # stdout -> {measure: value}
+    timeout: float  # seconds
+    skip: Optional[str] = None  # reason not to run it at all
+    before: Optional[Callable[[], None]] = None  # called before each run
+
+
+def progress(msg, end="\n"):
+    print(msg, end=end, flush=True)
+
+
+def slug(name):
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def kill_group(proc):
+    try:
+        os.killpg(proc.pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_cmd(cmd, timeout, log_stem):
+    """Runs cmd in its own process group and returns its stdout; keeps stdout and stderr in
+    log_stem.out / .err. Raises RunError if it cannot start, exits non-zero or outlives timeout
+    seconds (then the whole group is killed)."""
+    cmd = [str(c) for c in cmd]
+    log_stem.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, start_new_session=True)
+    except OSError as e:
+        raise RunError(f"cannot run {cmd[0]}: {e.strerror}") from None
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        timed_out = True
+    except BaseException:  # Ctrl-C: leave nothing behind
+        kill_group(proc)
+        proc.wait()
+        raise
+    Path(f"{log_stem}.out").write_text(out)
+    Path(f"{log_stem}.err").write_text(err)
+    if timed_out:
+        raise RunError(f"timed out after {timeout:g} s")
+    if proc.returncode != 0:
+        how = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+               else f"exit code {proc.returncode}")
+        last = next((l.strip() for l in reversed((err or out).splitlines()) if l.strip()), "")
+        raise RunError(f"{how}: {last[:200]}" if last else how)
+    return out
+
+
+def medians(rounds):
+    keys = dict.fromkeys(k for r in rounds for k in r)
+    return {k: statistics.median([r[k] for r in rounds if k in r]) for k in keys}
+
+
+def interleave(cfg, bench, runners):
+    """Runs the runners in turn, round after round; returns {runner name: record} with every
+    round's values, their medians and the error that stopped the runner, if any."""
+    rounds, warmup = cfg.rounds(bench), cfg.warmup(bench)
+    runs = {r.name: {"ours": r.ours, "cmd": shlex.join(str(c) for c in r.cmd), "values": [],
+                     "seconds": [], "error": r.skip, "failed_in": "setup" if r.skip else None}
+            for r in runners}
+    for i in range(warmup + rounds):
+        label = "warm-up" if i < warmup else f"round {i - warmup + 1}/{rounds}"
+        tag = "warmup" if i < warmup else f"r{i - warmup + 1}"
+        for r in runners:
+            rec = runs[r.name]
+            if rec["error"]:
+                continue
+            progress(f"[{bench}] {label}: {r.name} ...", end="")
+            t0 = time.monotonic()
+            try:
+                if r.before:
+                    r.before()
+                values = r.parse(run_cmd(r.cmd, r.timeout, cfg.raw / bench / f"{slug(r.name)}_{tag}"))
+            except RunError as e:
+                rec["error"], rec["failed_in"] = str(e), label
+                progress(f" FAILED: {e}")
+                continue
+            dt = time.monotonic() - t0
+            progress(f" {dt:.1f} s")
+            if i >= warmup:
+                rec["values"].append(values)
+                rec["seconds"].append(round(dt, 2))
+    for rec in runs.values():
+        rec["median"] = medians(rec["values"])
+    return runs
+
+
+def failure_notes(runs):
+    """Report lines for runners that failed: 'not run' for peers, FAILED for ours."""
+    notes = []
+    for name, rec in runs.items():
+        if not rec["error"]:
+            continue
+        what = "**FAILED** (ours)" if rec["ours"] else "not run"
+        if rec["values"]:
+            notes.append(f"- {name}: {what} from {rec['failed_in']} on: {rec['error']} "
+                         f"(medians use its {len(rec['values'])} completed rounds)")
+        else:
+            notes.append(f"- {name}: {what}: {rec['error']}")
+    return notes
+
+
+# ----------------------------------------------------------------------------------------------
+# Output parsers
+
+
+def gbench(out):
+    """Google Benchmark JSON -> {name: benchmark entry plus 'us' (real time in microseconds)}."""
+    try:
+        data = json.loads(out)
+    except json.JSONDecodeError:
+        raise RunError("output is not Google Benchmark JSON") from None
+    res = {}
+    for b in data.get("benchmarks", []):
+        if b.get("error_occurred"):
+            raise RunError(f"{b['name']}: {b.get('error_message', 'error')}")
+        res[b["name"]] = dict(b, us=b["real_time"] * TIME_US[b["time_unit"]])
+    if not res:
+        raise RunError("no benchmark results in the output")
+    return res
+
+
+def json_lines(out):
+    try:
+        rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    except json.JSONDecodeError as e:
+        raise RunError(f"bad JSON line: {e}") from None
+    if not rows:
+        raise RunError("no JSON lines in the output")
+    return rows
+
+
+def pick_bench(g, name):
+    if name not in g:
+        raise RunError(f"{name} missing from the output")
+    return g[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting
+
+
+def fmt(v):
+    """A number with a sensible precision; None -> n/a."""
+    if v is None:
+        return "n/a"
+    a = abs(v)
+    if a >= 1000:
+        return f"{v:,.0f}"
+    if a >= 100:
+        return f"{v:.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def fmt_x(r):
+    return "n/a" if r is None else (f"{r:,.0f}x" if r >= 1000 else f"{r:.3g}x")
+
+
+def fmt_pct(f):
+    return "n/a" if f is None else (f"{100 * f:.0f}%" if f >= 0.1 else f"{100 * f:.1f}%")
+
+
+def fmt_bytes(n):
+    for unit, size in (("MiB", MiB), ("KiB", KiB)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def table(header, rows, left=1):
+    """A Markdown table; the first `left` columns are left-aligned, the others right-aligned."""
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(":---" if i < left else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def advantage(ours, other, higher):
+    """How many times better ours is than other (> 1: ours better)."""
+    if not ours or not other:
+        return None
+    return ours / other if higher else other / ours
+
+
+def best(values, higher):
+    values = [v for v in values if v is not None]
+    return (max(values) if higher else min(values)) if values else None
+
+
+def verdict(value, target, higher):
+    """'yes (1.3x margin)' / 'no (needs 2.4x)' against a target, or '-' without one."""
+    if target is None:
+        return "-"
+    if value is None:
+        return "n/a"
+    f = value / target if higher else target / value
+    return f"yes ({f:.2g}x margin)" if f >= 1 else f"no (needs {1 / f:.2g}x)"
+
+
+def target_text(target, higher, unit=""):
+    if target is None:
+        return "-"
+    return f"{'≥' if higher else '≤'} {fmt(target)}{' ' + unit if unit else ''}"
+
+
+# ----------------------------------------------------------------------------------------------
+# limits: shm_bench's memcpy and fresh segment
+
+
+def parse_shm(out):
+    """shm_bench -> {'<kind>/<bytes>': microseconds}."""
+    kinds = {"ShareMemorySteady": "share_memory_steady", "ShareMemoryCold": "share_memory_cold",
+             "Memcpy": "memcpy", "SegmentCreateTouch": "segment_create_touch"}
+    res = {}
+    for name, b in gbench(out).items():
+        m = re.fullmatch(r"BM_(\w+)/(?:bytes:)?(\d+)(?:/copy:(\d))?", name)
+        if not m:
+            continue
+        kind, n, copy = m.groups()
+        key = (("dumps_loads_copy" if copy == "1" else "dumps_loads_shared")
+               if kind == "DumpsLoads" else kinds.get(kind))
+        if key:
+            res[f"{key}/{n}"] = b["us"]
+    return res
+
+
+def shm_bench_cmd(cfg, pattern, min_time):
+    return [cfg.bin / "shm_bench", "--benchmark_format=json", f"--benchmark_filter={pattern}",
+            f"--benchmark_min_time={min_time}"]
+
+
+def runners_limits(cfg):
+    cmd = shm_bench_cmd(cfg, "BM_Memcpy|BM_SegmentCreateTouch", cfg.pick(0.05, 0.3))
+    return [Runner("shm_bench", True, cmd, parse_shm, cfg.pick(120, 300))]
+
+
+def physical_limits(results):
+    """{'memcpy/<n>': us, 'segment_create_touch/<n>': us, 'source'} from the limits benchmark,
+    else from handoff's shm_bench run (which measures the same), else None."""
+    for bench in ("limits", "handoff"):
+        med = results.get(bench, {}).get("shm_bench", {}).get("median", {})
+        if f"memcpy/{64 * MiB}" in med:
+            lim = {k: v for k, v in med.items() if k.startswith(("memcpy/", "segment_create_touch/"))}
+            lim["source"] = bench
+            return lim
+    return None
+
+
+def memcpy_GBps(limits):
+    return 64 * MiB / limits[f"memcpy/{64 * MiB}"] / 1e3 if limits else None
+
+
+def report_limits(runs, limits, cfg):
+    med = runs["shm_bench"]["median"]
+    rows = []
+    for kind, label in (("memcpy", "memcpy, one thread, warm buffers"),
+                        ("segment_create_touch", "fresh segment: memfd_create + fallocate + mmap + touch")):
+        sizes = sorted(int(k.split("/")[1]) for k in med if k.startswith(kind + "/"))
+        for n in sizes:
+            us = med[f"{kind}/{n}"]
+            rows.append((label, fmt_bytes(n), fmt(us), fmt(n / us / 1e3)))
+    md = table(["limit", "size", "time (us)", "GB/s"], rows, left=2)
+    md += ("\n\nThe 64 MiB memcpy (DRAM-bound) is the reference for the \"fraction of limit\" columns "
+           "below: limit time / our time for hand-offs that copy, and busbw / memcpy GB/s for "
+           "large collectives. Smaller copies run from cache and are faster than DRAM.")
+    summary = {"memcpy_64MiB_GBps": memcpy_GBps(limits),
+               "memcpy_64MiB_ms": med.get(f"memcpy/{64 * MiB}", 0) / 1e3 or None,
+               "segment_create_touch_64MiB_ms": med.get(f"segment_create_touch/{64 * MiB}", 0) / 1e3 or None}
+    return md, summary
+
+
+# ----------------------------------------------------------------------------------------------
+# handoff: ipc_bench vs torch_ipc.py, shm_bench vs torch_share_memory.py
+
+# label, ours' benchmark, peer measure, unit, target, higher is better
+IPC_ROWS = [
+    ("Queue 4 KiB round trip", "BM_QueuePingPong4K/real_time", "queue_pingpong_4k", "us", 25, False),
+    ("Queue 4 KiB one way", "BM_QueueOneWay4K/20000/real_time", "queue_oneway_4k", "items/s", 400_000, True),
+    ("Pipe 4 KiB round trip", "BM_PipePingPong4K/real_time", "pipe_pingpong_4k", "us", 25, False),
+    ("Pipe 4 KiB one way", "BM_PipeOneWay4K/20000/real_time", "pipe_oneway_4k", "items/s", None, True),
+    ("64 MiB fresh hand-off", "BM_QueueHandoff64M/resend:0/real_time", "queue_handoff_64m_fresh", "ms", 20, False),
+    ("64 MiB re-send (already shared)", "BM_QueueHandoff64M/resend:1/real_time", "queue_handoff_64m_resend", "us", 50, False),
+]
+STRATEGIES = ("file_descriptor", "file_system")
+SHM_SIZES = (4 * KiB, MiB, 64 * MiB)
+
+
+def parse_ipc(out):
+    """ipc_bench -> {peer measure name: value in the row's unit}."""
+    g = gbench(out)
+    res = {}
+    for _, bname, measure, unit, _, _ in IPC_ROWS:
+        b = pick_bench(g, bname)
+        res[measure] = b["items_per_second"] if unit == "items/s" else b["us"] / (1e3 if unit == "ms" else 1)
+    return res
+
+
+def parse_torch_ipc(out):
+    return {f"{r['name']}/{r['strategy']}": r["value"] for r in json_lines(out)}
+
+
+def parse_torch_share_memory(out):
+    return {f"{r['name']}/{r['bytes']}": r["median_us"] for r in json_lines(out)}
+
+
+def runners_handoff(cfg):
+    quick = ["--quick"] if cfg.quick else []
+    ipc = [cfg.bin / "ipc_bench", "--benchmark_format=json",
+           f"--benchmark_min_time={cfg.pick(0.1, 0.5)}"]
+    shm = shm_bench_cmd(cfg, "BM_(ShareMemory|DumpsLoads|Memcpy|SegmentCreateTouch)", cfg.pick(0.05, 0.3))
+    return [
+        Runner("ipc_bench", True, ipc, parse_ipc, cfg.pick(180, 600)),
+        Runner("torch_ipc.py", False, [PY, PEERS / "torch_ipc.py"] + quick, parse_torch_ipc, cfg.pick(180, 900)),
+        Runner("shm_bench", True, shm, parse_shm, cfg.pick(120, 600)),
+        Runner("torch_share_memory.py", False, [PY, PEERS / "torch_share_memory.py"] + quick,
+               parse_torch_share_memory, cfg.pick(120, 600)),
+    ]
+
+
+def report_handoff(runs, limits, cfg):
+    ours, peer = runs["ipc_bench"]["median"], runs["torch_ipc.py"]["median"]
+    memcpy_us = limits[f"memcpy/{64 * MiB}"] if limits else None
+    rows, summary = [], {}
+    for label, _, measure, unit, target, higher in IPC_ROWS:
+        mine = ours.get(measure)
+        peers = [peer.get(f"{measure}/{s}") for s in STRATEGIES]
+        frac = None
+        if measure == "queue_handoff_64m_fresh" and mine and memcpy_us:
+            frac = memcpy_us / (mine * 1e3)
+        rows.append((label, unit, fmt(mine), *map(fmt, peers), fmt_x(advantage(mine, best(peers, higher), higher)),
+                     fmt_pct(frac) if frac else "-", target_text(target, higher), verdict(mine, target, higher)))
+        summary[measure] = {"torchpar": mine, **dict(zip(STRATEGIES, peers)), "unit": unit,
+                            "target": target, "met": None if target is None or mine is None else
+                            (mine >= target if higher else mine <= target)}
+    md = table(["measure", "unit", "torchpar", "torch.mp file_descriptor", "torch.mp file_system",
+                "torchpar vs best peer", "fraction of limit", "target", "met"], rows, left=2)
+    md += ("\n\n\"torchpar vs best peer\": how many times faster torchpar is than the better of the two "
+           "sharing strategies (> 1: torchpar better). Fraction of limit (fresh hand-off only): "
+           "one thread's memcpy of 64 MiB / our hand-off time; a fresh tensor has to be copied "
+           "into shared memory once.")
+
+    # share_memory_ and dumps+loads, as bench/compare_shm.py printed them
+    so, sp = runs["shm_bench"]["median"], runs["torch_share_memory.py"]["median"]
+    rows2 = []
+    for n in SHM_SIZES:
+        size = fmt_bytes(n)
+        lim = so.get(f"memcpy/{n}")
+        peer_share = sp.get(f"torch_share_memory_/{n}")
+        for kind, label in (("share_memory_steady", "share_memory_ (steady)"),
+                            ("share_memory_cold", "share_memory_ (cold)")):
+            mine = so.get(f"{kind}/{n}")
+            rows2.append((f"{label} {size}", fmt(mine), "torch share_memory_", fmt(peer_share),
+                          fmt_x(advantage(mine, peer_share, False)), fmt(lim),
+                          fmt_pct(lim / mine) if lim and mine else "n/a"))
+        for s in STRATEGIES:
+            mine, p = so.get(f"dumps_loads_shared/{n}"), sp.get(f"torch_pickle_shared_{s}/{n}")
+            rows2.append((f"dumps+loads shared {size}", fmt(mine), f"ForkingPickler {s}", fmt(p),
+                          fmt_x(advantage(mine, p, False)), "-", "-"))
+        mine = so.get(f"dumps_loads_copy/{n}")
+        rows2.append((f"dumps+loads copy {size}", fmt(mine), "-", "-", "-", fmt(lim),
+                      fmt_pct(lim / mine) if lim and mine else "n/a"))
+    md += "\n\nshare_memory_ and serialisation (microseconds, one process):\n\n"
+    md += table(["torchpar", "us", "peer", "peer us", "peer / torchpar", "memcpy us (limit)",
+                 "fraction of limit"], rows2)
+    seg = [f"{fmt_bytes(n)}: {fmt(so[f'segment_create_touch/{n}'])} us" for n in SHM_SIZES
+           if f"segment_create_touch/{n}" in so]
+    if seg:
+        md += "\n\nFresh segment create+map+touch: " + ", ".join(seg) + "."
+    md += ("\n\nNote: torch_share_memory.py times `src.clone()` together with `share_memory_()`, "
+           "shm_bench pauses its timer around the clone, so the share_memory_ peer column includes "
+           "one extra copy of the tensor.")
+    return md, summary
+
+
+def plot_handoff(runs, out):
+    ours, peer = runs["ipc_bench"]["median"], runs["torch_ipc.py"]["median"]
+    panels = []
+    for label, _, measure, unit, target, higher in IPC_ROWS:
+        bars = [("torchpar", ours.get(measure))] + [(f"torch.mp\n{s}", peer.get(f"{measure}/{s}"))
+                                                     for s in STRATEGIES]
+        panels.append((f"{label} ({unit})", bars, target, higher))
+    bar_grid(out / "handoff.png", "Tensor hand-off between two processes", panels, cols=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# pools: pool_bench vs python_pool.py
+
+POOL_ROWS = [  # label, measure, unit, higher is better
+    ("map(inc), chunksize 1", "map_chunksize_1", "tasks/s", True),
+    ("map(inc), chunksize 1000", "map_chunksize_1000", "tasks/s", True),
+    ("apply_async round trip", "apply_async_rtt", "us", False),
+    ("map over 2000 x 1 KiB tensors", "map_tensors_1k", "ms", False),
+]
+POOL_PEERS = ("multiprocessing.Pool", "torch.multiprocessing.Pool")
+
+
+def parse_pool_bench(out):
+    g = gbench(out)
+    return {"map_chunksize_1": pick_bench(g, "BM_PoolMapTrivial/chunksize:1/real_time")["tasks_per_s"],
+            "map_chunksize_1000": pick_bench(g, "BM_PoolMapTrivial/chunksize:1000/real_time")["tasks_per_s"],
+            "apply_async_rtt": pick_bench(g, "BM_PoolApplyAsyncRoundTrip/real_time")["us"],
+            "map_tensors_1k": pick_bench(g, "BM_PoolMapTensors1K/real_time")["us"] / 1e3}
+
+
+def parse_python_pool(out):
+    return {f"{r['system']}/{r['name']}": r["value"] for r in json_lines(out)}
+
+
+def runners_pools(cfg):
+    tasks = cfg.pick(20000, 200000)
+    ours = [cfg.bin / "pool_bench", "--benchmark_format=json", "--tasks", tasks]
+    if cfg.quick:
+        ours.append("--benchmark_min_time=0.1")
+    timeout = cfg.pick(240, 900)
+    peer = [PY, PEERS / "python_pool.py", "--tasks", tasks, "--timeout", timeout - 30]
+    if cfg.quick:
+        peer.append("--quick")
+    return [Runner("pool_bench", True, ours, parse_pool_bench, timeout),
+            Runner("python_pool.py", False, peer, parse_python_pool, timeout)]
+
+
+def report_pools(runs, limits, cfg):
+    ours, peer = runs["pool_bench"]["median"], runs["python_pool.py"]["median"]
+    rows, summary = [], {}
+    for label, measure, unit, higher in POOL_ROWS:
+        mine = ours.get(measure)
+        peers = [peer.get(f"{p}/{measure}") for p in POOL_PEERS]
+        rows.append((label, unit, fmt(mine), *map(fmt, peers),
+                     *(fmt_x(advantage(mine, p, higher)) for p in peers)))
+        summary[measure] = {"torchpar": mine, **dict(zip(POOL_PEERS, peers)), "unit": unit}
+    md = table(["measure", "unit", "torchpar", *POOL_PEERS, *(f"torchpar vs {p}" for p in POOL_PEERS)],
+               rows, left=2)
+    md += (f"\n\nPools of 2 worker processes (fork), {cfg.pick(20000, 200000):,} tasks per map. "
+           "Ratios: how many times better torchpar is (> 1: torchpar better). pool_bench reports "
+           "Google Benchmark's mean per iteration, python_pool.py medians (apply_async, tensors) "
+           "or total rates (maps). No issue target and no meaningful physical limit here.")
+    return md, summary
+
+
+def plot_pools(runs, out):
+    ours, peer = runs["pool_bench"]["median"], runs["python_pool.py"]["median"]
+    panels = [(f"{label} ({unit})", [("torchpar", ours.get(m))] +
+               [(p.replace(".Pool", "\n.Pool"), peer.get(f"{p}/{m}")) for p in POOL_PEERS], None, higher)
+              for label, m, unit, higher in POOL_ROWS]
+    bar_grid(out / "pools.png", "Process pools, 2 workers", panels, cols=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# collectives: coll_bench vs torch_dist_collectives.py vs Open MPI
+
+COLL_OURS = ("torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp")
+COLL_SYSTEMS = COLL_OURS + ("torch.distributed-gloo", "openmpi")
+COLL_OPS = ("all_reduce", "broadcast", "all_gather")
+
+
+def parse_coll(out):
+    res = {}
+    for r in json_lines(out):
+        key = f"{r['system']}/{r['op']}/{r['bytes']}"
+        res[key + "/us"], res[key + "/busbw"] = r["median_us"], r["busbw_GBps"]
+    return res
+
+
+def coll_params(cfg):
+    sizes = [4, 4 * KiB, MiB, 16 * MiB] + ([] if cfg.quick else [64 * MiB])
+    return sizes, cfg.pick(50, 200), cfg.pick(5, 10)
+
+
+def build_mpi(cfg):
+    """Compiles peers/mpi_collectives.c into raw/; returns (binary, None) or (None, reason)."""
+    for tool in ("mpicc", "mpirun"):
+        if not shutil.which(tool):
+            return None, f"{tool} not found (Open MPI; `make deps-bench` installs it)"
+    exe = cfg.raw / "mpi_collectives"
+    progress("[collectives] compiling peers/mpi_collectives.c with mpicc ...", end="")
+    try:
+        run_cmd(["mpicc", "-O2", "-o", exe, PEERS / "mpi_collectives.c"], 120, cfg.raw / "collectives" / "mpicc")
+    except RunError as e:
+        progress(f" FAILED: {e}")
+        return None, f"mpicc failed: {e}"
+    progress(" done")
+    return exe, None
+
+
+def runners_collectives(cfg):
+    sizes, iters, warmup = coll_params(cfg)
+    flags = ["--ops", ",".join(COLL_OPS), "--sizes", ",".join(map(str, sizes)),
+             "--iters", iters, "--warmup", warmup]
+    exe, why = build_mpi(cfg)
+    # --oversubscribe: Open MPI counts cores and may refuse -np 2 where it sees fewer slots.
+    mpi = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", exe or "mpi_collectives"] + flags
+    timeout = cfg.pick(180, 900)
+    return [Runner("coll_bench", True, [cfg.bin / "coll_bench", "--systems", ",".join(COLL_OURS)] + flags,
+                   parse_coll, timeout),
+            Runner("torch_dist_collectives.py", False, [PY, PEERS / "torch_dist_collectives.py"] + flags,
+                   parse_coll, timeout),
+            Runner("mpi", False, mpi, parse_coll, timeout, skip=why)]
+
+
+def coll_medians(runs):
+    merged = {}
+    for rec in runs.values():
+        merged.update(rec["median"])
+    return merged
+
+
+def report_collectives(runs, limits, cfg):
+    med = coll_medians(runs)
+    sizes, iters, warmup = coll_params(cfg)
+    bw_limit = memcpy_GBps(limits)
+    others = COLL_SYSTEMS[1:]
+    md, summary = [], {}
+    md.append(f"2 ranks, float32, --iters {iters} --warmup {warmup} (fewer timed calls above 1 MiB: "
+              "max(3, iters x 1 MiB / bytes)). Latency: median of rank 0's timed calls. busbw as "
+              "nccl-tests. \"shm vs X\": X's latency / torchpar-shm's (> 1: torchpar-shm faster). "
+              "Fraction of limit: torchpar-shm busbw / one thread's 64 MiB memcpy GB/s "
+              "(sizes ≥ 16 MiB only; smaller ones are latency-bound or cache-resident).")
+    for op in COLL_OPS:
+        rows = []
+        for n in sizes:
+            us = [med.get(f"{s}/{op}/{n}/us") for s in COLL_SYSTEMS]
+            bw = [med.get(f"{s}/{op}/{n}/busbw") for s in COLL_SYSTEMS]
+            ratios = [fmt_x(advantage(us[0], u, False)) for u in us[1:]]
+            frac = bw[0] / bw_limit if bw[0] is not None and bw_limit and n >= 16 * MiB else None
+            rows.append((fmt_bytes(n), *map(fmt, us), *(f"{b:.3g}" if b is not None else "n/a" for b in bw),
+                         *ratios, fmt_pct(frac) if frac else "-"))
+        header = (["size"] + [f"{s} us" for s in COLL_SYSTEMS] + [f"{s} GB/s" for s in COLL_SYSTEMS]
+                  + [f"shm vs {s}" for s in others] + ["fraction of limit"])
+        md.append(f"### {op}\n\n" + table(header, rows) + f"\n\n![{op}](collectives_{op}.png)")
+
+    # issue 5's targets
+    lat = med.get("torchpar-shm/all_reduce/4/us")
+    key16 = f"all_reduce/{16 * MiB}/busbw"
+    shm16 = med.get(f"torchpar-shm/{key16}")
+    trows = [("torchpar-shm all_reduce 4 B latency", f"{fmt(lat)} us", "≤ 5 us", verdict(lat, 5, False))]
+    summary["all_reduce_4B_us"] = {"value": lat, "target": 5, "met": lat is not None and lat <= 5}
+    for other, factor in (("c10d-gloo-cpp", 5), ("torch.distributed-gloo", 5), ("openmpi", 1)):
+        o = med.get(f"{other}/{key16}")
+        r = shm16 / o if shm16 and o else None
+        trows.append((f"torchpar-shm all_reduce busbw at 16 MiB vs {other}",
+                      f"{fmt(shm16)} vs {fmt(o)} GB/s = {fmt_x(r)}", f"≥ {factor}x", verdict(r, factor, True)))
+        summary[f"busbw_16MiB_vs_{other}"] = {"ratio": r, "target": factor,
+                                              "met": None if r is None else r >= factor}
+    md.append("### Targets (issue 5)\n\n" + table(["target", "measured", "goal", "met"], trows))
+    md.append("Bandwidth targets use all_reduce; other ops at 16 MiB are in the tables above.")
+    return "\n\n".join(md), summary
+
+
+def plot_collectives(runs, out, cfg):
+    import matplotlib.pyplot as plt
+    med = coll_medians(runs)
+    sizes = coll_params(cfg)[0]
+    for op in COLL_OPS:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for s in COLL_SYSTEMS:
+            pts = [(n, med[f"{s}/{op}/{n}/busbw"]) for n in sizes if f"{s}/{op}/{n}/busbw" in med]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=s, linewidth=2.5 if s == "torchpar-shm" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([fmt_bytes(n) for n in sizes])
+        ax.set_xlabel("message size per rank")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(f"{op}, 2 ranks (median over rounds)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"collectives_{op}.png", dpi=110)
+        plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# train: torchpar train vs the PyTorch recipes
+
+TRAIN_STRATEGIES = ("single", "hogwild", "ddp")
+TRAIN_PEERS = {"single": ["mnist_hogwild.py", "--workers", "1", "--single"],
+               "hogwild": ["mnist_hogwild.py", "--workers", "2"],
+               "ddp": ["mnist_ddp.py", "--workers", "2"]}
+
+
+def parse_peer_train(out):
+    r = json_lines(out)[-1]
+    return {"samples_per_s": r["samples_per_s"], "test_accuracy": r["test_accuracy"]}
+
+
+def torchpar_train_runner(cfg, strategy, limit):
+    out_dir = cfg.raw / "train" / f"torchpar_{strategy}"
+
+    def clear():
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+    def parse(_stdout):
+        try:
+            m = json.loads((out_dir / "metrics.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise RunError(f"no metrics.json: {e}") from None
+        if m.get("status") != "completed" or not m.get("epochs"):
+            raise RunError(f"training status {m.get('status')}: {m.get('error', '')}")
+        return {"samples_per_s": m["samples_per_s"], "test_accuracy": m["epochs"][-1]["test_accuracy"]}
+
+    cmd = [cfg.bin / "torchpar", "train", "--strategy", strategy, "--workers", "2", "--epochs", "1",
+           "--out", out_dir] + limit
+    return Runner(f"torchpar {strategy}", True, cmd, parse, cfg.pick(300, 900), before=clear)
+
+
+def runners_train(cfg):
+    limit = ["--limit", "12000"] if cfg.quick else []
+    runners = []
+    for s in TRAIN_STRATEGIES:
+        runners.append(torchpar_train_runner(cfg, s, limit))
+        runners.append(Runner(f"pytorch {s}", False, [PY, PEERS / TRAIN_PEERS[s][0]] + TRAIN_PEERS[s][1:] + limit,
+                              parse_peer_train, cfg.pick(300, 900)))
+    return runners
+
+
+def report_train(runs, limits, cfg):
+    get = lambda who, s, k: runs[f"{who} {s}"]["median"].get(k)
+    ours_single, peer_single = get("torchpar", "single", "samples_per_s"), get("pytorch", "single", "samples_per_s")
+    acc_single = get("torchpar", "single", "test_accuracy")
+    rows, trows, summary = [], [], {}
+    for s in TRAIN_STRATEGIES:
+        o, p = get("torchpar", s, "samples_per_s"), get("pytorch", s, "samples_per_s")
+        oa, pa = get("torchpar", s, "test_accuracy"), get("pytorch", s, "test_accuracy")
+        rows.append((s, fmt(o), fmt(p), fmt_x(advantage(o, p, True)), fmt_x(advantage(o, ours_single, True)),
+                     fmt_x(advantage(p, peer_single, True)), fmt(oa), fmt(pa)))
+        summary[s] = {"torchpar_samples_per_s": o, "pytorch_samples_per_s": p,
+                      "torchpar_accuracy": oa, "pytorch_accuracy": pa}
+        if s == "single":
+            continue
+        speedup = advantage(o, ours_single, True)
+        trows.append((f"{s} samples/s ≥ 1.6x torchpar single", fmt_x(speedup), verdict(speedup, 1.6, True)))
+        vs_peer = advantage(o, p, True)
+        trows.append((f"{s} samples/s ≥ PyTorch {s}", fmt_x(vs_peer), verdict(vs_peer, 1.0, True)))
+        if oa is not None and acc_single is not None:
+            gap = acc_single - oa
+            trows.append((f"{s} accuracy within 2 points of single", f"{oa:.2f}% vs {acc_single:.2f}% "
+                          f"({-gap:+.2f} points)", "yes" if gap <= 2 else f"no ({gap - 2:.2f} points over)"))
+        else:
+            trows.append((f"{s} accuracy within 2 points of single", "n/a", "n/a"))
+    data = "the first 12,000 training samples (--limit 12000)" if cfg.quick else "all 60,000 training samples"
+    md = table(["strategy", "torchpar samples/s", "PyTorch samples/s", "torchpar vs PyTorch",
+                "torchpar vs its single", "PyTorch vs its single", "torchpar test acc %", "PyTorch test acc %"], rows)
+    md += (f"\n\n1 epoch on {data}, 2 workers, 1 thread each; {cfg.rounds('train')} round(s) without "
+           "warm-up (each run is 5-15 s and starts fresh processes; data loading is outside the "
+           "timed phase). samples/s: training phase only. Accuracy: test set after the epoch. "
+           "`torchpar train --strategy ddp` scales the lr by the number of workers by default "
+           "(--lr-scaling linear); mnist_ddp.py keeps the recipe's lr.\n\n### Targets (issue 6)\n\n")
+    md += table(["target", "measured", "met"], trows) + "\n\n![train](train.png)"
+    return md, summary
+
+
+def plot_train(runs, out):
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    width = 0.38
+    for j, who in enumerate(("torchpar", "pytorch")):
+        vals = [runs[f"{who} {s}"]["median"].get("samples_per_s") or 0 for s in TRAIN_STRATEGIES]
+        xs = [i + (j - 0.5) * width for i in range(len(TRAIN_STRATEGIES))]
+        bars = ax.bar(xs, vals, width, label="torchpar" if who == "torchpar" else "PyTorch recipe")
+        ax.bar_label(bars, labels=[fmt(v) if v else "n/a" for v in vals], fontsize=8)
+    ax.set_xticks(range(len(TRAIN_STRATEGIES)))
+    ax.set_xticklabels(TRAIN_STRATEGIES)
+    ax.set_ylabel("training samples/s")
+    ax.set_title("Fashion-MNIST, 1 epoch, 2 workers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "train.png", dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots, machine facts, report
+
+
+def bar_grid(path, title, panels, cols):
+    """One small bar chart per panel: (title, [(system, value)], target or None, higher)."""
+    import matplotlib.pyplot as plt
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.3 * rows), squeeze=False)
+    for ax, (ptitle, bars, target, higher) in zip(axes.flat, panels):
+        names = [b[0] for b in bars]
+        vals = [b[1] or 0 for b in bars]
+        drawn = ax.bar(range(len(vals)), vals, color=["C0"] + ["C1"] * (len(vals) - 1))
+        ax.bar_label(drawn, labels=[fmt(b[1]) for b in bars], fontsize=7)
+        ax.set_xticks(range(len(vals)))
+        ax.set_xticklabels(names, fontsize=7)
+        if target is not None:
+            ax.axhline(target, color="C3", linestyle="--", linewidth=1, label="target")
+            ax.legend(fontsize=7)
+        ax.set_title(f"{ptitle}\n{'higher' if higher else 'lower'} is better", fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_plots(cfg, results):
+    """Draws the PNGs of the benchmarks that ran; returns notes on plots that failed."""
+    notes = []
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+    except ImportError:
+        return ["plots not drawn: matplotlib is missing (Debian: python3-matplotlib)"]
+    plotters = {"handoff": lambda r: plot_handoff(r, cfg.out), "pools": lambda r: plot_pools(r, cfg.out),
+                "collectives": lambda r: plot_collectives(r, cfg.out, cfg), "train": lambda r: plot_train(r, cfg.out)}
+    for bench, runs in results.items():
+        if bench in plotters:
+            try:
+                plotters[bench](runs)
+            except Exception as e:  # a plot must not lose the report
+                notes.append(f"{bench} plot not drawn: {type(e).__name__}: {e}")
+    return notes
+
+
+def quiet(cmd, timeout=60):
+    """stdout of a small command, or '' if it fails."""
+    try:
+        return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_facts(cfg):
+    facts = {"nproc": len(os.sched_getaffinity(0))}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        facts["cpu"] = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M).group(1).strip()
+    except (OSError, AttributeError):
+        facts["cpu"] = "unknown"
+    facts["kernel"] = platform.release()
+    try:
+        kb = int(re.search(r"^MemTotal:\s*(\d+)", Path("/proc/meminfo").read_text(), re.M).group(1))
+        facts["memory"] = f"{kb / 2 ** 20:.1f} GiB"
+    except (OSError, AttributeError):
+        pass
+    info = quiet([cfg.bin / "torchpar", "info"])
+    for key, name in (("torchpar", "torchpar"), ("libtorch", "LibTorch")):
+        m = re.search(rf"^{name}\s+(\S+)", info, re.M)
+        if m:
+            facts[key] = m.group(1)
+    torch_version = quiet([PY, "-c", "import torch; print(torch.__version__)"]).strip()
+    if torch_version:
+        facts["pytorch (peers)"] = torch_version
+    mpi = quiet(["mpirun", "--version"]).splitlines()
+    if mpi:
+        facts["openmpi"] = mpi[0].strip()
+    facts["python"] = platform.python_version()
+    facts["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return facts
+
+
+TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "Process pools",
+          "collectives": "Collectives", "train": "Training"}
+
+
+def write_report(cfg, path, meta, sections, notes):
+    m = meta["machine"]
+    lines = ["# torchpar benchmarks", "",
+             f"{meta['started']} · {'quick run (--quick: smaller sizes, fewer rounds, no warm-up)' if cfg.quick else 'full run'} "
+             f"· wall time {meta['wall_seconds'] / 60:.1f} min", "",
+             "Command:", "", "```", meta["command"], "```", "",
+             "## Machine", "", table(["fact", "value"], [(k, v) for k, v in m.items()], left=2), "",
+             "## Method", "",
+             "Each benchmark runs torchpar and its peers interleaved: round r runs ours, then each "
+             "peer. Reported values are medians over rounds of each run's own value (itself a "
+             "median or mean over many iterations, see each program's header). Rounds: "
+             + ", ".join(f"{b} {cfg.rounds(b)}" + (f" (+{cfg.warmup(b)} warm-up)" if cfg.warmup(b) else "")
+                         for b, _, _ in sections) + ". "
+             "\"vs\" ratios are how many times better torchpar is (> 1: torchpar better). The "
+             "machine is shared: other load (see the load averages) shows up as noise.", ""]
+    for bench, md, runs in sections:
+        lines += [f"## {TITLES[bench]} ({bench})", "", md, ""]
+        failed = failure_notes(runs)
+        if failed:
+            lines += ["Failures:", ""] + failed + [""]
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    path.write_text("\n".join(lines))
+
+
+def update_latest(out):
+    """Points bench/results/latest at out (relative) if out is inside bench/results/."""
+    try:
+        rel = out.resolve().relative_to(RESULTS.resolve())
+    except ValueError:
+        return False
+    tmp = RESULTS / ".latest.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(rel)
+    os.replace(tmp, RESULTS / "latest")
+    return True
+
+
+RUNNERS = {"limits": runners_limits, "handoff": runners_handoff, "pools": runners_pools,
+           "collectives": runners_collectives, "train": runners_train}
+REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_pools,
+           "collectives": report_collectives, "train": report_train}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bin", required=True, help="the build's bin directory (ipc_bench, coll_bench, torchpar, ...)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, 2 rounds (train 1), no warm-up")
+    ap.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    ap.add_argument("--out", help="output directory (default bench/results/<YYYY-MM-DD_HHMMSS>)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds of every benchmark (default 5, quick 2; train 3, quick 1)")
+    args = ap.parse_args()
+    only = [b for b in args.only.split(",") if b]
+    unknown = [b for b in only if b not in BENCHMARKS]
+    if unknown or not only:
+        ap.error(f"--only: unknown benchmark {','.join(unknown)} (choose from {','.join(BENCHMARKS)})")
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    started = datetime.datetime.now()
+    out = Path(args.out) if args.out else RESULTS / started.strftime("%Y-%m-%d_%H%M%S")
+    cfg = Config(bin=Path(args.bin).resolve(), quick=args.quick, out=out.resolve(), rounds_override=args.rounds)
+    cfg.raw.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    command = shlex.join([sys.executable] + sys.argv)
+    progress(f"torchpar bench: {'quick' if cfg.quick else 'full'} run of {', '.join(only)} -> {cfg.out}")
+    meta = {"command": command, "started": started.isoformat(timespec="seconds"), "quick": cfg.quick,
+            "machine": machine_facts(cfg)}
+
+    results = {}
+    for bench in (b for b in BENCHMARKS if b in only):
+        results[bench] = interleave(cfg, bench, RUNNERS[bench](cfg))
+
+    limits = physical_limits(results)
+    sections, summaries, notes = [], {}, []
+    for bench, runs in results.items():
+        try:
+            md, summaries[bench] = REPORTS[bench](runs, limits, cfg)
+        except Exception as e:  # a broken section must not lose the others
+            md, summaries[bench] = f"Report section failed: {type(e).__name__}: {e}", {}
+            notes.append(f"{bench}: report section failed ({type(e).__name__}: {e})")
+        sections.append((bench, md, runs))
+    if limits is None and {"handoff", "collectives"} & set(results):
+        notes.append("no memcpy limit measured (run with limits or handoff): fraction columns are n/a")
+    notes += draw_plots(cfg, results)
+
+    meta["machine"]["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    meta["wall_seconds"] = round(time.monotonic() - t0, 1)
+    report = cfg.out / "report.md"
+    write_report(cfg, report, meta, sections, notes)
+    doc = dict(meta, rounds={b: cfg.rounds(b) for b in results}, warmup_rounds={b: cfg.warmup(b) for b in results},
+               limits=limits, benchmarks={b: {"runs": results[b], "summary": summaries.get(b)} for b in results})
+    (cfg.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+    if update_latest(cfg.out):
+        progress(f"bench/results/latest -> {cfg.out.name}")
+    ours_failed = [f"{b}/{n}" for b, runs in results.items() for n, r in runs.items() if r["ours"] and r["error"]]
+    progress(f"done in {meta['wall_seconds'] / 60:.1f} min; report: {report}")
+    if ours_failed:
+        progress(f"error: torchpar benchmark(s) failed: {', '.join(ours_failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
