@@ -250,6 +250,8 @@ def fmt(v):
     """A number with a sensible precision; None -> n/a."""
     if v is None:
         return "n/a"
+    if isinstance(v, int):
+        return f"{v:,}"
     a = abs(v)
     if a >= 1000:
         return f"{v:,.0f}"
@@ -427,6 +429,13 @@ def runners_handoff(cfg):
     ]
 
 
+def copy_fraction(limit_us, ours_us, nbytes):
+    """memcpy time / our time for operations that copy nbytes; '-' below 1 MiB (fixed costs)."""
+    if nbytes < MiB:
+        return "-"
+    return fmt_pct(limit_us / ours_us) if limit_us and ours_us else "n/a"
+
+
 def report_handoff(runs, limits, cfg):
     ours, peer = runs["ipc_bench"]["median"], runs["torch_ipc.py"]["median"]
     memcpy_us = limits[f"memcpy/{64 * MiB}"] if limits else None
@@ -459,19 +468,19 @@ def report_handoff(runs, limits, cfg):
         for kind, label in (("share_memory_steady", "share_memory_ (steady)"),
                             ("share_memory_cold", "share_memory_ (cold)")):
             mine = so.get(f"{kind}/{n}")
-            rows2.append((f"{label} {size}", fmt(mine), "torch share_memory_", fmt(peer_share),
-                          fmt_x(advantage(mine, peer_share, False)), fmt(lim),
-                          fmt_pct(lim / mine) if lim and mine else "n/a"))
+            rows2.append((f"{label} {size}", "torch share_memory_", fmt(mine), fmt(peer_share),
+                          fmt_x(advantage(mine, peer_share, False)), fmt(lim), copy_fraction(lim, mine, n)))
         for s in STRATEGIES:
             mine, p = so.get(f"dumps_loads_shared/{n}"), sp.get(f"torch_pickle_shared_{s}/{n}")
-            rows2.append((f"dumps+loads shared {size}", fmt(mine), f"ForkingPickler {s}", fmt(p),
+            rows2.append((f"dumps+loads shared {size}", f"ForkingPickler {s}", fmt(mine), fmt(p),
                           fmt_x(advantage(mine, p, False)), "-", "-"))
         mine = so.get(f"dumps_loads_copy/{n}")
-        rows2.append((f"dumps+loads copy {size}", fmt(mine), "-", "-", "-", fmt(lim),
-                      fmt_pct(lim / mine) if lim and mine else "n/a"))
-    md += "\n\nshare_memory_ and serialisation (microseconds, one process):\n\n"
-    md += table(["torchpar", "us", "peer", "peer us", "peer / torchpar", "memcpy us (limit)",
-                 "fraction of limit"], rows2)
+        rows2.append((f"dumps+loads copy {size}", "-", fmt(mine), "-", "-", fmt(lim),
+                      copy_fraction(lim, mine, n)))
+    md += ("\n\nshare_memory_ and serialisation (microseconds, one process; fraction of limit: "
+           "memcpy of the same size / ours, from 1 MiB up):\n\n")
+    md += table(["torchpar", "peer", "torchpar us", "peer us", "peer / torchpar", "memcpy us (limit)",
+                 "fraction of limit"], rows2, left=2)
     seg = [f"{fmt_bytes(n)}: {fmt(so[f'segment_create_touch/{n}'])} us" for n in SHM_SIZES
            if f"segment_create_touch/{n}" in so]
     if seg:

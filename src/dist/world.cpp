@@ -431,7 +431,16 @@ World::World(WorldOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->opts = std::move(options);
   impl_->resolve();
   impl_->connect();
-  impl_->join_world();
+  try {
+    impl_->join_world();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(fmt::format(
+        "World: rank {} lost the connection to the store at {}:{} while joining (did rank 0 "
+        "fail or refuse the world?): {}",
+        impl_->rank, impl_->master_addr, impl_->master_port, detail::message_of(e)));
+  }
 }
 
 World::~World() {
