@@ -272,6 +272,11 @@ def fmt_pct(f):
     return "n/a" if f is None else (f"{100 * f:.0f}%" if f >= 0.1 else f"{100 * f:.1f}%")
 
 
+def fmt_GBps(v):
+    """busbw: coll_bench prints 4 decimals, so 0 means below 0.0001 GB/s."""
+    return "n/a" if v is None else ("<1e-4" if v < 1e-4 else f"{v:.3g}")
+
+
 def fmt_bytes(n):
     for unit, size in (("MiB", MiB), ("KiB", KiB)):
         if n >= size and n % size == 0:
@@ -306,7 +311,7 @@ def verdict(value, target, higher):
     if value is None:
         return "n/a"
     f = value / target if higher else target / value
-    return f"yes ({f:.2g}x margin)" if f >= 1 else f"no (needs {1 / f:.2g}x)"
+    return f"yes ({fmt_x(f)} margin)" if f >= 1 else f"no (needs {fmt_x(1 / f)})"
 
 
 def target_text(target, higher, unit=""):
@@ -390,8 +395,10 @@ IPC_ROWS = [
     ("Queue 4 KiB one way", "BM_QueueOneWay4K/20000/real_time", "queue_oneway_4k", "items/s", 400_000, True),
     ("Pipe 4 KiB round trip", "BM_PipePingPong4K/real_time", "pipe_pingpong_4k", "us", 25, False),
     ("Pipe 4 KiB one way", "BM_PipeOneWay4K/20000/real_time", "pipe_oneway_4k", "items/s", None, True),
-    ("64 MiB fresh hand-off", "BM_QueueHandoff64M/resend:0/real_time", "queue_handoff_64m_fresh", "ms", 20, False),
-    ("64 MiB re-send (already shared)", "BM_QueueHandoff64M/resend:1/real_time", "queue_handoff_64m_resend", "us", 50, False),
+    ("64 MiB fresh hand-off", "BM_QueueHandoff64M/resend:0/real_time", "queue_handoff_64m_fresh",
+     "ms", 20, False),
+    ("64 MiB re-send (already shared)", "BM_QueueHandoff64M/resend:1/real_time",
+     "queue_handoff_64m_resend", "us", 50, False),
 ]
 STRATEGIES = ("file_descriptor", "file_system")
 SHM_SIZES = (4 * KiB, MiB, 64 * MiB)
@@ -419,10 +426,13 @@ def runners_handoff(cfg):
     quick = ["--quick"] if cfg.quick else []
     ipc = [cfg.bin / "ipc_bench", "--benchmark_format=json",
            f"--benchmark_min_time={cfg.pick(0.1, 0.5)}"]
-    shm = shm_bench_cmd(cfg, "BM_(ShareMemory|DumpsLoads|Memcpy|SegmentCreateTouch)", cfg.pick(0.05, 0.3))
+    # 0.1 s in full runs too: the share_memory_ benchmarks pause the timer around a clone per
+    # iteration, so 0.3 s of timed work (the former compare_shm.py's setting) took ~20 s per run.
+    shm = shm_bench_cmd(cfg, "BM_(ShareMemory|DumpsLoads|Memcpy|SegmentCreateTouch)", cfg.pick(0.05, 0.1))
     return [
         Runner("ipc_bench", True, ipc, parse_ipc, cfg.pick(180, 600)),
-        Runner("torch_ipc.py", False, [PY, PEERS / "torch_ipc.py"] + quick, parse_torch_ipc, cfg.pick(180, 900)),
+        Runner("torch_ipc.py", False, [PY, PEERS / "torch_ipc.py"] + quick, parse_torch_ipc,
+               cfg.pick(180, 900)),
         Runner("shm_bench", True, shm, parse_shm, cfg.pick(120, 600)),
         Runner("torch_share_memory.py", False, [PY, PEERS / "torch_share_memory.py"] + quick,
                parse_torch_share_memory, cfg.pick(120, 600)),
@@ -446,8 +456,9 @@ def report_handoff(runs, limits, cfg):
         frac = None
         if measure == "queue_handoff_64m_fresh" and mine and memcpy_us:
             frac = memcpy_us / (mine * 1e3)
-        rows.append((label, unit, fmt(mine), *map(fmt, peers), fmt_x(advantage(mine, best(peers, higher), higher)),
-                     fmt_pct(frac) if frac else "-", target_text(target, higher), verdict(mine, target, higher)))
+        rows.append((label, unit, fmt(mine), *map(fmt, peers),
+                     fmt_x(advantage(mine, best(peers, higher), higher)), fmt_pct(frac) if frac else "-",
+                     target_text(target, higher), verdict(mine, target, higher)))
         summary[measure] = {"torchpar": mine, **dict(zip(STRATEGIES, peers)), "unit": unit,
                             "target": target, "met": None if target is None or mine is None else
                             (mine >= target if higher else mine <= target)}
@@ -458,7 +469,7 @@ def report_handoff(runs, limits, cfg):
            "one thread's memcpy of 64 MiB / our hand-off time; a fresh tensor has to be copied "
            "into shared memory once.")
 
-    # share_memory_ and dumps+loads, as bench/compare_shm.py printed them
+    # share_memory_ and dumps+loads, as the former bench/compare_shm.py printed them
     so, sp = runs["shm_bench"]["median"], runs["torch_share_memory.py"]["median"]
     rows2 = []
     for n in SHM_SIZES:
@@ -559,9 +570,9 @@ def report_pools(runs, limits, cfg):
 def plot_pools(runs, out):
     ours, peer = runs["pool_bench"]["median"], runs["python_pool.py"]["median"]
     panels = [(f"{label} ({unit})", [("torchpar", ours.get(m))] +
-               [(p.replace(".Pool", "\n.Pool"), peer.get(f"{p}/{m}")) for p in POOL_PEERS], None, higher)
+               [(p.replace("multiprocessing", "mp"), peer.get(f"{p}/{m}")) for p in POOL_PEERS], None, higher)
               for label, m, unit, higher in POOL_ROWS]
-    bar_grid(out / "pools.png", "Process pools, 2 workers", panels, cols=4)
+    bar_grid(out / "pools.png", "Process pools, 2 workers (mp = multiprocessing)", panels, cols=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -593,7 +604,8 @@ def build_mpi(cfg):
     exe = cfg.raw / "mpi_collectives"
     progress("[collectives] compiling peers/mpi_collectives.c with mpicc ...", end="")
     try:
-        run_cmd(["mpicc", "-O2", "-o", exe, PEERS / "mpi_collectives.c"], 120, cfg.raw / "collectives" / "mpicc")
+        run_cmd(["mpicc", "-O2", "-o", exe, PEERS / "mpi_collectives.c"], 120,
+                cfg.raw / "collectives" / "mpicc")
     except RunError as e:
         progress(f" FAILED: {e}")
         return None, f"mpicc failed: {e}"
@@ -633,7 +645,8 @@ def report_collectives(runs, limits, cfg):
               "max(3, iters x 1 MiB / bytes)). Latency: median of rank 0's timed calls. busbw as "
               "nccl-tests. \"shm vs X\": X's latency / torchpar-shm's (> 1: torchpar-shm faster). "
               "Fraction of limit: torchpar-shm busbw / one thread's 64 MiB memcpy GB/s "
-              "(sizes ≥ 16 MiB only; smaller ones are latency-bound or cache-resident).")
+              "(sizes ≥ 16 MiB only; smaller ones are latency-bound or cache-resident; above 100% the "
+              "data stayed in cache).")
     for op in COLL_OPS:
         rows = []
         for n in sizes:
@@ -641,7 +654,7 @@ def report_collectives(runs, limits, cfg):
             bw = [med.get(f"{s}/{op}/{n}/busbw") for s in COLL_SYSTEMS]
             ratios = [fmt_x(advantage(us[0], u, False)) for u in us[1:]]
             frac = bw[0] / bw_limit if bw[0] is not None and bw_limit and n >= 16 * MiB else None
-            rows.append((fmt_bytes(n), *map(fmt, us), *(f"{b:.3g}" if b is not None else "n/a" for b in bw),
+            rows.append((fmt_bytes(n), *map(fmt, us), *map(fmt_GBps, bw),
                          *ratios, fmt_pct(frac) if frac else "-"))
         header = (["size"] + [f"{s} us" for s in COLL_SYSTEMS] + [f"{s} GB/s" for s in COLL_SYSTEMS]
                   + [f"shm vs {s}" for s in others] + ["fraction of limit"])
@@ -657,7 +670,8 @@ def report_collectives(runs, limits, cfg):
         o = med.get(f"{other}/{key16}")
         r = shm16 / o if shm16 and o else None
         trows.append((f"torchpar-shm all_reduce busbw at 16 MiB vs {other}",
-                      f"{fmt(shm16)} vs {fmt(o)} GB/s = {fmt_x(r)}", f"≥ {factor}x", verdict(r, factor, True)))
+                      f"{fmt(shm16)} vs {fmt(o)} GB/s = {fmt_x(r)}", f"≥ {factor}x",
+                      verdict(r, factor, True)))
         summary[f"busbw_16MiB_vs_{other}"] = {"ratio": r, "target": factor,
                                               "met": None if r is None else r >= factor}
     md.append("### Targets (issue 5)\n\n" + table(["target", "measured", "goal", "met"], trows))
@@ -727,14 +741,15 @@ def runners_train(cfg):
     runners = []
     for s in TRAIN_STRATEGIES:
         runners.append(torchpar_train_runner(cfg, s, limit))
-        runners.append(Runner(f"pytorch {s}", False, [PY, PEERS / TRAIN_PEERS[s][0]] + TRAIN_PEERS[s][1:] + limit,
-                              parse_peer_train, cfg.pick(300, 900)))
+        peer = [PY, PEERS / TRAIN_PEERS[s][0]] + TRAIN_PEERS[s][1:] + limit
+        runners.append(Runner(f"pytorch {s}", False, peer, parse_peer_train, cfg.pick(300, 900)))
     return runners
 
 
 def report_train(runs, limits, cfg):
     get = lambda who, s, k: runs[f"{who} {s}"]["median"].get(k)
-    ours_single, peer_single = get("torchpar", "single", "samples_per_s"), get("pytorch", "single", "samples_per_s")
+    ours_single = get("torchpar", "single", "samples_per_s")
+    peer_single = get("pytorch", "single", "samples_per_s")
     acc_single = get("torchpar", "single", "test_accuracy")
     rows, trows, summary = [], [], {}
     for s in TRAIN_STRATEGIES:
@@ -758,7 +773,8 @@ def report_train(runs, limits, cfg):
             trows.append((f"{s} accuracy within 2 points of single", "n/a", "n/a"))
     data = "the first 12,000 training samples (--limit 12000)" if cfg.quick else "all 60,000 training samples"
     md = table(["strategy", "torchpar samples/s", "PyTorch samples/s", "torchpar vs PyTorch",
-                "torchpar vs its single", "PyTorch vs its single", "torchpar test acc %", "PyTorch test acc %"], rows)
+                "torchpar vs its single", "PyTorch vs its single", "torchpar test acc %",
+                "PyTorch test acc %"], rows)
     md += (f"\n\n1 epoch on {data}, 2 workers, 1 thread each; {cfg.rounds('train')} round(s) without "
            "warm-up (each run is 5-15 s and starts fresh processes; data loading is outside the "
            "timed phase). samples/s: training phase only. Accuracy: test set after the epoch. "
@@ -792,8 +808,11 @@ def plot_train(runs, out):
 
 
 def bar_grid(path, title, panels, cols):
-    """One small bar chart per panel: (title, [(system, value)], target or None, higher)."""
+    """One small bar chart per panel: (title, [(system, value)], target or None, higher). A
+    panel whose values span more than 20x gets a log scale starting a decade below its minimum."""
+    import math
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.3 * rows), squeeze=False)
     for ax, (ptitle, bars, target, higher) in zip(axes.flat, panels):
@@ -803,10 +822,19 @@ def bar_grid(path, title, panels, cols):
         ax.bar_label(drawn, labels=[fmt(b[1]) for b in bars], fontsize=7)
         ax.set_xticks(range(len(vals)))
         ax.set_xticklabels(names, fontsize=7)
+        sub = f"{'higher' if higher else 'lower'} is better"
         if target is not None:
-            ax.axhline(target, color="C3", linestyle="--", linewidth=1, label="target")
-            ax.legend(fontsize=7)
-        ax.set_title(f"{ptitle}\n{'higher' if higher else 'lower'} is better", fontsize=8)
+            ax.axhline(target, color="C3", linestyle="--", linewidth=1)
+            sub += f", target (dashed) {target_text(target, higher)}"
+        shown = [v for v in vals + ([target] if target else []) if v > 0]
+        if shown and max(shown) / min(shown) > 20:
+            ax.set_yscale("log")
+            ax.set_ylim(10 ** math.floor(math.log10(min(shown))), max(shown) * 3)
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        else:
+            ax.set_ylim(0, max(shown or [1]) * 1.15)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v == int(v) else fmt(v)))
+        ax.set_title(f"{ptitle}\n{sub}", fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
@@ -824,8 +852,10 @@ def draw_plots(cfg, results):
         matplotlib.use("Agg")
     except ImportError:
         return ["plots not drawn: matplotlib is missing (Debian: python3-matplotlib)"]
-    plotters = {"handoff": lambda r: plot_handoff(r, cfg.out), "pools": lambda r: plot_pools(r, cfg.out),
-                "collectives": lambda r: plot_collectives(r, cfg.out, cfg), "train": lambda r: plot_train(r, cfg.out)}
+    plotters = {"handoff": lambda r: plot_handoff(r, cfg.out),
+                "pools": lambda r: plot_pools(r, cfg.out),
+                "collectives": lambda r: plot_collectives(r, cfg.out, cfg),
+                "train": lambda r: plot_train(r, cfg.out)}
     for bench, runs in results.items():
         if bench in plotters:
             try:
@@ -878,9 +908,9 @@ TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "P
 
 def write_report(cfg, path, meta, sections, notes):
     m = meta["machine"]
+    kind = "quick run (--quick: smaller sizes, fewer rounds, no warm-up)" if cfg.quick else "full run"
     lines = ["# torchpar benchmarks", "",
-             f"{meta['started']} · {'quick run (--quick: smaller sizes, fewer rounds, no warm-up)' if cfg.quick else 'full run'} "
-             f"· wall time {meta['wall_seconds'] / 60:.1f} min", "",
+             f"{meta['started']} · {kind} · wall time {meta['wall_seconds'] / 60:.1f} min", "",
              "Command:", "", "```", meta["command"], "```", "",
              "## Machine", "", table(["fact", "value"], [(k, v) for k, v in m.items()], left=2), "",
              "## Method", "",
@@ -890,7 +920,9 @@ def write_report(cfg, path, meta, sections, notes):
              + ", ".join(f"{b} {cfg.rounds(b)}" + (f" (+{cfg.warmup(b)} warm-up)" if cfg.warmup(b) else "")
                          for b, _, _ in sections) + ". "
              "\"vs\" ratios are how many times better torchpar is (> 1: torchpar better). The "
-             "machine is shared: other load (see the load averages) shows up as noise.", ""]
+             "machine is shared: other load (see the load averages) shows up as noise."
+             + (" With 2 rounds a median is the mean of both, so one disturbed round moves it: "
+                "--quick is a smoke check, not a measurement." if cfg.quick else ""), ""]
     for bench, md, runs in sections:
         lines += [f"## {TITLES[bench]} ({bench})", "", md, ""]
         failed = failure_notes(runs)
@@ -922,12 +954,15 @@ REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_p
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bin", required=True, help="the build's bin directory (ipc_bench, coll_bench, torchpar, ...)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", required=True,
+                    help="the build's bin directory (ipc_bench, coll_bench, torchpar, ...)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes, 2 rounds (train 1), no warm-up")
-    ap.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    ap.add_argument("--only", default=",".join(BENCHMARKS),
+                    help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     ap.add_argument("--out", help="output directory (default bench/results/<YYYY-MM-DD_HHMMSS>)")
-    ap.add_argument("--rounds", type=int, help="interleaved rounds of every benchmark (default 5, quick 2; train 3, quick 1)")
+    ap.add_argument("--rounds", type=int,
+                    help="interleaved rounds of every benchmark (default 5, quick 2; train 3, quick 1)")
     args = ap.parse_args()
     only = [b for b in args.only.split(",") if b]
     unknown = [b for b in only if b not in BENCHMARKS]
@@ -937,13 +972,16 @@ def main():
         ap.error("--rounds must be >= 1")
     started = datetime.datetime.now()
     out = Path(args.out) if args.out else RESULTS / started.strftime("%Y-%m-%d_%H%M%S")
-    cfg = Config(bin=Path(args.bin).resolve(), quick=args.quick, out=out.resolve(), rounds_override=args.rounds)
+    cfg = Config(bin=Path(args.bin).resolve(), quick=args.quick, out=out.resolve(),
+                 rounds_override=args.rounds)
     cfg.raw.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     command = shlex.join([sys.executable] + sys.argv)
     progress(f"torchpar bench: {'quick' if cfg.quick else 'full'} run of {', '.join(only)} -> {cfg.out}")
+    progress("[setup] machine facts (torchpar info, torch and mpirun versions) ...", end="")
     meta = {"command": command, "started": started.isoformat(timespec="seconds"), "quick": cfg.quick,
             "machine": machine_facts(cfg)}
+    progress(f" {time.monotonic() - t0:.1f} s")
 
     results = {}
     for bench in (b for b in BENCHMARKS if b in only):
@@ -960,18 +998,23 @@ def main():
         sections.append((bench, md, runs))
     if limits is None and {"handoff", "collectives"} & set(results):
         notes.append("no memcpy limit measured (run with limits or handoff): fraction columns are n/a")
+    progress("[report] plots ...", end="")
+    t_plots = time.monotonic()
     notes += draw_plots(cfg, results)
+    progress(f" {time.monotonic() - t_plots:.1f} s")
 
     meta["machine"]["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     meta["wall_seconds"] = round(time.monotonic() - t0, 1)
     report = cfg.out / "report.md"
     write_report(cfg, report, meta, sections, notes)
-    doc = dict(meta, rounds={b: cfg.rounds(b) for b in results}, warmup_rounds={b: cfg.warmup(b) for b in results},
-               limits=limits, benchmarks={b: {"runs": results[b], "summary": summaries.get(b)} for b in results})
+    doc = dict(meta, rounds={b: cfg.rounds(b) for b in results},
+               warmup_rounds={b: cfg.warmup(b) for b in results}, limits=limits,
+               benchmarks={b: {"runs": results[b], "summary": summaries.get(b)} for b in results})
     (cfg.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
     if update_latest(cfg.out):
         progress(f"bench/results/latest -> {cfg.out.name}")
-    ours_failed = [f"{b}/{n}" for b, runs in results.items() for n, r in runs.items() if r["ours"] and r["error"]]
+    ours_failed = [f"{b}/{n}" for b, runs in results.items() for n, r in runs.items()
+                   if r["ours"] and r["error"]]
     progress(f"done in {meta['wall_seconds'] / 60:.1f} min; report: {report}")
     if ours_failed:
         progress(f"error: torchpar benchmark(s) failed: {', '.join(ours_failed)}")

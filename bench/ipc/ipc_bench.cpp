@@ -1,6 +1,6 @@
 // Tensor hand-off between processes: 4 KiB ping-pong round trips and one-way rates through
 // Queue and Pipe, and 64 MiB hand-offs (fresh tensor, and re-sending a shared one). The
-// peer, torch.multiprocessing, runs from bench/peers/torch_ipc.py; bench/compare_ipc.py
+// peer, torch.multiprocessing, runs from bench/peers/torch_ipc.py; bench/run_bench.py (`torchpar bench`)
 // runs both side by side and prints ratios.
 #include <benchmark/benchmark.h>
 
