@@ -183,12 +183,13 @@ class ShmBackend final : public GroupBackend {
       const size_t es = t.element_size();
       const size_t n = t.numel();
       char* data = static_cast<char*>(t.data_ptr());
+      if (size() == 1) return;  // the sum (and mean) of one tensor is itself
       if (n * es <= std::min(kSmallBytes, slot_)) {
         small_reduce(data, n, t.scalar_type(), op, /*to_all=*/true, -1);
+        if (op == ReduceOp::AVG) reduce_divide(data, n, t.scalar_type(), size());
       } else {
-        chunked_reduce(data, n, t.scalar_type(), op, /*to_all=*/true, -1);
+        chunked_reduce(data, n, t.scalar_type(), op, /*to_all=*/true, -1);  // divides for AVG
       }
-      if (op == ReduceOp::AVG) reduce_divide(data, n, t.scalar_type(), size());
     });
   }
 
@@ -199,12 +200,13 @@ class ShmBackend final : public GroupBackend {
       const size_t es = t.element_size();
       const size_t n = t.numel();
       char* data = static_cast<char*>(t.data_ptr());
+      if (size() == 1) return;
       if (n * es <= std::min(kSmallBytes, slot_)) {
         small_reduce(data, n, t.scalar_type(), op, false, dst);
+        if (op == ReduceOp::AVG && rank() == dst) reduce_divide(data, n, t.scalar_type(), size());
       } else {
-        chunked_reduce(data, n, t.scalar_type(), op, false, dst);
+        chunked_reduce(data, n, t.scalar_type(), op, false, dst);  // divides for AVG
       }
-      if (op == ReduceOp::AVG && rank() == dst) reduce_divide(data, n, t.scalar_type(), size());
     });
   }
 
@@ -560,28 +562,41 @@ class ShmBackend final : public GroupBackend {
     if (to_all || rank() == dst) combine_all(data, 0, n, dtype, op);
   }
 
+  /// Reduce-scatter + all-gather, one slot-sized chunk at a time. Step 1: every rank
+  /// publishes the pieces of the chunk the others reduce (never its own piece). Step 2: each
+  /// rank reduces its own piece from its tensor and the others' slots into its slot of the
+  /// other set (divided by the group size for AVG). Then every rank copies the reduced pieces
+  /// out. Per chunk of C bytes a rank moves about 4C bytes instead of the 5.5C of publishing
+  /// the whole chunk, and the reduction reads its own operand straight from the tensor.
   void chunked_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
                       int dst) {
     const size_t es = c10::elementSize(dtype);
     const size_t P = static_cast<size_t>(size());
+    const size_t me = static_cast<size_t>(rank());
     const size_t chunk_elems = slot_ / es;
     const bool stream = n * es >= kStreamBytes;
     for (size_t first = 0; first < n; first += chunk_elems) {
       const size_t m = std::min(chunk_elems, n - first);
       char* src = data + first * es;
       auto lo = [&](size_t r) { return m * r / P; };
-      // step 1: publish the chunk
-      std::memcpy(my_slot(), src, m * es);
+      char* pub = my_slot();
+      for (size_t r = 0; r < P; ++r) {
+        if (r != me) std::memcpy(pub + lo(r) * es, src + lo(r) * es, (lo(r + 1) - lo(r)) * es);
+      }
       arrive_and_wait();
-      // reduce my share into my slot of the other set, then publish it (step 2)
-      const size_t a = lo(rank()), b = lo(rank() + 1);
-      char* out = my_slot();
-      combine_all(out + a * es, a * es, b - a, dtype, op);
+      const size_t a = lo(me), len = lo(me + 1) - a;
+      char* out = my_slot() + a * es;
+      auto operand = [&](size_t q) -> const char* {
+        return (q == me ? src : slot(static_cast<int>(q))) + a * es;
+      };
+      reduce_combine(out, operand(0), operand(1), len, dtype, op);
+      for (size_t q = 2; q < P; ++q) reduce_combine(out, out, operand(q), len, dtype, op);
+      if (op == ReduceOp::AVG) reduce_divide(out, len, dtype, size());
       arrive_and_wait();
       if (to_all || rank() == dst) {
         for (size_t r = 0; r < P; ++r) {
-          const size_t ra = lo(r), rb = lo(r + 1);
-          copy_out(src + ra * es, slot(static_cast<int>(r)) + ra * es, (rb - ra) * es, stream);
+          copy_out(src + lo(r) * es, slot(static_cast<int>(r)) + lo(r) * es,
+                   (lo(r + 1) - lo(r)) * es, stream);
         }
       }
     }
