@@ -137,11 +137,13 @@ void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared, 
 
 void ddp_worker(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tensor labels,
                 Queue<Msg> msgs, Queue<int> go, Queue<std::vector<at::Tensor>> params_out) {
-  World world(WorldOptions{.rank = rank,
-                           .world_size = cfg.workers,
-                           .master_addr = "127.0.0.1",
-                           .master_port = port,
-                           .timeout = Seconds(cfg.timeout)});
+  WorldOptions wo;
+  wo.rank = rank;
+  wo.world_size = cfg.workers;
+  wo.master_addr = "127.0.0.1";
+  wo.master_port = port;
+  wo.timeout = Seconds(cfg.timeout);
+  World world(wo);
   auto group = world.create_collective_group({}, backend_from_string(cfg.backend));
   torch::manual_seed(cfg.seed + rank);
   Net net;
