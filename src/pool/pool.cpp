@@ -42,7 +42,7 @@ void pool_worker_main(int index, Queue<PoolTask> inbox, Queue<PoolResult> result
     try {
       auto tramp = reinterpret_cast<TaskTrampoline>(from_code_address(task.call.tramp));
       void* fn = from_code_address(task.call.fn);
-      for (const auto& a : task.args) r.values.push_back(tramp(fn, a));
+      r.values = tramp(fn, task.args);
     } catch (const std::exception& e) {
       r.ok = false;
       r.values.clear();
@@ -65,8 +65,9 @@ class PoolCore {
 
   ~PoolCore() { terminate(); }
 
-  std::shared_ptr<JobState> submit(PoolCall call, std::vector<std::vector<std::string>> chunks) {
-    auto job = std::make_shared<JobState>(chunks.size());
+  std::shared_ptr<JobState> submit(PoolCall call, std::vector<std::string> chunks,
+                                   JobState::Unpack unpack) {
+    auto job = std::make_shared<JobState>(chunks.size(), unpack);
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_ || stop_) throw ClosedError("Pool is closed");
     if (chunks.empty()) return job;
@@ -150,10 +151,15 @@ class PoolCore {
   }
 
   // Completes (job, chunk) outside the lock: callbacks may run user code.
-  using Completion =
-      std::tuple<std::shared_ptr<JobState>, uint32_t, std::vector<std::any>, std::exception_ptr>;
+  // A chunk's results stay encoded until finish(): decoding runs outside the lock.
+  struct Completion {
+    std::shared_ptr<JobState> job;
+    uint32_t chunk;
+    std::string results;
+    std::exception_ptr error;
+  };
 
-  void take_result(const PoolResult& r, std::vector<Completion>& done) {
+  void take_result(PoolResult& r, std::vector<Completion>& done) {
     early_deaths_ = 0;  // workers do get work done
     if (r.worker >= 0 && static_cast<size_t>(r.worker) < workers_.size()) {
       auto& out = workers_[r.worker].outstanding;
@@ -166,10 +172,8 @@ class PoolCore {
     }
     auto it = jobs_.find(r.job);
     if (it == jobs_.end()) return;
-    std::vector<std::any> values;
-    for (auto& v : r.values) values.emplace_back(v);
     std::exception_ptr err = r.ok ? nullptr : std::make_exception_ptr(TaskError(r.type, r.message));
-    done.emplace_back(it->second, r.chunk, std::move(values), err);
+    done.push_back(Completion{it->second, r.chunk, std::move(r.values), err});
     if (++remaining_done_[r.job] == it->second->chunks.size()) {
       remaining_done_.erase(r.job);
       jobs_.erase(it);
@@ -185,7 +189,7 @@ class PoolCore {
                   std::vector<Completion>& done) {
     auto it = jobs_.find(job);
     if (it == jobs_.end()) return;
-    done.emplace_back(it->second, chunk, std::vector<std::any>{}, err);
+    done.push_back(Completion{it->second, chunk, {}, err});
     if (++remaining_done_[job] == it->second->chunks.size()) {
       remaining_done_.erase(job);
       jobs_.erase(it);
@@ -213,7 +217,17 @@ class PoolCore {
   }
 
   static void finish(std::vector<Completion>& done) {
-    for (auto& [job, chunk, values, err] : done) job->complete(chunk, std::move(values), err);
+    for (auto& c : done) {
+      std::vector<std::any> values;
+      if (!c.error) {
+        try {
+          values = c.job->unpack(c.results);
+        } catch (...) {
+          c.error = std::current_exception();
+        }
+      }
+      c.job->complete(c.chunk, std::move(values), c.error);
+    }
     done.clear();
   }
 
@@ -362,8 +376,9 @@ Pool::Pool(PoolOptions options) : copy_tensor_(options.copy_tensor) {
 Pool::~Pool() = default;
 
 std::shared_ptr<detail::JobState> Pool::submit(detail::PoolCall call,
-                                               std::vector<std::vector<std::string>> chunks) {
-  return core_->submit(std::move(call), std::move(chunks));
+                                               std::vector<std::string> chunks,
+                                               detail::JobState::Unpack unpack) {
+  return core_->submit(std::move(call), std::move(chunks), unpack);
 }
 void Pool::close() { core_->close(); }
 bool Pool::join(std::optional<std::chrono::duration<double>> timeout) {

@@ -90,6 +90,38 @@ TEST_P(PoolTest, MapImapStarmapApply) {
   EXPECT_TRUE(pool.map(square, std::vector<int>{}).empty());
 }
 
+// A chunk travels as one payload and comes back as one: an error in the middle of a chunk
+// fails that chunk with the task's own exception, the other chunks still arrive, results can
+// be got twice, void functions and tensors shared within one chunk work.
+TEST_P(PoolTest, ChunksTravelWhole) {
+  tp::Pool pool(options());
+  std::vector<int> items(12);
+  for (int i = 0; i < 12; ++i) items[i] = i;
+  auto it = pool.imap(fail_on_three, items, 5);  // chunks {0..4} {5..9} {10, 11}
+  try {
+    (void)it.next(30s);
+    FAIL() << "the chunk holding 3 did not fail";
+  } catch (const tp::TaskError& e) {
+    EXPECT_NE(e.type().find("domain_error"), std::string::npos) << e.type();
+    EXPECT_EQ(e.message(), "three is not allowed");
+  }
+  for (int i = 5; i < 12; ++i) EXPECT_EQ(it.next(30s), i);
+  EXPECT_FALSE(it.next(5s).has_value());
+
+  auto r = pool.map_async(square, items, 4);
+  const auto first = r.get(30s);
+  EXPECT_EQ(first, r.get(30s)) << "a result can be got twice";
+  EXPECT_EQ(first[11], 121);
+
+  auto v = pool.map([](int) {}, items, 5);
+  EXPECT_EQ(v, std::vector<bool>(12, true));
+
+  auto t = at::zeros({8});
+  EXPECT_EQ(pool.map(write_tensor, std::vector<at::Tensor>{t, t, t}, 3),
+            (std::vector<int>{8, 8, 8}));
+  EXPECT_TRUE(at::equal(t, at::full({8}, 9.0))) << "shared tensor written by the worker";
+}
+
 TEST_P(PoolTest, ErrorsTimeoutsAndCallbacks) {
   tp::Pool pool(options());
   try {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -26,7 +27,10 @@ struct JobState {
     std::vector<std::any> values;  // decoded by the typed front
     std::exception_ptr error;
   };
-  explicit JobState(size_t nchunks) : chunks(nchunks) {}
+  /// Decodes one chunk's results into values (process pools; unset for ThreadPool).
+  using Unpack = std::vector<std::any> (*)(const std::string&);
+  explicit JobState(size_t nchunks, Unpack unpack_fn = nullptr)
+      : chunks(nchunks), unpack(unpack_fn) {}
 
   void complete(size_t chunk, std::vector<std::any> values, std::exception_ptr error) {
     std::function<void()> cb;
@@ -67,6 +71,7 @@ struct JobState {
   std::deque<size_t> order;  // chunks in completion order
   std::exception_ptr first_error;
   std::function<void()> on_done;  // runs once, in the thread that completes the last chunk
+  const Unpack unpack;
 };
 
 }  // namespace detail

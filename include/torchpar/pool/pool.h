@@ -18,33 +18,73 @@ namespace detail {
 
 using TaskTrampoline = std::string (*)(void* fn, const std::string& args);
 
-/// Calls `call` on the loaded argument tuple and serializes the result (void as true).
+/// Runs `call` on every argument tuple of a chunk in a worker. A chunk travels as one
+/// archive (the count, then each tuple) and its results likewise (the count, then each
+/// value; void as true): one header and one allocation a chunk, not one an item.
 /// Results are copied, never shared: the worker may exit before the parent reads them.
-template <class Call, class Tuple>
-std::string call_and_dump(Call&& call, Tuple& t) {
-  using R = decltype(std::apply(call, t));
-  if constexpr (std::is_void_v<R>) {
-    std::apply(call, t);
-    return dumps(true).bytes;
-  } else {
-    return dumps(std::apply(call, t), {.copy_tensor = true}).bytes;
+template <class Tuple, class Call>
+std::string run_chunk(const std::string& args, Call&& call) {
+  std::vector<Tuple> items;
+  load_payload(Payload{args, {}}, [&](InputArchive& in) {
+    uint64_t n = 0;
+    in(n);
+    for (uint64_t i = 0; i < n; ++i) in(items.emplace_back());  // bounded by the bytes
+  });
+  // Calls run outside load_payload, whose errors all become SerializationError: a task's
+  // own exception must reach the caller as itself.
+  Payload out;
+  OutputArchive results(out, {.copy_tensor = true});
+  results(static_cast<uint64_t>(items.size()));
+  for (auto& t : items) {
+    using R = decltype(std::apply(call, t));
+    if constexpr (std::is_void_v<R>) {
+      std::apply(call, t);
+      results(true);
+    } else {
+      results(std::apply(call, t));
+    }
   }
+  return std::move(out.bytes);
 }
 
-/// Runs fn(args...) from serialized args in a worker.
+/// Runs fn(args...) for each argument tuple of a chunk, in a worker.
 template <class FnPtr, class Tuple>
 std::string run_task(void* fn, const std::string& args) {
-  Tuple t = loads<Tuple>(Payload{args, {}});
-  return call_and_dump(reinterpret_cast<FnPtr>(fn), t);
+  return run_chunk<Tuple>(args, reinterpret_cast<FnPtr>(fn));
 }
 
-/// Decodes every value of every chunk, in order (map / starmap results).
+/// The parent's side of run_chunk: a chunk's results, one std::any (holding a V) each.
+/// Runs on the pool's manager thread as results arrive. Errors: SerializationError.
+template <class V>
+std::vector<std::any> unpack_values(const std::string& bytes) {
+  std::vector<std::any> out;
+  load_payload(Payload{bytes, {}}, [&](InputArchive& in) {
+    uint64_t n = 0;
+    in(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      V v{};
+      in(v);
+      out.emplace_back(std::move(v));
+    }
+  });
+  return out;
+}
+
+/// Every value of every chunk, in order (map / starmap results).
 template <class V>
 std::vector<V> decode_all(JobState& j) {
   std::vector<V> out;
   for (auto& c : j.chunks)
-    for (auto& v : c.values) out.push_back(loads<V>(Payload{std::any_cast<std::string>(v), {}}));
+    for (auto& v : c.values) out.push_back(std::any_cast<const V&>(v));
   return out;
+}
+
+/// The single value of a one-item job (apply / apply_async).
+template <class V>
+V decode_one(JobState& j) {
+  if (j.chunks.size() != 1 || j.chunks[0].values.size() != 1)
+    throw SerializationError("Pool: a worker returned no value for apply");
+  return std::any_cast<const V&>(j.chunks[0].values[0]);
 }
 
 struct PoolCall {  // a function and its trampoline, as code addresses
@@ -59,7 +99,7 @@ struct PoolTask {
   uint64_t job = 0;  // 0: the worker should exit
   uint32_t chunk = 0;
   PoolCall call;
-  std::vector<std::string> args;
+  std::string args;  // the chunk's argument tuples (run_chunk)
   template <class Archive>
   void serialize(Archive& ar) {
     ar(job, chunk, call, args);
@@ -71,7 +111,7 @@ struct PoolResult {
   uint32_t chunk = 0;
   int32_t worker = 0;
   bool ok = true;
-  std::vector<std::string> values;
+  std::string values;  // the chunk's results (run_chunk) when ok
   std::string type, message;
   template <class Archive>
   void serialize(Archive& ar) {
@@ -138,9 +178,8 @@ Ctx& worker_context() {
 template <class FnPtr, class Ctx, class Tuple>
 std::string run_ctx_task(void* fn, const std::string& args) {
   auto f = reinterpret_cast<FnPtr>(fn);
-  Tuple t = loads<Tuple>(Payload{args, {}});
   Ctx& c = worker_context<Ctx>();
-  return call_and_dump([&](auto&... a) { return f(c, a...); }, t);
+  return run_chunk<Tuple>(args, [&](auto&... a) { return f(c, a...); });
 }
 
 template <class Fn, class Tuple>
@@ -210,11 +249,10 @@ class Pool {
                    std::function<void(std::exception_ptr)> error_callback = {}) {
     using V = detail::result_of_t<Fn, Args...>;
     using Tuple = std::tuple<std::decay_t<Args>...>;
-    std::vector<std::vector<std::string>> chunks{{encode(Tuple(args))}};
-    auto job = submit(detail::make_call<Fn, Tuple>(fn), std::move(chunks));
-    AsyncResult<V> result(job, [](detail::JobState& j) {
-      return loads<V>(Payload{std::any_cast<std::string>(j.chunks[0].values[0]), {}});
-    });
+    auto job = submit(detail::make_call<Fn, Tuple>(fn),
+                      {encode_chunk<Tuple>(0, 1, [&](size_t) { return Tuple(args); })},
+                      &detail::unpack_values<V>);
+    AsyncResult<V> result(job, &detail::decode_one<V>);
     detail::attach_callbacks<V>(job, result, callback, error_callback);
     return result;
   }
@@ -246,13 +284,10 @@ class Pool {
   auto starmap_async(Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0) {
     using V = detail::result_of_t<Fn, Args...>;
     using Tuple = std::tuple<std::decay_t<Args>...>;
-    auto ranges = detail::split_chunks(items.size(), chunksize, size());
-    std::vector<std::vector<std::string>> chunks;
-    for (auto [b, e] : ranges) {
-      chunks.emplace_back();
-      for (size_t i = b; i < e; ++i) chunks.back().push_back(encode(Tuple(items[i])));
-    }
-    auto job = submit(detail::make_call<Fn, Tuple>(fn), std::move(chunks));
+    auto job = submit(
+        detail::make_call<Fn, Tuple>(fn),
+        encode_chunks<Tuple>(items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); }),
+        &detail::unpack_values<V>);
     return AsyncResult<std::vector<V>>(job, &detail::decode_all<V>);
   }
   template <class Fn, class... Args>
@@ -272,36 +307,48 @@ class Pool {
   std::vector<int> pids() const;
 
  protected:
-  template <class T>
-  std::string encode(const T& args) const {
-    Payload p = dumps(args, {.copy_tensor = copy_tensor_, .pass_fds = false});
+  /// Items [b, e) as one archive: the count, then get(i) as a `Tuple` for each.
+  template <class Tuple, class Get>
+  std::string encode_chunk(size_t b, size_t e, Get&& get) const {
+    Payload p;
+    {
+      detail::OutputArchive ar(p, {.copy_tensor = copy_tensor_, .pass_fds = false});
+      ar(static_cast<uint64_t>(e - b));
+      for (size_t i = b; i < e; ++i) ar(Tuple(get(i)));
+    }
     if (!p.fds.empty())
       throw Error(
           "Pool: task arguments may not carry file descriptors (queues, locks, pipes); "
           "pass those with the initializer");
     return std::move(p.bytes);
   }
+  /// Items [0, n) split into chunks of `chunksize` (0: about 4 chunks a worker), encoded.
+  template <class Tuple, class Get>
+  std::vector<std::string> encode_chunks(size_t n, size_t chunksize, Get&& get) const {
+    std::vector<std::string> chunks;
+    for (auto [b, e] : detail::split_chunks(n, chunksize, size()))
+      chunks.push_back(encode_chunk<Tuple>(b, e, get));
+    return chunks;
+  }
   template <class Fn, class T>
   std::shared_ptr<detail::JobState> submit_items(Fn fn, const std::vector<T>& items,
                                                  size_t chunksize) {
     using Tuple = std::tuple<std::decay_t<T>>;
-    auto ranges = detail::split_chunks(items.size(), chunksize, size());
-    std::vector<std::vector<std::string>> chunks;
-    for (auto [b, e] : ranges) {
-      chunks.emplace_back();
-      for (size_t i = b; i < e; ++i) chunks.back().push_back(encode(Tuple(items[i])));
-    }
-    return submit(detail::make_call<Fn, Tuple>(fn), std::move(chunks));
+    using V = detail::result_of_t<Fn, T>;
+    return submit(
+        detail::make_call<Fn, Tuple>(fn),
+        encode_chunks<Tuple>(items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); }),
+        &detail::unpack_values<V>);
   }
   template <class Fn, class T>
   auto iterator(Fn fn, const std::vector<T>& items, size_t chunksize, bool ordered) {
     using V = detail::result_of_t<Fn, T>;
-    return IMapIterator<V>(submit_items<Fn, T>(fn, items, chunksize), ordered, [](std::any& v) {
-      return loads<V>(Payload{std::any_cast<std::string>(v), {}});
-    });
+    return IMapIterator<V>(submit_items<Fn, T>(fn, items, chunksize), ordered,
+                           [](std::any& v) { return std::any_cast<const V&>(v); });
   }
-  std::shared_ptr<detail::JobState> submit(detail::PoolCall call,
-                                           std::vector<std::vector<std::string>> chunks);
+  /// Queues one task a chunk; `unpack` decodes a chunk's results on the manager thread.
+  std::shared_ptr<detail::JobState> submit(detail::PoolCall call, std::vector<std::string> chunks,
+                                           detail::JobState::Unpack unpack);
 
   std::unique_ptr<detail::PoolCore> core_;
   bool copy_tensor_ = false;
@@ -321,10 +368,10 @@ class CtxPool : public Pool {
   auto apply_async(Fn fn, std::tuple<Args...> args) {
     using V = detail::result_of_t<Fn, Ctx, Args...>;
     using Tuple = std::tuple<std::decay_t<Args>...>;
-    auto job = submit(ctx_call<Fn, Tuple>(fn), {{encode(Tuple(args))}});
-    return AsyncResult<V>(job, [](detail::JobState& j) {
-      return loads<V>(Payload{std::any_cast<std::string>(j.chunks[0].values[0]), {}});
-    });
+    auto job = submit(ctx_call<Fn, Tuple>(fn),
+                      {encode_chunk<Tuple>(0, 1, [&](size_t) { return Tuple(args); })},
+                      &detail::unpack_values<V>);
+    return AsyncResult<V>(job, &detail::decode_one<V>);
   }
   template <class Fn, class... Args>
   auto apply(Fn fn, std::tuple<Args...> args) {
@@ -335,12 +382,10 @@ class CtxPool : public Pool {
   auto map(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
     using V = detail::result_of_t<Fn, Ctx, T>;
     using Tuple = std::tuple<std::decay_t<T>>;
-    std::vector<std::vector<std::string>> chunks;
-    for (auto [b, e] : detail::split_chunks(items.size(), chunksize, size())) {
-      chunks.emplace_back();
-      for (size_t i = b; i < e; ++i) chunks.back().push_back(encode(Tuple(items[i])));
-    }
-    auto job = submit(ctx_call<Fn, Tuple>(fn), std::move(chunks));
+    auto job = submit(
+        ctx_call<Fn, Tuple>(fn),
+        encode_chunks<Tuple>(items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); }),
+        &detail::unpack_values<V>);
     return AsyncResult<std::vector<V>>(job, &detail::decode_all<V>).get();
   }
 
