@@ -15,8 +15,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -54,18 +52,6 @@ std::vector<std::string> split(const std::string& s) {
     if (!x.empty()) out.push_back(x);
   }
   return out;
-}
-
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
 }
 
 using Op = std::function<void(const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out)>;
@@ -193,7 +179,7 @@ int main(int argc, char** argv) {
   }
   int status_all = 0;
   for (const auto& system : a.systems) {
-    const int port = free_port();
+    const int port = tp::find_free_port();
     std::vector<pid_t> kids;
     for (int r = 0; r < a.ranks; ++r) {
       const pid_t pid = ::fork();

@@ -25,6 +25,7 @@
 #include "shm_backend.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
+#include "torchpar/core/syscall.h"
 
 namespace torchpar {
 namespace {
@@ -464,5 +465,21 @@ CollectiveGroup World::create_collective_group(
 CollectiveGroup& World::default_group() { return impl_->get_default_group(); }
 
 void World::destroy() { impl_->leave(); }
+
+int find_free_port(bool loopback_only) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) detail::throw_system_error("socket", errno, "find_free_port");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(loopback_only ? INADDR_LOOPBACK : INADDR_ANY);
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    detail::throw_system_error("bind", errno, "find_free_port: port 0");
+  }
+  socklen_t len = sizeof(a);
+  if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    detail::throw_system_error("getsockname", errno, "find_free_port");
+  }
+  return ntohs(a.sin_port);
+}
 
 }  // namespace torchpar

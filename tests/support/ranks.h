@@ -2,31 +2,19 @@
 // Runs a function as N ranks of a World (forked processes on one host) and reports how
 // each ended. Ranks get RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT through their arguments.
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "torchpar/dist/world.h"
 #include "torchpar/process/process.h"
 
 namespace torchpar::testing {
 
 /// A TCP port nobody listens on right now.
-inline int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+inline int free_port() { return torchpar::find_free_port(); }
 
 struct RankResult {
   std::optional<int> exitcode;

@@ -2,11 +2,9 @@
 // sets, prefixes their output with the rank, stops all when one fails, forwards signals.
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,6 +17,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "torchpar/dist/world.h"
 
 namespace torchpar::cli {
 namespace {
@@ -37,18 +36,6 @@ struct RunOptions {
 
 volatile sig_atomic_t g_signal = 0;
 void on_signal(int sig) { g_signal = sig; }
-
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 struct Rank {
   int rank = 0;
@@ -281,7 +268,7 @@ Command add_run(CLI::App& app) {
     bool interrupted = false;
     for (int attempt = 0; attempt <= o->max_restarts; ++attempt) {
       int port = o->master_port;
-      if (port == 0) port = o->nnodes == 1 ? free_port() : 29500;
+      if (port == 0) port = o->nnodes == 1 ? find_free_port(/*loopback_only=*/false) : 29500;
       code = run_once(*o, port, attempt, &interrupted);
       if (code == 0 || interrupted) break;
       if (attempt < o->max_restarts) {

@@ -84,4 +84,13 @@ class World {
   std::unique_ptr<Impl> impl_;
 };
 
+/// A TCP port that was free a moment ago: the kernel's pick for a socket bound to port 0,
+/// on loopback (`loopback_only`) or on every address. Another process may take it before
+/// you bind it; rendezvous on it fails clearly then, as torchrun's does.
+///
+/// Errors:  torchpar::Error naming the failed syscall (socket, bind, getsockname).
+/// Safety:  thread-safe. Source: torch.distributed.elastic.utils.get_free_port /
+///          torchrun's choice of MASTER_PORT with --rdzv-endpoint port 0.
+int find_free_port(bool loopback_only = true);
+
 }  // namespace torchpar

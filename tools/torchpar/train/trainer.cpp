@@ -2,9 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -424,18 +422,6 @@ void kill_workers(std::vector<Process>& procs) {
   for (auto& p : procs) p.join(Seconds(10));
 }
 
-int pick_free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 }  // namespace
 
 int run_train(TrainConfig cfg) {
@@ -534,7 +520,7 @@ int run_train(TrainConfig cfg) {
         share_memory(*net);  // the parameters every worker updates in place
         for (auto& p : net->parameters()) shared.push_back(p.detach());
       }
-      const int port = cfg.strategy == "ddp" ? pick_free_port() : 0;
+      const int port = cfg.strategy == "ddp" ? find_free_port() : 0;
       ProcessOptions po{.name = "",
                         .daemon = false,
                         .start_method = StartMethod::kSpawn,
