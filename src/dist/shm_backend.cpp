@@ -574,7 +574,6 @@ class ShmBackend final : public GroupBackend {
     const size_t P = static_cast<size_t>(size());
     const size_t me = static_cast<size_t>(rank());
     const size_t chunk_elems = slot_ / es;
-    const bool stream = n * es >= kStreamBytes;
     for (size_t first = 0; first < n; first += chunk_elems) {
       const size_t m = std::min(chunk_elems, n - first);
       char* src = data + first * es;
@@ -595,12 +594,11 @@ class ShmBackend final : public GroupBackend {
       arrive_and_wait();
       if (to_all || rank() == dst) {
         for (size_t r = 0; r < P; ++r) {
-          copy_out(src + lo(r) * es, slot(static_cast<int>(r)) + lo(r) * es,
-                   (lo(r + 1) - lo(r)) * es, stream);
+          std::memcpy(src + lo(r) * es, slot(static_cast<int>(r)) + lo(r) * es,
+                      (lo(r + 1) - lo(r)) * es);
         }
       }
     }
-    if (stream) stream_fence();
   }
 
   void gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all, int dst) {
