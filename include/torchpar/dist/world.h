@@ -88,8 +88,9 @@ class World {
 /// on loopback (`loopback_only`) or on every address. Another process may take it before
 /// you bind it; rendezvous on it fails clearly then, as torchrun's does.
 ///
+/// Returns: a port number in [1, 65535], host byte order.
 /// Errors:  torchpar::Error naming the failed syscall (socket, bind, getsockname).
-/// Safety:  thread-safe. Source: torch.distributed.elastic.utils.get_free_port /
+/// Safety:  thread- and process-safe; nothing blocks. Source: torch.distributed.elastic.utils.get_free_port /
 ///          torchrun's choice of MASTER_PORT with --rdzv-endpoint port 0.
 int find_free_port(bool loopback_only = true);
 
