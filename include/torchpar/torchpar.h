@@ -13,6 +13,7 @@
 #include "torchpar/pool/async_result.h"
 #include "torchpar/pool/pool.h"
 #include "torchpar/pool/thread_pool.h"
+#include "torchpar/process/exec.h"
 #include "torchpar/process/process.h"
 #include "torchpar/process/spawn.h"
 #include "torchpar/process/start_method.h"

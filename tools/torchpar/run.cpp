@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,7 +16,9 @@
 #include <vector>
 
 #include "commands.h"
+#include "torchpar/core/fd.h"
 #include "torchpar/dist/world.h"
+#include "torchpar/process/exec.h"
 
 namespace torchpar::cli {
 namespace {
@@ -82,14 +83,17 @@ void drain(int& fd, std::string& buf) {
   }
 }
 
-pid_t start_rank(const RunOptions& o, int local, int port, int restart, int* out_fd, int* err_fd) {
+pid_t start_rank(const RunOptions& o, JobGroup& group, int local, int port, int restart,
+                 int* out_fd, int* err_fd) {
   int po[2], pe[2];
   if (::pipe2(po, O_CLOEXEC) != 0 || ::pipe2(pe, O_CLOEXEC) != 0) {
     throw std::runtime_error(fmt::format("pipe: {}", std::strerror(errno)));
   }
+  UniqueFd out_read(po[0]), out_write(po[1]), err_read(pe[0]), err_write(pe[1]);
   const int world = o.nnodes * o.nproc_per_node;
   const int rank = o.node_rank * o.nproc_per_node + local;
-  std::vector<std::string> env = {
+  ExecOptions exec;
+  exec.env = {
       fmt::format("RANK={}", rank),
       fmt::format("WORLD_SIZE={}", world),
       fmt::format("LOCAL_RANK={}", local),
@@ -100,65 +104,32 @@ pid_t start_rank(const RunOptions& o, int local, int port, int restart, int* out
       fmt::format("TORCHELASTIC_RESTART_COUNT={}", restart),
       fmt::format("TORCHELASTIC_MAX_RESTARTS={}", o.max_restarts),
   };
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error(fmt::format("fork: {}", std::strerror(errno)));
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no orphans if the launcher is killed
-    if (::getppid() != parent) ::_exit(128 + SIGKILL);
-    ::dup2(po[1], STDOUT_FILENO);
-    ::dup2(pe[1], STDERR_FILENO);
-    for (auto& e : env) ::putenv(e.data());
-    std::vector<char*> argv;
-    for (const auto& a : o.program) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
-    ::execvp(argv[0], argv.data());
-    const std::string msg =
-        fmt::format("torchpar run: cannot execute {}: {}\n", o.program[0], std::strerror(errno));
-    (void)!::write(STDERR_FILENO, msg.data(), msg.size());
-    ::_exit(127);
-  }
-  ::close(po[1]);
-  ::close(pe[1]);
-  ::fcntl(po[0], F_SETFL, O_NONBLOCK);
-  ::fcntl(pe[0], F_SETFL, O_NONBLOCK);
-  *out_fd = po[0];
-  *err_fd = pe[0];
+  exec.stdout_fd = out_write.get();
+  exec.stderr_fd = err_write.get();
+  exec.die_with_parent = true;  // the launcher is single-threaded: PDEATHSIG means "we died"
+  const pid_t pid = group.start(o.program, exec);
+  ::fcntl(out_read.get(), F_SETFL, O_NONBLOCK);
+  ::fcntl(err_read.get(), F_SETFL, O_NONBLOCK);
+  *out_fd = out_read.release();
+  *err_fd = err_read.release();
   return pid;
-}
-
-int exit_code_of(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-
-std::string describe(int status) {
-  if (WIFSIGNALED(status)) {
-    return fmt::format("was killed by signal {} ({})", WTERMSIG(status),
-                       ::strsignal(WTERMSIG(status)));
-  }
-  return fmt::format("exited with code {}", exit_code_of(status));
 }
 
 /// One attempt: returns 0 when every rank exited 0, else the first failure's code.
 int run_once(const RunOptions& o, int port, int restart, bool* interrupted) {
   std::vector<Rank> ranks(static_cast<size_t>(o.nproc_per_node));
+  // Every rank and whatever it starts share one process group, ended as a whole, also
+  // when this launcher is SIGKILLed (the group's keeper sees its lifeline close).
+  JobGroup group(std::chrono::duration<double>(o.grace));
   for (int i = 0; i < o.nproc_per_node; ++i) {
     auto& r = ranks[static_cast<size_t>(i)];
     r.rank = o.node_rank * o.nproc_per_node + i;
-    r.pid = start_rank(o, i, port, restart, &r.out, &r.err);
+    r.pid = start_rank(o, group, i, port, restart, &r.out, &r.err);
     r.running = true;
   }
   int first_failure = 0;
   std::optional<std::chrono::steady_clock::time_point> kill_at;
-  auto stop_all = [&](int sig) {
-    for (auto& r : ranks) {
-      if (r.running) ::kill(r.pid, sig);
-    }
-  };
+  auto stop_all = [&](int sig) { group.signal(sig); };
   for (;;) {
     // forward a signal we got, once
     if (g_signal != 0 && !*interrupted) {
@@ -198,7 +169,7 @@ int run_once(const RunOptions& o, int port, int restart, bool* interrupted) {
         if (exit_code_of(status) != 0 && first_failure == 0) {
           first_failure = exit_code_of(status);
           std::fprintf(stderr, "torchpar run: rank %d (pid %d) %s; stopping the other ranks\n",
-                       r.rank, static_cast<int>(r.pid), describe(status).c_str());
+                       r.rank, static_cast<int>(r.pid), describe_wait_status(status).c_str());
           stop_all(SIGTERM);
           kill_at = std::chrono::steady_clock::now() +
                     std::chrono::duration_cast<std::chrono::steady_clock::duration>(

@@ -331,10 +331,18 @@ void write_outputs(const Run& run, Net& net, bool with_model) {
   }
   if (!run.epochs.empty()) {
     const std::string script = tools_dir() + "/plot_curves.py";
-    const std::string cmd =
-        fmt::format("/usr/bin/python3 '{}' '{}' '{}' 2>&1", script, (dir / "metrics.json").string(),
-                    (dir / "curves.png").string());
-    if (std::system(cmd.c_str()) != 0) {
+    // argv, never a shell: --out may hold quotes, spaces or `;` (it reaches python as is).
+    int code = -1;
+    try {
+      ExecOptions exec;
+      exec.stdout_fd = STDERR_FILENO;  // the plot script's chatter is diagnostics
+      code = run_program({"/usr/bin/python3", script, (dir / "metrics.json").string(),
+                          (dir / "curves.png").string()},
+                         exec, std::chrono::minutes(2));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "torchpar train: warning: %s\n", e.what());
+    }
+    if (code != 0) {
       std::fprintf(stderr,
                    "torchpar train: warning: curves.png not drawn (needs /usr/bin/python3 with "
                    "python3-matplotlib and %s)\n",
@@ -449,6 +457,17 @@ int run_train(TrainConfig cfg) {
     data = load_fashion_mnist(cfg.data);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torchpar train: %s\n", e.what());
+    return 2;
+  }
+  // Outputs are checked before training: an unwritable --out must not cost a whole run.
+  try {
+    const std::filesystem::path dir = cfg.out;
+    std::filesystem::create_directories(dir);
+    write_atomic(dir, ".write_check", "");
+    std::filesystem::remove(dir / ".write_check");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "torchpar train: --out %s is not writable: %s\n", cfg.out.c_str(),
+                 e.what());
     return 2;
   }
   if (cfg.limit > 0 && cfg.limit < data.train.size()) {
