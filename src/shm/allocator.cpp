@@ -1,11 +1,17 @@
 #include "allocator.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <set>
+#include <tuple>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -63,6 +69,9 @@ struct State {
   uint64_t cached_bytes = 0;
   std::deque<Pending> pending;
   uint64_t pending_bytes = 0;  // of large segments in `pending`
+  // Scans for blocks whose other holders all died (see reclaim_dead_holders).
+  std::chrono::steady_clock::time_point last_holder_scan{};
+  uint64_t pending_added = 0;  // blocks put on `pending` since the last scan
   // Every segment mapped in this process, by cross-process identity.
   std::unordered_map<std::string, std::weak_ptr<Segment>> mapped;
   // Live storages.
@@ -197,6 +206,76 @@ void trim_pending(State& s, std::vector<std::shared_ptr<Segment>>& drop) {
   }
 }
 
+// (major, minor, inode) of the segments mapped by any other process, among `wanted`.
+std::set<std::tuple<unsigned, unsigned, uint64_t>> mapped_by_others(
+    const std::set<std::tuple<unsigned, unsigned, uint64_t>>& wanted) {
+  std::set<std::tuple<unsigned, unsigned, uint64_t>> found;
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return wanted;  // cannot tell: assume every one is in use
+  const long self = static_cast<long>(::getpid());
+  std::string path;
+  char line[4096];
+  while (auto* e = ::readdir(proc)) {
+    char* end = nullptr;
+    const long pid = std::strtol(e->d_name, &end, 10);
+    if (pid <= 0 || *end != '\0' || pid == self) continue;
+    path = fmt::format("/proc/{}/maps", pid);
+    FILE* f = std::fopen(path.c_str(), "re");
+    if (f == nullptr) continue;  // gone, or not ours to read (and then not our memory)
+    while (std::fgets(line, sizeof line, f) != nullptr) {
+      unsigned maj = 0, min = 0;
+      unsigned long long ino = 0;
+      // "start-end perms offset MM:mm inode path"
+      if (std::sscanf(line, "%*s %*s %*s %x:%x %llu", &maj, &min, &ino) != 3 || ino == 0) continue;
+      const auto key = std::make_tuple(maj, min, static_cast<uint64_t>(ino));
+      if (wanted.count(key) != 0) found.insert(key);
+    }
+    std::fclose(f);
+  }
+  ::closedir(proc);
+  return found;
+}
+
+// A process that imported a block and then died without releasing it (SIGKILL) leaves the
+// block's cross-process count above 0 for ever, so the creator would never reuse it. When
+// the pending list does not free anything, look at who still maps each pending segment:
+// a block with no export in flight, held by no storage of ours and no forked child of
+// ours, in a segment no other live process maps, has only dead holders: it is freed.
+// /proc is read with the lock released; at most every 10 ms when blocks were added since
+// the last scan, else at most every second.
+void reclaim_dead_holders(State& s, std::unique_lock<std::mutex>& lock) {
+  using Clock = std::chrono::steady_clock;
+  const auto now = Clock::now();
+  const auto since = now - s.last_holder_scan;
+  if (s.pending.empty() ||
+      since < (s.pending_added > 0 ? std::chrono::milliseconds(10) : std::chrono::seconds(1)))
+    return;
+  s.last_holder_scan = now;
+  s.pending_added = 0;
+  std::set<std::pair<const Segment*, uint32_t>> ours;
+  for (BlockRef* r = s.live; r != nullptr; r = r->next) ours.emplace(r->seg.get(), r->block);
+  for (auto& [_, refs] : s.forks)
+    for (auto& [seg, block] : refs) ours.emplace(seg.get(), block);
+  std::set<std::tuple<unsigned, unsigned, uint64_t>> wanted;
+  std::vector<std::shared_ptr<Segment>> keep_alive;  // the candidates, while unlocked
+  for (auto& p : s.pending) {
+    if (p.seg->refs(p.block).load() == 0 || p.seg->exports(p.block).load() != 0) continue;
+    wanted.emplace(major(p.seg->dev()), minor(p.seg->dev()), p.seg->ino());
+    keep_alive.push_back(p.seg);
+  }
+  if (wanted.empty()) return;
+  lock.unlock();
+  const auto in_use = mapped_by_others(wanted);
+  lock.lock();
+  for (auto& p : s.pending) {
+    const auto key = std::make_tuple(major(p.seg->dev()), minor(p.seg->dev()), p.seg->ino());
+    if (wanted.count(key) == 0 || in_use.count(key) != 0) continue;
+    if (ours.count({p.seg.get(), p.block}) != 0 || p.seg->exports(p.block).load() != 0) continue;
+    p.seg->refs(p.block).store(0);  // every holder is dead: reclaim_pending frees it
+  }
+  reclaim_pending(s, s.pending.size());
+}
+
 at::DataPtr make_data_ptr(State& s, std::shared_ptr<Segment> seg, uint32_t block, uint64_t nbytes,
                           bool local_owner) {
   auto* ref = new BlockRef();
@@ -263,6 +342,7 @@ void block_deleter(void* ctx) {
       } else {
         s.pending.push_back({ref->seg, ref->block, slab});
         s.pending_bytes += pending_size(s.pending.back());
+        ++s.pending_added;
         trim_pending(s, drop);
       }
     }
@@ -304,7 +384,7 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
     auto& slabs = s.slabs[si][c];
     // Free blocks first; only when there are none, look for pending blocks whose other
     // holders let go (a full scan, amortized over the blocks it frees).
-    for (int attempt = 0; attempt < 2; ++attempt) {
+    for (int attempt = 0; attempt < 3; ++attempt) {
       for (auto& slab : slabs) {
         if (!slab->free.empty()) {
           uint32_t b = slab->free.back();
@@ -315,6 +395,8 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
       }
       if (attempt == 0 && !s.pending.empty())
         reclaim_pending(s);
+      else if (attempt == 1 && !s.pending.empty())
+        reclaim_dead_holders(s, lock);
       else
         break;
     }
@@ -340,6 +422,10 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
   if ((it == cache.end() || it->first > want + want / 4 + kLargeRound) && !s.pending.empty()) {
     reclaim_pending(s);
     it = cache.lower_bound(want);
+    if (it == cache.end() || it->first > want + want / 4 + kLargeRound) {
+      reclaim_dead_holders(s, lock);
+      it = cache.lower_bound(want);
+    }
   }
   if (it != cache.end() && it->first <= want + want / 4 + kLargeRound) {
     auto seg = it->second;
@@ -490,9 +576,26 @@ void empty_shm_cache() {
   auto& s = detail::state();
   std::multimap<uint64_t, std::shared_ptr<detail::Segment>> drop[detail::kNumStrategies];
   std::deque<std::shared_ptr<detail::Segment>> recent;
+  std::vector<std::unique_ptr<detail::Slab>> free_slabs;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     for (int i = 0; i < detail::kNumStrategies; ++i) drop[i].swap(s.large_cache[i]);
+    // Slabs with every block free go back to the system too (PyTorch's leak checks expect
+    // no segment left once the tensors are gone). A slab block on the pending list is
+    // not on its free list, so such a slab is never fully free.
+    for (auto& per_strategy : s.slabs) {
+      for (auto& slabs : per_strategy) {
+        for (auto it = slabs.begin(); it != slabs.end();) {
+          if ((*it)->free.size() == (*it)->seg->num_blocks()) {
+            s.slab_of.erase((*it)->seg.get());
+            free_slabs.push_back(std::move(*it));
+            it = slabs.erase(it);
+          } else {
+            ++it;
+          }
+        }
+      }
+    }
     s.cached_bytes = 0;
     recent.swap(s.imported_recent);
     s.imported_recent_bytes = 0;

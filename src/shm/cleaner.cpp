@@ -1,6 +1,7 @@
 #include "cleaner.h"
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -11,13 +12,18 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <fmt/format.h>
+
+#include "segment_probe.h"
 
 extern char** environ;
 
@@ -41,6 +47,27 @@ unsigned long pid_namespace() {
 
 void atexit_unlink() { unlink_own_segments(); }
 
+/// The cleaner program: $TORCHPAR_SHM_CLEANER, else libexec/torchpar/ beside the installed
+/// library, else the build tree's. Empty when none is executable.
+std::string cleaner_program() {
+  if (const char* p = std::getenv("TORCHPAR_SHM_CLEANER")) return p;
+  std::vector<std::string> candidates;
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&cleaner_program), &info) != 0 && info.dli_fname) {
+    std::string lib = info.dli_fname;
+    const size_t slash = lib.rfind('/');
+    if (slash != std::string::npos)
+      candidates.push_back(lib.substr(0, slash) + "/" TORCHPAR_LIBEXEC_FROM_LIB
+                                                  "/torchpar-shm-cleaner");
+  }
+#ifdef TORCHPAR_BUILD_LIBEXEC_DIR
+  candidates.push_back(TORCHPAR_BUILD_LIBEXEC_DIR "/torchpar-shm-cleaner");
+#endif
+  for (const auto& c : candidates)
+    if (::access(c.c_str(), X_OK) == 0) return c;
+  return "";
+}
+
 void register_fork_handler() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -63,7 +90,10 @@ void unlink_own_segments() noexcept {
     return;
   }
   while (auto* e = ::readdir(d)) {
-    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0)
+    // A name whose handle is still in flight stays for its receiver; the cleaner program
+    // unlinks it once the receiver has mapped it.
+    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0 &&
+        !segment_in_flight_at(dirfd, e->d_name))
       ::unlinkat(dirfd, e->d_name, 0);
   }
   ::closedir(d);
@@ -87,6 +117,10 @@ size_t sweep_dead_segments() {
     if (end == nullptr || *end != '_' || their_ns != ns)
       continue;  // another namespace: not ours to judge
     if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      struct stat st {};
+      const bool young = ::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                         ::time(nullptr) - st.st_ctime < 3600;
+      if (young && segment_in_flight_at(::dirfd(d), e->d_name)) continue;  // its receiver's
       if (::unlinkat(::dirfd(d), e->d_name, 0) == 0) ++removed;
     }
   }
@@ -116,11 +150,23 @@ void ensure_cleaner() {
   }
   sweep_dead_segments();
 
-  // Everything the child needs is built here, before the fork: after it, only raw syscalls.
-  // `tail --pid` returns 0 once the process is gone; any failure to wait skips the rm.
-  const std::string script = fmt::format("tail --pid={} -s 0.2 -f /dev/null && rm -f /dev/shm/{}*",
-                                         self, segment_prefix(self));
-  const char* argv[] = {"sh", "-c", script.c_str(), nullptr};
+  // The cleaner is a program of ours started with an argv (no shell): it waits for this
+  // process to exit and unlinks our names, keeping those still in flight to a receiver.
+  const std::string program = cleaner_program();
+  if (program.empty()) {
+    static std::once_flag warned;
+    std::call_once(warned, [] {
+      std::fprintf(stderr,
+                   "torchpar: warning: torchpar-shm-cleaner not found (set TORCHPAR_SHM_CLEANER);"
+                   " file_system segments of a process killed by SIGKILL stay in /dev/shm until "
+                   "the next torchpar process sweeps them\n");
+    });
+    g_cleaner_for_pid = self;
+    return;
+  }
+  const std::string pid_arg = std::to_string(self);
+  const std::string prefix = segment_prefix(self);
+  const char* argv[] = {program.c_str(), pid_arg.c_str(), prefix.c_str(), nullptr};
   struct rlimit rl {};
   ::getrlimit(RLIMIT_NOFILE, &rl);
   const unsigned max_fd = rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > 1 << 20
@@ -150,7 +196,7 @@ void ensure_cleaner() {
       if (::syscall(SYS_close_range, 3U, ~0U, 0U) != 0) {
         for (unsigned fd = 3; fd < max_fd; ++fd) ::syscall(SYS_close, fd);
       }
-      ::execve("/bin/sh", const_cast<char* const*>(argv), environ);
+      ::execve(argv[0], const_cast<char* const*>(argv), environ);
       ::_exit(127);
     }
     ::_exit(0);
