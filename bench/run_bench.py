@@ -68,6 +68,11 @@ class Config:
     quick: bool
     out: Path
     rounds_override: Optional[int]
+    cli: Optional[Path] = None  # the torchpar program (default: bin/torchpar)
+
+    @property
+    def torchpar(self):
+        return self.cli or self.bin / "torchpar"
 
     @property
     def raw(self):
@@ -731,7 +736,7 @@ def torchpar_train_runner(cfg, strategy, limit):
             raise RunError(f"training status {m.get('status')}: {m.get('error', '')}")
         return {"samples_per_s": m["samples_per_s"], "test_accuracy": m["epochs"][-1]["test_accuracy"]}
 
-    cmd = [cfg.bin / "torchpar", "train", "--strategy", strategy, "--workers", "2", "--epochs", "1",
+    cmd = [cfg.torchpar, "train", "--strategy", strategy, "--workers", "2", "--epochs", "1",
            "--out", out_dir] + limit
     return Runner(f"torchpar {strategy}", True, cmd, parse, cfg.pick(300, 900), before=clear)
 
@@ -886,7 +891,7 @@ def machine_facts(cfg):
         facts["memory"] = f"{kb / 2 ** 20:.1f} GiB"
     except (OSError, AttributeError):
         pass
-    info = quiet([cfg.bin / "torchpar", "info"])
+    info = quiet([cfg.torchpar, "info"])
     for key, name in (("torchpar", "torchpar"), ("libtorch", "LibTorch")):
         m = re.search(rf"^{name}\s+(\S+)", info, re.M)
         if m:
@@ -957,6 +962,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", required=True,
                     help="the build's bin directory (ipc_bench, coll_bench, torchpar, ...)")
+    ap.add_argument("--cli", help="the torchpar program (default: <--bin>/torchpar)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes, 2 rounds (train 1), no warm-up")
     ap.add_argument("--only", default=",".join(BENCHMARKS),
                     help=f"comma-separated subset of {','.join(BENCHMARKS)}")
@@ -971,9 +977,12 @@ def main():
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be >= 1")
     started = datetime.datetime.now()
-    out = Path(args.out) if args.out else RESULTS / started.strftime("%Y-%m-%d_%H%M%S")
+    stamp = started.strftime("%Y-%m-%d_%H%M%S")
+    # From an install prefix (not writable by the user) results go under the working directory.
+    results_root = RESULTS if os.access(BENCH_DIR, os.W_OK) else Path.cwd() / "torchpar-bench-results"
+    out = Path(args.out) if args.out else results_root / stamp
     cfg = Config(bin=Path(args.bin).resolve(), quick=args.quick, out=out.resolve(),
-                 rounds_override=args.rounds)
+                 rounds_override=args.rounds, cli=Path(args.cli).resolve() if args.cli else None)
     cfg.raw.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     command = shlex.join([sys.executable] + sys.argv)

@@ -41,3 +41,27 @@ execute_process(COMMAND ${WORK_DIR}/app/build/app RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "the outside app failed: ${rc}")
 endif()
+
+# The installed program starts from its prefix (install RPATH), and its subcommands find what
+# they need there: `info`, `run`, and `bench` (programs in libexec/torchpar, runner in share/).
+execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH
+                        ${WORK_DIR}/prefix/bin/torchpar info
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc)
+  message(FATAL_ERROR "installed torchpar info failed (${rc}): ${out}${err}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH
+                        ${WORK_DIR}/prefix/bin/torchpar run -n 2 -- /bin/sh -c "echo rank $RANK"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc OR NOT out MATCHES "rank 1")
+  message(FATAL_ERROR "installed torchpar run failed (${rc}): ${out}${err}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH --unset=TORCHPAR_BENCH_DIR
+                        ${WORK_DIR}/prefix/bin/torchpar bench --quick --only limits --rounds 1
+                        --out ${WORK_DIR}/bench
+                WORKING_DIRECTORY ${WORK_DIR}
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc OR NOT EXISTS ${WORK_DIR}/bench/report.md)
+  message(FATAL_ERROR "installed torchpar bench failed (${rc}): ${out}${err}")
+endif()
+message(STATUS "installed torchpar: info, run and bench work from ${WORK_DIR}/prefix")

@@ -63,6 +63,29 @@ try:
     check(code == 2 and "magic" in err and FILES[2] in err,
           f"wrong magic: exit {code}: {err.strip()[:160]}")
 
+    # ---- an unwritable --out is reported before training, not after
+    blocker = os.path.join(tmp, "a_file")
+    open(blocker, "w").close()
+    t0 = time.time()
+    code, so, err = train("--strategy", "single", "--limit", "600", "--out",
+                          os.path.join(blocker, "sub"))
+    check(code == 2 and "not writable" in err and "a_file" in err and "test accuracy" not in so,
+          f"unwritable --out: exit {code} before training: {err.strip()[:160]}")
+
+    # ---- shell metacharacters in every path option reach the program as they are
+    weird = "x'; touch INJECTED; echo '$(touch INJECTED2) \"q\" `touch INJECTED3`"
+    weird_data = os.path.join(tmp, "data " + weird)
+    os.symlink(DATA, weird_data)
+    code, so, err = train("--strategy", "single", "--limit", "600", "--batch-size", "64",
+                          "--data", weird_data, "--out", os.path.join(tmp, weird), timeout=300)
+    injected = [f for f in os.listdir(tmp) + os.listdir(os.getcwd()) if f.startswith("INJECTED")]
+    check(code == 0, f"metacharacters in --data/--out: exit {code}: {err.strip()[-200:]}")
+    check(not injected, f"metacharacters in paths ran nothing: {injected}")
+    check(os.path.exists(os.path.join(tmp, weird, "metrics.json")),
+          "metacharacters: metrics.json written under the literal --out")
+    check(os.path.exists(os.path.join(tmp, weird, "curves.png")),
+          "metacharacters: curves.png drawn (plot started with an argv)")
+
     # ---- a short run of each strategy
     for strategy in ("single", "hogwild", "ddp"):
         out = os.path.join(tmp, "run_" + strategy)

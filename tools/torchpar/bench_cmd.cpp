@@ -33,20 +33,30 @@ Command add_bench(CLI::App& app) {
   cmd->add_option("--rounds", o->rounds, "interleaved rounds per benchmark (default 5)")
       ->check(CLI::Range(1, 100));
   return [o] {
-    const std::filesystem::path bin = std::filesystem::read_symlink("/proc/self/exe").parent_path();
-    std::string runner;
-    if (const char* d = std::getenv("TORCHPAR_BENCH_DIR"))
-      runner = std::string(d) + "/run_bench.py";
+    // Where the runner and the benchmark programs are: TORCHPAR_BENCH_DIR, else an install
+    // prefix around this program (bin/ -> share/torchpar/bench, libexec/torchpar), else the
+    // build tree this program was built in (the programs sit beside it).
+    const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe");
+    const std::filesystem::path prefix = exe.parent_path().parent_path();
+    std::filesystem::path runner, bin = exe.parent_path();
+    if (const char* d = std::getenv("TORCHPAR_BENCH_DIR")) {
+      runner = std::filesystem::path(d) / "run_bench.py";
+    } else if (std::filesystem::exists(prefix / "share/torchpar/bench/run_bench.py")) {
+      runner = prefix / "share/torchpar/bench/run_bench.py";
+      bin = prefix / "libexec/torchpar";
+    }
 #ifdef TORCHPAR_SOURCE_BENCH_DIR
     if (runner.empty()) runner = TORCHPAR_SOURCE_BENCH_DIR "/run_bench.py";
 #endif
     if (runner.empty() || !std::filesystem::exists(runner)) {
       std::fprintf(stderr,
-                   "torchpar bench: cannot find run_bench.py (set TORCHPAR_BENCH_DIR to the "
-                   "bench/ directory of a torchpar source tree)\n");
+                   "torchpar bench: cannot find run_bench.py (looked in %s; set "
+                   "TORCHPAR_BENCH_DIR to the bench/ directory of a torchpar source tree)\n",
+                   (prefix / "share/torchpar/bench").c_str());
       return 2;
     }
-    std::vector<std::string> args = {"/usr/bin/python3", runner, "--bin", bin.string()};
+    std::vector<std::string> args = {"/usr/bin/python3", runner.string(), "--bin", bin.string(),
+                                     "--cli",           exe.string()};
     if (o->quick) args.push_back("--quick");
     if (!o->only.empty()) args.insert(args.end(), {"--only", o->only});
     if (!o->out.empty()) args.insert(args.end(), {"--out", o->out});
