@@ -49,6 +49,19 @@ std::string ctx_name(WorkerCtx& c, int) {
   return c.name + ":" + std::to_string(c.calls);
 }
 
+bool pid_running(int pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  char state = '?';
+  if (FILE* f = std::fopen(path, "r")) {
+    int read_pid = 0;
+    char comm[256];
+    if (std::fscanf(f, "%d %255s %c", &read_pid, comm, &state) != 3) state = '?';
+    std::fclose(f);
+  }
+  return state != '?' && state != 'Z' && state != 'X';
+}
+
 void failing_init(int) { throw std::runtime_error("initializer failed"); }
 
 void count_init(at::Tensor counter) {
@@ -223,6 +236,17 @@ TEST_P(PoolTest, CtxPoolContextsAreDistinctPerWorker) {
   EXPECT_EQ(names, (std::set<std::string>{"a", "b"}));
   EXPECT_GE(max_calls, 10) << "a context keeps its state across that worker's tasks";
   EXPECT_EQ(pool.apply(ctx_name, std::make_tuple(0)).size() > 2, true);
+}
+
+// Workers started by a thread that then ends stay alive (PR_SET_PDEATHSIG follows the
+// forking thread; before, they were killed when it ended and replaced).
+TEST_P(PoolTest, PoolMadeInAThreadThatEndsKeepsItsWorkers) {
+  std::unique_ptr<tp::Pool> pool;
+  std::thread([&] { pool = std::make_unique<tp::Pool>(options(2)); }).join();
+  const auto before = pool->pids();
+  EXPECT_EQ(pool->map(square, std::vector<int>{1, 2, 3, 4}, 1), (std::vector<int>{1, 4, 9, 16}));
+  for (int pid : before) EXPECT_TRUE(pid_running(pid)) << "worker " << pid << " was killed";
+  EXPECT_EQ(pool->pids(), before);
 }
 
 TEST_P(PoolTest, FailingInitializerFailsTasksInsteadOfHanging) {
