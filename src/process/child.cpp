@@ -6,6 +6,7 @@
 #include <c10/util/Type.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 
@@ -34,6 +35,22 @@ bool read_error_slot(const void* slot, std::string* type, std::string* message) 
   type->assign(s->data, t);
   message->assign(s->data + t, m);
   return true;
+}
+
+void print_child_error(const std::string& name, const std::string& type,
+                       const std::string& message) noexcept {
+  try {
+    std::fflush(stderr);
+    const std::string text = "Process " + (name.empty() ? std::string("?") : name) + ":\n" + type +
+                             ": " + message + "\n";
+    for (size_t off = 0; off < text.size();) {
+      const ssize_t n = ::write(2, text.data() + off, text.size() - off);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return;
+      off += static_cast<size_t>(n);
+    }
+  } catch (...) {
+  }
 }
 
 void set_child_threads(int threads) { at::set_num_threads(std::max(1, threads)); }

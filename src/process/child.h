@@ -33,17 +33,28 @@ void set_child_threads(int threads);
 /// runs the parent's atexit handlers or static destructors.
 [[noreturn]] void exit_child(int code) noexcept;
 
-/// Runs `body`, catching everything into the slot; returns the exit code (0 or 1).
+/// Prints "Process <name>:" and "<type>: <message>" to stderr, as Python prints a child's
+/// traceback. One write(2), so lines of children failing together do not interleave.
+void print_child_error(const std::string& name, const std::string& type,
+                       const std::string& message) noexcept;
+
+/// Runs `body`, catching everything into the slot and onto stderr; returns the exit code
+/// (0 or 1). `name` is read after `body` (spawn's body fills it from its launch record).
 template <class Body>
-int run_child_body(void* slot, Body&& body) noexcept {
+int run_child_body(void* slot, const std::string& name, Body&& body) noexcept {
+  std::string type, message;
   try {
     body();
     return 0;
   } catch (const std::exception& e) {
-    write_error_slot(slot, c10::demangle(typeid(e).name()), e.what());
+    type = c10::demangle(typeid(e).name());
+    message = e.what();
   } catch (...) {
-    write_error_slot(slot, "unknown exception", "a non-std::exception was thrown");
+    type = "unknown exception";
+    message = "a non-std::exception was thrown";
   }
+  write_error_slot(slot, type, message);
+  print_child_error(name, type, message);
   return 1;
 }
 

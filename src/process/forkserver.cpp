@@ -106,8 +106,11 @@ void run_forkserver(int sock) {
       if (slot == MAP_FAILED) exit_child(71);
       std::vector<UniqueFd> args;
       for (size_t i = 2; i < req.fds.size(); ++i) args.push_back(std::move(req.fds[i]));
-      const int code = run_child_body(slot, [&] {
-        run_launch_record(loads<LaunchRecord>(Payload{std::move(req.bytes), {}}), std::move(args));
+      std::string name;  // from the launch record, for the error report
+      const int code = run_child_body(slot, name, [&] {
+        auto rec = loads<LaunchRecord>(Payload{std::move(req.bytes), {}});
+        name = rec.name;
+        run_launch_record(std::move(rec), std::move(args));
       });
       exit_child(code);
     }
@@ -136,7 +139,7 @@ std::pair<int, UniqueFd> forkserver_start(const Payload& record, std::vector<int
                   [&] { return ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv); });
     UniqueFd mine(sv[0]), theirs(sv[1]);
     c.server_pid = exec_self({theirs.get()}, fmt::format("TORCHPAR_FORKSERVER={}", theirs.get()),
-                             "forkserver", /*die_with_parent=*/false);
+                             "forkserver");
     c.sock = std::move(mine);
   }
   int sv[2];

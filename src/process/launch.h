@@ -27,11 +27,10 @@ std::vector<std::string>& saved_argv();
 void run_launch_record(LaunchRecord rec, std::vector<UniqueFd> fds);
 
 /// fork+exec of this program with `env_entry` added to the environment and `keep` fds
-/// inherited; the child dies with its parent. Needs torchpar::init in main.
-/// `die_with_parent`: PR_SET_PDEATHSIG (off for the forkserver, which must outlive the
-/// thread that started it and exits by itself when its client goes away).
-int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what,
-              bool die_with_parent = true);
+/// inherited; the child dies with this process (PR_SET_PDEATHSIG; from a thread other than
+/// the main one the clone runs on a long-lived launcher thread, so the child outlives the
+/// calling thread). Needs torchpar::init in main.
+int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what);
 
 /// The forkserver: serves start requests on `sock` until its client goes away.
 [[noreturn]] void run_forkserver(int sock);

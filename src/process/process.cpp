@@ -12,7 +12,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -30,7 +34,6 @@ namespace detail {
 struct ProcessImpl {
   ProcessOptions options;
   LaunchSpec spec;
-  int index = 0;
   pid_t pid = -1;
   UniqueFd pidfd;
   std::optional<int> exitcode;
@@ -47,6 +50,86 @@ struct ProcessImpl {
 namespace {
 
 std::atomic<int> g_process_counter{0};
+
+// PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process.
+// Children forked from the main thread live as long as the process; a start from any other
+// thread forks on this one long-lived launcher thread instead (created on first use, never
+// joined; a forked child starts without one), so a child outlives the thread that started
+// it, as in Python, and still dies with the process.
+class Launcher {
+ public:
+  // Runs `fn` (a fork or clone and its bookkeeping) on the launcher thread and waits for it;
+  // its exception is rethrown here. Bounded: `fn` never blocks.
+  void run(std::function<void()> fn) {
+    std::packaged_task<void()> task(std::move(fn));
+    auto done = task.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!started_) {
+        std::thread([this] { loop(); }).detach();
+        started_ = true;
+      }
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+    done.get();
+  }
+  bool started() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return started_;
+  }
+
+ private:
+  [[noreturn]] void loop() {
+    for (;;) {
+      std::packaged_task<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return !queue_.empty(); });
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::packaged_task<void()>> queue_;
+  bool started_ = false;
+};
+
+std::atomic<Launcher*> g_launcher{nullptr};
+
+Launcher& launcher() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // A forked child has no launcher thread (only the forking thread survives a fork); its
+    // copy of the old one (and of its possibly held mutex) is abandoned, never used.
+    ::pthread_atfork(nullptr, nullptr, [] { g_launcher.store(nullptr); });
+  });
+  Launcher* l = g_launcher.load();
+  if (l == nullptr) {
+    auto* fresh = new Launcher();  // leaked: its thread lives until the process ends
+    if (g_launcher.compare_exchange_strong(l, fresh))
+      l = fresh;
+    else
+      delete fresh;  // another thread won; `l` is its launcher
+  }
+  return *l;
+}
+
+bool on_main_thread() { return ::syscall(SYS_gettid) == ::getpid(); }
+
+// Runs `fn` (which forks or clones) where the child's PDEATHSIG is tied to the process.
+void run_forking(const std::function<void()>& fn) {
+  if (on_main_thread())
+    fn();
+  else
+    launcher().run(fn);
+}
+
+// Threads of this process other than our launcher.
+int count_user_threads();
 
 int count_threads() {
   int n = 0;
@@ -70,6 +153,11 @@ UniqueFd make_slot(void** mapping) {
   return fd;
 }
 
+int count_user_threads() {
+  Launcher* l = g_launcher.load();
+  return count_threads() - (l != nullptr && l->started() ? 1 : 0);
+}
+
 int decode_status(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return -WTERMSIG(status);
@@ -77,28 +165,32 @@ int decode_status(int status) {
 }
 
 void start_fork(ProcessImpl& p) {
-  if (p.options.threads > 1 && count_threads() > 1)
+  const int threads = count_user_threads();
+  if (p.options.threads > 1 && threads > 1)
     throw Error(fmt::format(
         "start method 'fork' with {} intra-op threads per child is refused: this process already "
         "runs {} threads, and LibTorch/OpenMP thread pools deadlock in a forked child; use the "
         "'spawn' start method or threads=1",
-        p.options.threads, count_threads()));
+        p.options.threads, threads));
   void* slot = nullptr;
   UniqueFd slot_fd = make_slot(&slot);
   p.slot = slot;
   const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) throw_system_error("fork", errno, p.options.name);
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(1);
-    parent_releases_fork_refs();
-    const int code = run_child_body(slot, [&] {
-      set_child_threads(p.options.threads);
-      p.spec.direct();
-    });
-    exit_child(code);
-  }
+  pid_t pid = -1;
+  run_forking([&] {
+    pid = ::fork();
+    if (pid < 0) throw_system_error("fork", errno, p.options.name);
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+      parent_releases_fork_refs();
+      const int code = run_child_body(slot, p.options.name, [&] {
+        set_child_threads(p.options.threads);
+        p.spec.direct();
+      });
+      exit_child(code);
+    }
+  });
   claim_fork_refs(pid);
   p.fork_refs = true;
   p.pid = pid;
@@ -162,8 +254,7 @@ void start_forkserver(ProcessImpl& p, Payload record, const std::vector<int>& ar
 
 }  // namespace
 
-int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what,
-              bool die_with_parent) {
+int exec_self(const std::vector<int>& keep, const std::string& env_entry, const std::string& what) {
   if (!is_initialized())
     throw Error(
         "start methods 'spawn' and 'forkserver' need torchpar::init(argc, argv) as the "
@@ -185,19 +276,20 @@ int exec_self(const std::vector<int>& keep, const std::string& env_entry, const 
   const pid_t parent = ::getpid();
 
   // Raw clone: no atfork handlers (the child execs at once and takes no references).
-  const long pid = ::syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
-  if (pid < 0) throw_system_error("clone", errno, what);
-  if (pid == 0) {
-    if (die_with_parent) {
+  long pid = -1;
+  run_forking([&] {
+    pid = ::syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
+    if (pid < 0) throw_system_error("clone", errno, what);
+    if (pid == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != parent) ::_exit(1);
+      for (int fd : keep) ::fcntl(fd, F_SETFD, 0);
+      ::execve("/proc/self/exe", argv.data(), envp.data());
+      static const char msg[] = "torchpar: exec of /proc/self/exe failed in a child\n";
+      (void)!::write(2, msg, sizeof msg - 1);
+      ::_exit(127);
     }
-    for (int fd : keep) ::fcntl(fd, F_SETFD, 0);
-    ::execve("/proc/self/exe", argv.data(), envp.data());
-    static const char msg[] = "torchpar: exec of /proc/self/exe failed in a child\n";
-    (void)!::write(2, msg, sizeof msg - 1);
-    ::_exit(127);
-  }
+  });
   return static_cast<int>(pid);
 }
 
@@ -366,9 +458,8 @@ void Process::kill() {
 
 const std::string& Process::name() const { return impl_->options.name; }
 bool Process::daemon() const { return impl_->options.daemon; }
-void Process::set_index(int index) { impl_->index = index; }
-int Process::pidfd() const {
-  return impl_->status.valid() ? impl_->status.get() : impl_->pidfd.get();
+int detail::process_wait_fd(const Process& p) {
+  return p.impl_->status.valid() ? p.impl_->status.get() : p.impl_->pidfd.get();
 }
 
 std::optional<std::pair<std::string, std::string>> Process::error() const {

@@ -52,7 +52,8 @@ namespace {
   void* slot = ::mmap(nullptr, kErrorSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, slot_fd, 0);
   ::close(slot_fd);
   if (slot == MAP_FAILED) ::_exit(71);
-  const int code = run_child_body(slot, [&] {
+  std::string name;  // from the launch record, for the error report
+  const int code = run_child_body(slot, name, [&] {
     struct stat st {};
     if (::fstat(record_fd, &st) != 0) throw Error("spawned child: cannot stat its launch record");
     std::string bytes(static_cast<size_t>(st.st_size), '\0');
@@ -60,6 +61,7 @@ namespace {
       throw Error("spawned child: cannot read its launch record");
     ::close(record_fd);
     LaunchRecord rec = loads<LaunchRecord>(Payload{std::move(bytes), {}});
+    name = rec.name;
     std::vector<UniqueFd> fds;
     for (size_t i = 3; i < nums.size(); ++i) {
       const int fd = static_cast<int>(nums[i]);

@@ -54,6 +54,17 @@ void nested_spawn(int, at::Tensor out) {
   auto ctx = tp::spawn(write_slot, std::make_tuple(out, std::string("tag")), 2);
 }
 
+void throw_for_stderr(int) { throw std::invalid_argument("boom for stderr"); }
+
+// Waits (up to 30 s) until flags[0] is set, then sets flags[1] to 2.
+void wait_for_go(at::Tensor flags) {
+  auto* f = flags.data_ptr<int32_t>();
+  for (int i = 0; i < 30000 && std::atomic_ref<int32_t>(f[0]).load() == 0; ++i)
+    std::this_thread::sleep_for(1ms);
+  if (std::atomic_ref<int32_t>(f[0]).load() == 0) throw std::runtime_error("no go within 30 s");
+  std::atomic_ref<int32_t>(f[1]).store(2);
+}
+
 bool pid_gone(int pid) { return ::kill(pid, 0) != 0 && errno == ESRCH; }
 
 }  // namespace
@@ -157,6 +168,52 @@ TEST_P(StartMethods, NestedSpawn) {
   tp::share_memory_(t);
   tp::start_processes(nested_spawn, std::make_tuple(t), 1, opts());
   EXPECT_TRUE(at::equal(t, at::arange(1, 3, at::kFloat)));
+}
+
+// A child started from a thread that then ends lives on and finishes normally (before,
+// PR_SET_PDEATHSIG killed fork and spawn children when the starting thread exited).
+TEST_P(StartMethods, ChildOutlivesTheThreadThatStartedIt) {
+  at::Tensor flags = at::zeros({2}, at::kInt);
+  tp::share_memory_(flags);
+  tp::ProcessOptions po;
+  po.start_method = tp::start_method_from_string(GetParam());
+  tp::Process p(po, wait_for_go, flags);
+  std::thread([&] { p.start(); }).join();
+  std::atomic_ref<int32_t>(flags.data_ptr<int32_t>()[0]).store(1);
+  ASSERT_TRUE(p.join(60s));
+  EXPECT_EQ(p.exitcode(), 0);
+  EXPECT_EQ(flags[1].item<int32_t>(), 2);
+}
+
+// A child whose target throws prints its name, the exception type and message on its
+// stderr, as Python prints the traceback (before: nothing). The forkserver's children
+// write to the server's stderr, fixed when it started, so that method is not captured here.
+TEST_P(StartMethods, ChildExceptionIsPrintedOnItsStderr) {
+  if (GetParam() == "forkserver") GTEST_SKIP() << "stderr is the forkserver's";
+  char path[] = "/tmp/torchpar_stderr_XXXXXX";
+  const int fd = ::mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ::unlink(path);
+  tp::ProcessOptions po;
+  po.start_method = tp::start_method_from_string(GetParam());
+  po.name = "Thrower";
+  tp::Process p(po, throw_for_stderr, 0);
+  std::fflush(stderr);
+  const int saved = ::dup(2);
+  ::dup2(fd, 2);
+  p.start();
+  ::dup2(saved, 2);
+  ::close(saved);
+  ASSERT_TRUE(p.join(30s));
+  EXPECT_EQ(p.exitcode(), 1);
+  std::string text(4096, '\0');
+  const ssize_t n = ::pread(fd, text.data(), text.size(), 0);
+  ::close(fd);
+  text.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  EXPECT_NE(text.find("Process Thrower:"), std::string::npos) << text;
+  EXPECT_NE(text.find("invalid_argument: boom for stderr"), std::string::npos) << text;
+  ASSERT_TRUE(p.error().has_value()) << "still recorded in the error slot";
+  EXPECT_EQ(p.error()->second, "boom for stderr");
 }
 
 TORCHPAR_INSTANTIATE_FOR_START_METHODS(StartMethods);

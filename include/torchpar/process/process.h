@@ -115,12 +115,20 @@ struct ProcessImpl;
 
 }  // namespace detail
 
+class Process;
+namespace detail {
+/// A fd that becomes readable when `p` exits (its pidfd, or the forkserver's status
+/// channel); -1 if none. For ProcessContext::join's poll.
+int process_wait_fd(const Process& p);
+}  // namespace detail
+
 /// A child process running `target(args...)`.
 ///
 /// Lifetime: the destructor of a started, un-joined Process kills (SIGKILL) and reaps a
 /// daemon child, and waits for a non-daemon one (as Python waits for non-daemonic children
-/// at exit). Children always die with their parent (PR_SET_PDEATHSIG, sent when the thread
-/// that started them exits, so start children from a long-lived thread).
+/// at exit). Children always die with their parent process (PR_SET_PDEATHSIG; a start from a
+/// thread other than the main one forks on a long-lived launcher thread, so a child
+/// outlives the thread that started it, as in Python).
 /// Safety: one thread uses a Process object at a time; separate objects are independent.
 /// Errors: start() throws torchpar::Error for a second start, spawn without init() or a
 /// target that cannot be spawned, SystemError when fork/exec resources run out.
@@ -156,14 +164,12 @@ class Process {
   void kill();
   const std::string& name() const;
   bool daemon() const;
-  /// Error the child raised, if it ended by an exception: {type, message}.
+  /// Error the child raised, if it ended by an exception: {type, message}. The child also
+  /// prints "Process <name>:" and "<type>: <message>" on its stderr.
   std::optional<std::pair<std::string, std::string>> error() const;
-  /// Index reported in ProcessRaisedException/ProcessExitedException (spawn's i).
-  void set_index(int index);
-  /// Waits for readiness of exit: the pidfd (readable when the child exits), -1 if none.
-  int pidfd() const;
 
  private:
+  friend int detail::process_wait_fd(const Process& p);
   void finish() noexcept;  // kill a daemon, then join: what the destructor does
   std::unique_ptr<detail::ProcessImpl> impl_;
 };
