@@ -4,7 +4,7 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
-#include "liveness.h"
+#include "core/liveness.h"
 #include "torchpar/core/error.h"
 #include "work.h"
 

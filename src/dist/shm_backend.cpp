@@ -17,9 +17,10 @@
 #include <fstream>
 #include <thread>
 
-#include "../ipc/futex.h"
+#include "core/cpu_relax.h"
+#include "core/futex.h"
 #include "../shm/cleaner.h"
-#include "liveness.h"
+#include "core/liveness.h"
 #include "reduce_kernels.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
@@ -452,7 +453,7 @@ class ShmBackend final : public GroupBackend {
     if (reached(seq.load(std::memory_order_acquire), target)) return;
     if (spin_) {
       for (int i = 0; i < 20000; ++i) {
-        __builtin_ia32_pause();
+        cpu_relax();
         if (reached(seq.load(std::memory_order_acquire), target)) return;
       }
     }

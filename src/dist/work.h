@@ -7,7 +7,7 @@
 #include <functional>
 #include <mutex>
 
-#include "../ipc/futex.h"
+#include "core/futex.h"
 #include "torchpar/dist/collective_group.h"
 
 namespace torchpar {

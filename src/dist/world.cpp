@@ -21,7 +21,7 @@
 #include <thread>
 
 #include "gloo_backend.h"
-#include "liveness.h"
+#include "core/liveness.h"
 #include "shm_backend.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"

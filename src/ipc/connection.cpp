@@ -56,6 +56,7 @@ std::string Connection::recv_bytes(std::optional<std::chrono::duration<double>> 
 }
 
 bool Connection::poll(std::chrono::duration<double> timeout) {
+  if (!readable_) throw Error("Connection is write-only: poll() needs a readable end");
   struct pollfd pfd {
     fileno(), POLLIN, 0
   };

@@ -1,11 +1,7 @@
 #include "torchpar/ipc/shm_queue.h"
 
-#include <fcntl.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -14,8 +10,11 @@
 
 #include <fmt/format.h>
 
-#include "../shm/cleaner.h"
-#include "../shm/segment.h"
+#include "core/cpu_relax.h"
+#include "core/futex.h"
+#include "core/robust_mutex.h"
+#include "shm/cleaner.h"
+#include "shm/segment.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/serialize.h"
@@ -41,7 +40,6 @@ struct QueueControl {
   uint64_t maxsize;     // 0: unbounded
   int64_t unfinished;   // put minus task_done
   int32_t creator_pid;  // large messages are named under its prefix
-  uint64_t spill_counter;
 };
 
 namespace {
@@ -50,51 +48,19 @@ constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint8_t kInline = 0, kSpilled = 1;
 constexpr int kSpinIterations = 2000;  // ~ tens of microseconds before sleeping
 
-using Clock = std::chrono::steady_clock;
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 std::atomic_ref<uint32_t> word(uint32_t& w) { return std::atomic_ref<uint32_t>(w); }
 std::atomic_ref<uint64_t> word64(uint64_t& w) { return std::atomic_ref<uint64_t>(w); }
 
-// Waits while *addr == expected, at most until `deadline` (none: forever).
-void futex_wait(uint32_t* addr, uint32_t expected,
-                const std::optional<Clock::time_point>& deadline) {
-  struct timespec ts {};
-  struct timespec* tsp = nullptr;
-  if (deadline) {
-    auto left = *deadline - Clock::now();
-    if (left <= Clock::duration::zero()) return;
-    // Cap each sleep so a lost wake-up (a peer killed between bump and wake) costs at most 100 ms.
-    left = std::min<Clock::duration>(left, std::chrono::milliseconds(100));
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
-    ts.tv_sec = ns / 1000000000;
-    ts.tv_nsec = ns % 1000000000;
-    tsp = &ts;
-  } else {
-    ts.tv_nsec = 100 * 1000 * 1000;
-    tsp = &ts;
-  }
-  ::syscall(SYS_futex, addr, FUTEX_WAIT, expected, tsp, nullptr, 0);
-}
+// How long a non-blocking call (timeout 0: get_nowait, put_nowait) waits for the queue's
+// internal lock, which a running peer holds for a memcpy at most. A stopped or hung holder
+// makes the call raise Empty/Full after this instead of blocking.
+constexpr auto kNowaitLockWait = std::chrono::milliseconds(10);
 
-void futex_wake(uint32_t* addr, int n) {
-  ::syscall(SYS_futex, addr, FUTEX_WAKE, n, nullptr, nullptr, 0);
+// The deadline for the internal lock: the call's own, or kNowaitLockWait for timeout 0.
+Deadline lock_deadline_of(const ShmQueue::Timeout& t, const Deadline& deadline) {
+  if (t && t->count() <= 0) return SteadyClock::now() + kNowaitLockWait;
+  return deadline;
 }
-
-std::optional<Clock::time_point> deadline_of(const ShmQueue::Timeout& t) {
-  if (!t) return std::nullopt;
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::max(*t, std::chrono::duration<double>(0)));
-}
-
-bool expired(const std::optional<Clock::time_point>& d) { return d && Clock::now() >= *d; }
 
 void ring_write(char* ring, uint64_t cap, uint64_t pos, const void* src, uint64_t n) {
   const uint64_t off = pos % cap;
@@ -127,96 +93,67 @@ void repair(QueueControl* c, const char* ring) {
   c->count = n;
 }
 
-class Lock {
+// The queue's internal robust mutex, taken until `deadline`. A process that died holding
+// it: data is copied before the tail/head store that commits it, so recount the committed
+// messages before the mutex is marked usable again.
+class Lock : public RobustLock {
  public:
-  explicit Lock(QueueControl* c) : c_(c) {
-    const int r = ::pthread_mutex_lock(&c_->mu);
-    if (r == EOWNERDEAD) {
-      // A process died holding the lock. Data is copied before the tail/head store that
-      // commits it; recount the committed messages, then mark the mutex usable.
-      repair(c_, reinterpret_cast<const char*>(c_) + kHeaderBytes);
-      ::pthread_mutex_consistent(&c_->mu);
-    } else if (r != 0) {
-      throw_system_error("pthread_mutex_lock", r, "queue");
-    }
-  }
-  ~Lock() { ::pthread_mutex_unlock(&c_->mu); }
-  Lock(const Lock&) = delete;
-  Lock& operator=(const Lock&) = delete;
-
- private:
-  QueueControl* c_;
+  Lock(QueueControl* c, const Deadline& deadline)
+      : RobustLock(&c->mu, deadline,
+                   [c] { repair(c, reinterpret_cast<const char*>(c) + kHeaderBytes); }) {}
+  explicit Lock(QueueControl* c) : Lock(c, std::nullopt) {}
 };
 
-std::string spill_name(int creator, uint64_t n) {
-  return fmt::format("/{}q{:x}", segment_prefix(creator), n);
+const char* const kLockHeld =
+    "its internal lock is held by a process that did not release it in time (stopped?)";
+
+// Unique per process: the sender's pid and a process-wide counter (a per-queue counter
+// collided between two queues of one process). The creator's prefix keeps the name under
+// its cleaner, which unlinks messages nobody got.
+std::string spill_name(int creator) {
+  static std::atomic<uint64_t> counter{0};
+  return fmt::format("/{}q{:x}_{:x}", segment_prefix(creator), ::getpid(),
+                     counter.fetch_add(1, std::memory_order_relaxed));
 }
 
-void write_spill(const std::string& name, const std::string& bytes) {
-  const int fd = retry_eintr(
-      [&] { return ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600); });
-  if (fd < 0) throw ShmError("shm_open", errno, name, "queue message spill");
-  UniqueFd owner(fd);
-  const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(std::max<size_t>(bytes.size(), 1)));
-  if (err != 0) {
-    ::shm_unlink(name.c_str());
-    throw ShmError(
-        "posix_fallocate", err, "/dev/shm",
-        fmt::format("queue message of {} does not fit (free {})", format_bytes(bytes.size()),
-                    format_bytes(shm_bytes_free(SharingStrategy::kFileSystem))));
-  }
-  if (!bytes.empty()) {
-    void* p = ::mmap(nullptr, bytes.size(), PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-      ::shm_unlink(name.c_str());
-      throw ShmError("mmap", errno, name);
+// Writes `bytes` to a new named segment under the creator's prefix; returns its name.
+std::string write_spill(int creator, const std::string& bytes) {
+  for (int attempt = 0;; ++attempt) {
+    std::string name = spill_name(creator);
+    try {
+      ShmRegion r = ShmRegion::create_named(name, bytes.size());
+      std::memcpy(r.data(), bytes.data(), bytes.size());
+      return name;
+    } catch (const ShmError& e) {
+      // A leftover of a dead process with our pid: take the next number.
+      if (e.error_code() != EEXIST || attempt >= 100) throw;
     }
-    std::memcpy(p, bytes.data(), bytes.size());
-    ::munmap(p, bytes.size());
   }
 }
 
 std::string read_spill(const std::string& name) {
-  if (name.rfind("/torchpar_", 0) != 0 || name.find('/', 1) != std::string::npos)
-    throw Error("queue ring corrupted (bad spill name)");
-  const int fd = retry_eintr([&] { return ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0); });
-  if (fd < 0)
-    throw ShmError("shm_open", errno, name,
+  ShmRegion r;
+  try {
+    r = ShmRegion::open_named(name, /*writable=*/false);
+  } catch (const ShmError& e) {
+    if (e.error_code() != ENOENT) throw;
+    throw ShmError("shm_open", ENOENT, name,
                    "a large queue message is gone (was the queue's creating process killed?)");
-  UniqueFd owner(fd);
-  ::shm_unlink(name.c_str());  // one getter per message: the name is no longer needed
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) throw ShmError("fstat", errno, name);
-  std::string out(static_cast<size_t>(st.st_size), '\0');
-  if (!out.empty()) {
-    void* p = ::mmap(nullptr, out.size(), PROT_READ, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) throw ShmError("mmap", errno, name);
-    std::memcpy(out.data(), p, out.size());
-    ::munmap(p, out.size());
   }
-  return out;
+  ::shm_unlink(name.c_str());  // one getter per message: the name is no longer needed
+  return std::string(r.data(), r.size());
 }
 
 }  // namespace
 
 ShmQueue::ShmQueue(uint64_t maxsize, uint64_t capacity_bytes) {
   TORCH_CHECK(capacity_bytes >= 4096, "queue capacity must be at least 4096 bytes");
-  map_bytes_ = kHeaderBytes + capacity_bytes;
-  fd_.reset(check_syscall("memfd_create", "queue",
-                          [] { return ::memfd_create("torchpar-queue", MFD_CLOEXEC); }));
-  const int err = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(map_bytes_));
-  if (err != 0) throw ShmError("posix_fallocate", err, "queue", format_bytes(map_bytes_));
-  void* p = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
-  if (p == MAP_FAILED) throw ShmError("mmap", errno, "queue");
-  ctl_ = static_cast<QueueControl*>(p);
-  ring_ = static_cast<char*>(p) + kHeaderBytes;
+  region_ = std::make_unique<ShmRegion>(
+      ShmRegion::create_memfd(kHeaderBytes + capacity_bytes, "torchpar-queue"));
+  ctl_ = reinterpret_cast<QueueControl*>(region_->data());
+  ring_ = region_->data() + kHeaderBytes;
   std::memset(ctl_, 0, sizeof(QueueControl));
-  pthread_mutexattr_t attr;
-  ::pthread_mutexattr_init(&attr);
-  ::pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-  ::pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-  ::pthread_mutex_init(&ctl_->mu, &attr);
-  ::pthread_mutexattr_destroy(&attr);
+  init_robust_mutex(&ctl_->mu);
   ctl_->capacity = capacity_bytes;
   ctl_->maxsize = maxsize;
   ctl_->creator_pid = static_cast<int32_t>(::getpid());
@@ -224,25 +161,23 @@ ShmQueue::ShmQueue(uint64_t maxsize, uint64_t capacity_bytes) {
   ctl_->magic = kQueueMagic;
 }
 
-ShmQueue::ShmQueue(UniqueFd fd) : fd_(std::move(fd)) {
-  struct stat st {};
-  if (::fstat(fd_.get(), &st) != 0) throw ShmError("fstat", errno, "queue");
-  map_bytes_ = static_cast<uint64_t>(st.st_size);
-  if (map_bytes_ < kHeaderBytes + 4096) throw SerializationError("not a torchpar queue segment");
-  void* p = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
-  if (p == MAP_FAILED) throw ShmError("mmap", errno, "queue");
-  ctl_ = static_cast<QueueControl*>(p);
-  ring_ = static_cast<char*>(p) + kHeaderBytes;
-  if (ctl_->magic != kQueueMagic || ctl_->capacity != map_bytes_ - kHeaderBytes) {
-    ::munmap(p, map_bytes_);
-    ctl_ = nullptr;
-    throw SerializationError("not a torchpar queue segment");
+ShmQueue::ShmQueue(UniqueFd fd) {
+  try {
+    region_ = std::make_unique<ShmRegion>(
+        ShmRegion::open_fd(std::move(fd), kHeaderBytes + 4096, "torchpar-queue"));
+  } catch (const ShmError& e) {
+    if (e.error_code() != EINVAL) throw;
+    throw SerializationError(e.what_without_backtrace());  // a payload carrying a bad fd
   }
+  ctl_ = reinterpret_cast<QueueControl*>(region_->data());
+  ring_ = region_->data() + kHeaderBytes;
+  if (ctl_->magic != kQueueMagic || ctl_->capacity != region_->size() - kHeaderBytes)
+    throw SerializationError("not a torchpar queue segment");
 }
 
-ShmQueue::~ShmQueue() {
-  if (ctl_ != nullptr) ::munmap(ctl_, map_bytes_);
-}
+ShmQueue::~ShmQueue() = default;
+
+int ShmQueue::fd() const { return region_->fd(); }
 
 void ShmQueue::put(const std::string& bytes, Timeout timeout) {
   // A message too large for the ring travels in a named shared-memory file and the ring
@@ -253,13 +188,13 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
   const std::string* msg = &bytes;
   uint8_t kind = kInline;
   if (bytes.size() + 9 > ctl_->capacity / 4) {
-    spilled = spill_name(ctl_->creator_pid, word64(ctl_->spill_counter).fetch_add(1));
-    write_spill(spilled, bytes);
+    spilled = write_spill(ctl_->creator_pid, bytes);
     msg = &spilled;
     kind = kSpilled;
   }
   const uint64_t need = 8 + 1 + msg->size();
-  const auto deadline = deadline_of(timeout);
+  const Deadline deadline = deadline_after(timeout);
+  const Deadline lock_deadline = lock_deadline_of(timeout, deadline);
   // If the put fails, nobody will read the spill file: remove it.
   struct SpillGuard {
     const std::string* spilled;
@@ -272,7 +207,8 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
   for (;;) {
     uint32_t seen;
     {
-      Lock lock(ctl_);
+      Lock lock(ctl_, lock_deadline);
+      if (!lock.locked()) throw Full(fmt::format("queue full: {}", kLockHeld));
       if (ctl_->closed) throw ClosedError("put on a closed queue");
       const bool full_items = ctl_->maxsize != 0 && ctl_->count >= ctl_->maxsize;
       const bool full_bytes = ctl_->capacity - (ctl_->tail - ctl_->head) < need;
@@ -285,18 +221,17 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
         word64(ctl_->count).store(ctl_->count + 1);
         ++ctl_->unfinished;
         word(ctl_->seq_put).fetch_add(1);
-        const bool wake = ctl_->sleeping_getters != 0;
-        if (wake) futex_wake(&ctl_->seq_put, 1);
+        if (word(ctl_->sleeping_getters).load() != 0) futex_wake_n(&ctl_->seq_put, 1);
         guard.done = true;
         return;
       }
-      if (timeout && (timeout->count() <= 0 || expired(deadline)))
+      if (timeout && (timeout->count() <= 0 || past(deadline)))
         throw Full(ctl_->maxsize != 0 && full_items
                        ? fmt::format("queue full ({} items)", ctl_->maxsize)
                        : fmt::format("queue full ({} of its {} bytes in use)",
                                      ctl_->tail - ctl_->head, ctl_->capacity));
       seen = word(ctl_->seq_get).load();
-      if (spins >= kSpinIterations) ++ctl_->sleeping_putters;
+      if (spins >= kSpinIterations) word(ctl_->sleeping_putters).fetch_add(1);
     }
     if (spins < kSpinIterations) {
       while (spins < kSpinIterations && word(ctl_->seq_get).load() == seen &&
@@ -306,21 +241,22 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
       }
       continue;
     }
-    futex_wait(&ctl_->seq_get, seen, deadline);
-    Lock lock(ctl_);
-    --ctl_->sleeping_putters;
+    futex_wait_until(&ctl_->seq_get, seen, deadline);
+    word(ctl_->sleeping_putters).fetch_sub(1);  // atomic: no lock needed (it may be held)
   }
 }
 
 std::string ShmQueue::get(Timeout timeout) {
-  const auto deadline = deadline_of(timeout);
+  const Deadline deadline = deadline_after(timeout);
+  const Deadline lock_deadline = lock_deadline_of(timeout, deadline);
   int spins = 0;
   std::string out;
   uint8_t kind = kInline;
   for (;;) {
     uint32_t seen;
     {
-      Lock lock(ctl_);
+      Lock lock(ctl_, lock_deadline);
+      if (!lock.locked()) throw Empty(fmt::format("queue empty: {}", kLockHeld));
       if (ctl_->count > 0) {
         uint64_t len = 0;
         ring_read(ring_, ctl_->capacity, ctl_->head, &len, 8);
@@ -332,13 +268,13 @@ std::string ShmQueue::get(Timeout timeout) {
         word64(ctl_->head).store(ctl_->head + 8 + len);
         word64(ctl_->count).store(ctl_->count - 1);
         word(ctl_->seq_get).fetch_add(1);
-        if (ctl_->sleeping_putters != 0) futex_wake(&ctl_->seq_get, 1);
+        if (word(ctl_->sleeping_putters).load() != 0) futex_wake_n(&ctl_->seq_get, 1);
         break;
       }
       if (ctl_->closed) throw ClosedError("get on a closed, empty queue");
-      if (timeout && (timeout->count() <= 0 || expired(deadline))) throw Empty("queue empty");
+      if (timeout && (timeout->count() <= 0 || past(deadline))) throw Empty("queue empty");
       seen = word(ctl_->seq_put).load();
-      if (spins >= kSpinIterations) ++ctl_->sleeping_getters;
+      if (spins >= kSpinIterations) word(ctl_->sleeping_getters).fetch_add(1);
     }
     if (spins < kSpinIterations) {
       while (spins < kSpinIterations && word(ctl_->seq_put).load() == seen &&
@@ -348,9 +284,8 @@ std::string ShmQueue::get(Timeout timeout) {
       }
       continue;
     }
-    futex_wait(&ctl_->seq_put, seen, deadline);
-    Lock lock(ctl_);
-    --ctl_->sleeping_getters;
+    futex_wait_until(&ctl_->seq_put, seen, deadline);
+    word(ctl_->sleeping_getters).fetch_sub(1);
   }
   if (kind == kSpilled) return read_spill(out);
   return out;
@@ -367,9 +302,9 @@ void ShmQueue::close() {
     word(ctl_->seq_get).fetch_add(1);
     word(ctl_->seq_done).fetch_add(1);
   }
-  futex_wake(&ctl_->seq_put, INT32_MAX);
-  futex_wake(&ctl_->seq_get, INT32_MAX);
-  futex_wake(&ctl_->seq_done, INT32_MAX);
+  futex_wake_n(&ctl_->seq_put, INT32_MAX);
+  futex_wake_n(&ctl_->seq_get, INT32_MAX);
+  futex_wake_n(&ctl_->seq_done, INT32_MAX);
 }
 
 bool ShmQueue::closed() const { return word(ctl_->closed).load() != 0; }
@@ -379,22 +314,28 @@ void ShmQueue::task_done() {
   if (ctl_->unfinished <= 0) throw Error("task_done() called more times than there were items");
   if (--ctl_->unfinished == 0) {
     word(ctl_->seq_done).fetch_add(1);
-    futex_wake(&ctl_->seq_done, INT32_MAX);
+    futex_wake_n(&ctl_->seq_done, INT32_MAX);
   }
 }
 
 bool ShmQueue::join(Timeout timeout) {
-  const auto deadline = deadline_of(timeout);
+  const Deadline deadline = deadline_after(timeout);
   for (;;) {
     uint32_t seen;
     {
-      Lock lock(ctl_);
+      Lock lock(ctl_, deadline);
+      if (!lock.locked()) return false;
       if (ctl_->unfinished <= 0) return true;  // closing does not end a join: consumers may drain
-      if (expired(deadline)) return false;
+      if (past(deadline)) return false;
       seen = word(ctl_->seq_done).load();
     }
-    futex_wait(&ctl_->seq_done, seen, deadline);
+    futex_wait_until(&ctl_->seq_done, seen, deadline);
   }
+}
+
+void ShmQueue::hold_lock_for_test(const std::function<void()>& while_held) {
+  Lock lock(ctl_);
+  while_held();
 }
 
 }  // namespace torchpar::detail

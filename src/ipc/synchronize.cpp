@@ -1,14 +1,14 @@
 #include "torchpar/ipc/synchronize.h"
 
 #include <pthread.h>
-#include <time.h>
 
 #include <atomic>
 #include <cstring>
 
 #include <fmt/format.h>
 
-#include "futex.h"
+#include "core/futex.h"
+#include "core/robust_mutex.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/archive.h"
 
@@ -35,10 +35,16 @@ struct EventState {
   uint32_t flag;  // futex word
 };
 
+// One futex word: waiters not yet notified (high 16 bits) and wake tickets notify issued
+// but no waiter took yet (low 16 bits). notify(n) turns up to n waiters into tickets in one
+// atomic step; a waiter leaves by taking a ticket (notified) or, on timeout, by removing
+// itself from the waiters; so notify(n) wakes exactly min(n, waiting) waiters.
 struct CondState {
   uint32_t magic;
-  uint32_t seq;  // futex word, bumped by notify
+  uint32_t state;
 };
+constexpr uint32_t kCondWaiter = 1u << 16;
+constexpr uint32_t kCondTickets = kCondWaiter - 1;
 
 struct BarrierState {
   uint32_t magic;
@@ -57,42 +63,10 @@ S* state(const std::shared_ptr<SharedPage>& p) {
   return static_cast<S*>(p->data());
 }
 
-void init_mutex(pthread_mutex_t* m, bool recursive) {
-  pthread_mutexattr_t attr;
-  ::pthread_mutexattr_init(&attr);
-  ::pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-  ::pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-  if (recursive) ::pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
-  ::pthread_mutex_init(m, &attr);
-  ::pthread_mutexattr_destroy(&attr);
-}
-
 // Returns {acquired, owner_died}.
 std::pair<bool, bool> lock_mutex(pthread_mutex_t* m, Timeout timeout) {
-  int r;
-  if (!timeout) {
-    r = ::pthread_mutex_lock(m);
-  } else if (timeout->count() <= 0) {
-    r = ::pthread_mutex_trylock(m);
-  } else {
-    struct timespec ts {};
-    ::clock_gettime(CLOCK_MONOTONIC, &ts);
-    const auto ns = static_cast<int64_t>(timeout->count() * 1e9);
-    ts.tv_sec += ns / 1000000000;
-    ts.tv_nsec += ns % 1000000000;
-    if (ts.tv_nsec >= 1000000000) {
-      ts.tv_sec += 1;
-      ts.tv_nsec -= 1000000000;
-    }
-    r = ::pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
-  }
-  if (r == 0) return {true, false};
-  if (r == EOWNERDEAD) {
-    ::pthread_mutex_consistent(m);
-    return {true, true};
-  }
-  if (r == EBUSY || r == ETIMEDOUT) return {false, false};
-  throw_system_error("pthread_mutex_lock", r, "Lock");
+  const LockStatus st = lock_robust(m, deadline_after(timeout));
+  return {st != LockStatus::kTimedOut, st == LockStatus::kOwnerDied};
 }
 
 template <class S>
@@ -115,7 +89,7 @@ Lock::Lock() : Lock(false) {}
 Lock::Lock(bool recursive)
     : page_(detail::SharedPage::create(sizeof(detail::MutexState), "torchpar-lock")) {
   auto* s = state<detail::MutexState>(page_);
-  detail::init_mutex(&s->mu, recursive);
+  detail::init_robust_mutex(&s->mu, recursive);
   s->magic = detail::kMagic;
 }
 RLock::RLock() : Lock(true) {}
@@ -233,11 +207,32 @@ Condition::Condition(Lock lock)
 bool Condition::wait(Timeout timeout) {
   auto* s = state<detail::CondState>(page_);
   const auto deadline = detail::deadline_after(timeout);
-  const uint32_t seen = word(s->seq).load();
+  // Registered while the lock is held: a notify after our caller's check sees us.
+  uint32_t w = word(s->state).load();
+  do {
+    if ((w >> 16) == 0xffff) throw Error("Condition: more than 65535 waiters");
+  } while (!word(s->state).compare_exchange_weak(w, w + detail::kCondWaiter));
   const uint32_t depth = lock_.release_all();  // an RLock held recursively is fully released
   bool notified = false;
-  while (!(notified = word(s->seq).load() != seen) && !detail::past(deadline))
-    detail::futex_wait_until(&s->seq, seen, deadline);
+  for (;;) {
+    w = word(s->state).load();
+    if ((w & detail::kCondTickets) != 0) {
+      if (word(s->state).compare_exchange_weak(w, w - 1)) {
+        notified = true;
+        break;
+      }
+      continue;
+    }
+    if (detail::past(deadline)) {
+      // Leave as a waiter. None left means a notify already counted us: its ticket comes.
+      if ((w >> 16) != 0 && word(s->state).compare_exchange_weak(w, w - detail::kCondWaiter)) break;
+      if ((w >> 16) == 0)
+        detail::futex_wait_until(&s->state, w,
+                                 detail::deadline_after(std::chrono::milliseconds(10)));
+      continue;
+    }
+    detail::futex_wait_until(&s->state, w, deadline);
+  }
   lock_.acquire_n(depth);
   return notified;
 }
@@ -259,8 +254,14 @@ bool Condition::wait_for(const std::function<bool()>& pred, Timeout timeout) {
 
 void Condition::notify(int n) {
   auto* s = state<detail::CondState>(page_);
-  word(s->seq).fetch_add(1);
-  detail::futex_wake_n(&s->seq, n);
+  if (n <= 0) return;
+  uint32_t w = word(s->state).load();
+  uint32_t k = 0;
+  do {
+    k = std::min<uint32_t>(static_cast<uint32_t>(n), w >> 16);
+    if (k == 0) return;  // nobody waits: a notify is not remembered (as in Python)
+  } while (!word(s->state).compare_exchange_weak(w, w - k * detail::kCondWaiter + k));
+  detail::futex_wake_n(&s->state, static_cast<int>(k));
 }
 
 void Condition::notify_all() { notify(INT32_MAX); }
@@ -282,7 +283,7 @@ Barrier::Barrier(uint32_t parties, std::function<void()> action, Timeout timeout
       default_timeout_(timeout) {
   TORCH_CHECK(parties >= 1, "Barrier needs at least one party");
   auto* s = state<detail::BarrierState>(page_);
-  detail::init_mutex(&s->mu, false);
+  detail::init_robust_mutex(&s->mu, false);
   s->parties = parties;
   s->magic = detail::kMagic;
 }
@@ -295,11 +296,25 @@ void break_round(detail::BarrierState* s) {
   detail::futex_wake_n(&s->generation, INT32_MAX);
 }
 
+// The barrier's mutex, until `deadline`: a party stopped while holding it makes a waiter
+// with a timeout raise BrokenBarrierError instead of hanging.
 struct MutexLock {
-  explicit MutexLock(pthread_mutex_t* m) : m_(m) { detail::lock_mutex(m_, std::nullopt); }
-  ~MutexLock() { ::pthread_mutex_unlock(m_); }
-  pthread_mutex_t* m_;
+  MutexLock(pthread_mutex_t* m, const detail::Deadline& deadline) : lock_(m, deadline) {
+    if (!lock_.locked())
+      throw BrokenBarrierError(
+          "barrier wait timed out: its lock is held by a process that did not release it "
+          "(stopped?)");
+  }
+  explicit MutexLock(pthread_mutex_t* m) : MutexLock(m, std::nullopt) {}
+  detail::RobustLock lock_;
 };
+
+// `d`, but at least 100 ms from now: for the short critical sections a waiter needs after
+// its round ended or its deadline passed.
+detail::Deadline with_grace(const detail::Deadline& d) {
+  if (!d) return d;
+  return std::max(*d, detail::SteadyClock::now() + std::chrono::milliseconds(100));
+}
 }  // namespace
 
 uint32_t Barrier::wait(Timeout timeout) {
@@ -308,7 +323,7 @@ uint32_t Barrier::wait(Timeout timeout) {
   const auto deadline = detail::deadline_after(timeout);
   uint32_t gen, index;
   {
-    MutexLock lock(&s->mu);
+    MutexLock lock(&s->mu, deadline);
     if (s->broken) throw BrokenBarrierError("the barrier is broken");
     gen = s->generation;
     index = s->count++;
@@ -331,14 +346,14 @@ uint32_t Barrier::wait(Timeout timeout) {
   }
   for (;;) {
     if (word(s->generation).load() != gen) {
-      MutexLock lock(&s->mu);
+      MutexLock lock(&s->mu, with_grace(deadline));
       // Judge our own round only: later rounds may break (or not) on their own.
       if (s->broken_rounds[gen % 16] == gen + 1)
         throw BrokenBarrierError("the barrier was broken while waiting");
       return index;
     }
     if (detail::past(deadline)) {
-      MutexLock lock(&s->mu);
+      MutexLock lock(&s->mu, with_grace(deadline));  // the deadline passed; breaking needs it
       if (s->generation != gen) continue;
       s->broken = 1;  // a timeout breaks the barrier for everyone, as in Python
       s->count = 0;

@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "../shm/allocator.h"
+#include "shm/segment.h"
 #include "child.h"
 #include "launch.h"
 #include "torchpar/core/syscall.h"
@@ -141,15 +142,12 @@ int count_threads() {
   return n;
 }
 
-// A 4 KiB shared page for the child's error, backed by a memfd (so spawn can pass it).
+// A 4 KiB shared page for the child's error, backed by a sealed memfd (so spawn can pass
+// it), reserved before mapping: a full memory is a ShmError here, never a SIGBUS later.
 UniqueFd make_slot(void** mapping) {
-  UniqueFd fd(check_syscall("memfd_create", "error slot",
-                            [] { return ::memfd_create("torchpar-error-slot", MFD_CLOEXEC); }));
-  check_syscall("ftruncate", "error slot",
-                [&] { return ::ftruncate(fd.get(), static_cast<off_t>(kErrorSlotBytes)); });
-  void* p = ::mmap(nullptr, kErrorSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-  if (p == MAP_FAILED) throw_system_error("mmap", errno, "error slot");
-  *mapping = p;
+  ShmRegion slot = ShmRegion::create_memfd(kErrorSlotBytes, "torchpar-error-slot");
+  UniqueFd fd = slot.release_fd();
+  *mapping = slot.release_mapping();  // unmapped with the ProcessImpl
   return fd;
 }
 

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "core/futex.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/payload.h"
@@ -52,8 +53,8 @@ void send_with_fds(int sock, const char* data, size_t len, const int* fds, size_
   }
 }
 
-using Clock = std::chrono::steady_clock;
-using Deadline = std::optional<Clock::time_point>;
+using Clock = detail::SteadyClock;
+using detail::Deadline;
 
 // Waits until `sock` is readable or the deadline passes (TimeoutError).
 void wait_readable(int sock, const Deadline& deadline) {

@@ -23,6 +23,7 @@ namespace torchpar::detail {
 namespace {
 
 constexpr unsigned kSeals = F_SEAL_SHRINK | F_SEAL_GROW;
+constexpr unsigned kRegionSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
 
@@ -68,6 +69,15 @@ void raise_nofile_limit() {
       ::setrlimit(RLIMIT_NOFILE, &rl);
     }
   });
+}
+
+// posix_fallocate, retried on EINTR; returns its error (0: reserved).
+int reserve(int fd, uint64_t bytes) {
+  int e;
+  do {
+    e = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  } while (e == EINTR);
+  return e;
 }
 
 }  // namespace
@@ -242,6 +252,112 @@ bool Segment::owned_here() const { return owner_pid_ == cached_pid(); }
 Segment::~Segment() {
   if (base_ != nullptr) ::munmap(base_, size_);
   if (!name_.empty() && owned_here()) ::shm_unlink(name_.c_str());
+}
+
+// ---- ShmRegion ------------------------------------------------------------------------
+
+ShmRegion::~ShmRegion() {
+  if (base_ != nullptr) ::munmap(base_, size_);
+}
+
+ShmRegion& ShmRegion::operator=(ShmRegion&& o) noexcept {
+  if (this != &o) {
+    if (base_ != nullptr) ::munmap(base_, size_);
+    fd_ = std::move(o.fd_);
+    base_ = std::exchange(o.base_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+void ShmRegion::map(int fd, uint64_t size, bool writable, const std::string& what) {
+  const int prot = writable ? PROT_READ | PROT_WRITE : PROT_READ;
+  void* p = ::mmap(nullptr, size, prot, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw_shm("mmap", errno, what, fmt::format("{} bytes", size));
+  base_ = static_cast<char*>(p);
+  size_ = size;
+}
+
+ShmRegion ShmRegion::create_memfd(uint64_t bytes, const char* what) {
+  if (bytes == 0) throw_shm("memfd_create", EINVAL, what, "a region of 0 bytes");
+  const int raw =
+      retry_eintr([&] { return ::memfd_create(what, MFD_CLOEXEC | MFD_ALLOW_SEALING); });
+  if (raw < 0) {
+    const int err = errno;
+    throw_shm("memfd_create", err, what,
+              err == EMFILE ? "too many open files (RLIMIT_NOFILE)" : "");
+  }
+  UniqueFd fd(raw);
+  const int err = reserve(fd.get(), bytes);
+  if (err == ENOSPC || err == ENOMEM || err == EFBIG)
+    throw_no_space(SharingStrategy::kFileDescriptor, err, bytes);
+  if (err != 0) throw_shm("posix_fallocate", err, what);
+  if (::fcntl(fd.get(), F_ADD_SEALS, kRegionSeals) != 0)
+    throw_shm("fcntl(F_ADD_SEALS)", errno, what);
+  ShmRegion r;
+  r.map(fd.get(), bytes, true, what);
+  r.fd_ = std::move(fd);
+  return r;
+}
+
+ShmRegion ShmRegion::create_named(const std::string& name, uint64_t bytes) {
+  if (bytes == 0) throw_shm("shm_open", EINVAL, name, "a region of 0 bytes");
+  const int raw = retry_eintr(
+      [&] { return ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600); });
+  if (raw < 0) throw_shm("shm_open", errno, name);
+  UniqueFd fd(raw);
+  const int err = reserve(fd.get(), bytes);
+  if (err != 0) {
+    ::shm_unlink(name.c_str());
+    if (err == ENOSPC || err == ENOMEM || err == EFBIG)
+      throw_no_space(SharingStrategy::kFileSystem, err, bytes);
+    throw_shm("posix_fallocate", err, name);
+  }
+  ShmRegion r;
+  try {
+    r.map(fd.get(), bytes, true, name);
+  } catch (...) {
+    ::shm_unlink(name.c_str());
+    throw;
+  }
+  return r;  // the name travels, not the fd
+}
+
+ShmRegion ShmRegion::open_fd(UniqueFd fd, uint64_t min_bytes, const char* what) {
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throw_shm("fstat", errno, what);
+  if (!S_ISREG(st.st_mode)) throw_shm("fstat", EINVAL, what, "not a shared-memory file");
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0 || (static_cast<unsigned>(seals) & kSeals) != kSeals)
+    throw_shm("fcntl(F_GET_SEALS)", EINVAL, what,
+              "not a sealed torchpar memfd (it could be truncated under us)");
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size < std::max<uint64_t>(min_bytes, 1))
+    throw_shm("fstat", EINVAL, what,
+              fmt::format("shared object of {} bytes, expected at least {}", size, min_bytes));
+  ShmRegion r;
+  r.map(fd.get(), size, true, what);
+  r.fd_ = std::move(fd);
+  return r;
+}
+
+ShmRegion ShmRegion::open_named(const std::string& name, bool writable, uint64_t min_bytes) {
+  if (name.rfind("/torchpar_", 0) != 0 || name.find('/', 1) != std::string::npos ||
+      name.size() > 200)
+    throw_shm("shm_open", EINVAL, name, "not a torchpar segment name");
+  const int raw = retry_eintr(
+      [&] { return ::shm_open(name.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0); });
+  if (raw < 0) throw_shm("shm_open", errno, name);
+  UniqueFd fd(raw);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throw_shm("fstat", errno, name);
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size < std::max<uint64_t>(min_bytes, 1))
+    throw_shm("fstat", EINVAL, name,
+              fmt::format("shared object of {} bytes, expected at least {}", size, min_bytes));
+  ShmRegion r;
+  r.map(fd.get(), size, writable, name);
+  return r;
 }
 
 }  // namespace torchpar::detail

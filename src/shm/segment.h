@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "torchpar/core/fd.h"
 #include "torchpar/shm/sharing_strategy.h"
@@ -104,6 +105,58 @@ class Segment {
   uint64_t dev_ = 0;
   uint64_t ino_ = 0;
   int owner_pid_ = -1;
+};
+
+/// Raw shared memory: one memfd or named POSIX shm object, reserved and mapped once. The
+/// one place that creates and maps the shared memory of queue rings, queue spill files,
+/// sync pages (Lock, Value, ...) and child error slots (tensor blocks use Segment).
+///
+/// Guarantees: the bytes are reserved with posix_fallocate before mapping, so a full
+/// /dev/shm (or memory) is a ShmError naming the bytes asked and free, never a SIGBUS later.
+/// memfds are sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL): no holder of the fd can
+/// truncate them under the others; open_fd refuses fds without those seals, and any object
+/// smaller than asked. Named objects are mode 0600 (they cannot be sealed).
+/// Safety: a ShmRegion is not shared between threads while moved; data() is.
+class ShmRegion {
+ public:
+  ShmRegion() = default;
+  ~ShmRegion();
+  ShmRegion(ShmRegion&& o) noexcept { *this = std::move(o); }
+  ShmRegion& operator=(ShmRegion&& o) noexcept;
+  ShmRegion(const ShmRegion&) = delete;
+  ShmRegion& operator=(const ShmRegion&) = delete;
+
+  /// A new zero-filled, sealed memfd of `bytes` (> 0), mapped read-write. `what` names it
+  /// in errors and in /proc/<pid>/fd. Errors: ShmError (out of memory: asked and free).
+  static ShmRegion create_memfd(uint64_t bytes, const char* what);
+  /// A new named object `name` ("/torchpar_..."; O_EXCL: ShmError with errno EEXIST when it
+  /// exists) of `bytes`, mapped read-write. The caller unlinks the name.
+  static ShmRegion create_named(const std::string& name, uint64_t bytes);
+  /// Maps a memfd received from a peer. Errors: ShmError (EINVAL) when it is not a regular
+  /// file, lacks the seals, or is smaller than `min_bytes`.
+  static ShmRegion open_fd(UniqueFd fd, uint64_t min_bytes, const char* what);
+  /// Maps the named object `name` (read-only unless `writable`), whole. Errors: ShmError
+  /// (ENOENT when gone; EINVAL when smaller than `min_bytes`).
+  static ShmRegion open_named(const std::string& name, bool writable, uint64_t min_bytes = 1);
+
+  char* data() const { return base_; }
+  uint64_t size() const { return size_; }
+  /// The memfd (-1 for named objects: no fd is kept for them).
+  int fd() const { return fd_.get(); }
+  /// Gives up the fd, keeping the mapping.
+  UniqueFd release_fd() { return std::move(fd_); }
+  /// Gives up the mapping: the caller munmaps data() (size() bytes) itself.
+  char* release_mapping() {
+    char* p = base_;
+    base_ = nullptr;
+    return p;
+  }
+
+ private:
+  void map(int fd, uint64_t size, bool writable, const std::string& what);
+  UniqueFd fd_;
+  char* base_ = nullptr;
+  uint64_t size_ = 0;
 };
 
 /// Bytes free where a new segment of `strategy` would go (/dev/shm, or MemAvailable for

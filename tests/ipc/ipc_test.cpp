@@ -273,6 +273,10 @@ TEST(Pipe, BytesPollClosedAndDirection) {
   auto [r, w] = tp::Pipe(false);
   EXPECT_THROW(r.send_bytes("x"), tp::Error);
   EXPECT_THROW(w.recv_bytes(), tp::Error);
+  // Regression (issue 13): poll on the write-only end returned true instead of raising.
+  EXPECT_THROW(w.poll(), tp::Error);
+  EXPECT_THROW(w.poll(0.01s), tp::Error);
+  EXPECT_FALSE(r.poll());
   w.send(std::vector<int>{1, 2});
   EXPECT_EQ(r.recv<std::vector<int>>(1s), (std::vector<int>{1, 2}));
 }

@@ -4,6 +4,8 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <functional>
 #include <set>
 #include <thread>
 
@@ -189,6 +191,73 @@ TEST(Condition, WaitReleasesARecursiveRLockFully) {
   c.release();
   c.release();
   EXPECT_EQ(tp::testing::wait_child(child), 0);
+}
+
+// Regression (issue 13): every waiter took any notify as its own (and re-checked every
+// 100 ms), so notify(1) with two waiters woke both. Python wakes exactly n.
+TEST(Condition, NotifyOneWakesExactlyOneWaiter) {
+  tp::Condition c;
+  std::atomic<int> registered{0}, woken{0}, timed_out{0};
+  auto waiter = [&] {
+    c.acquire();
+    ++registered;  // under the lock: once the notifier holds it, this waiter is waiting
+    if (c.wait(30s))
+      ++woken;
+    else
+      ++timed_out;
+    c.release();
+  };
+  std::thread a(waiter), b(waiter);
+  auto wait_until = [](const std::function<bool()>& pred) {
+    for (int i = 0; i < 20000 && !pred(); ++i) std::this_thread::sleep_for(1ms);
+    return pred();
+  };
+  ASSERT_TRUE(wait_until([&] { return registered == 2; }));
+  c.acquire();  // both are inside wait now
+  c.notify(1);
+  c.release();
+  ASSERT_TRUE(wait_until([&] { return woken >= 1; }));
+  // The other waiter stays asleep: the old code woke it within its 100 ms re-check.
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(woken, 1);
+  c.acquire();
+  c.notify(1);
+  c.release();
+  EXPECT_TRUE(wait_until([&] { return woken == 2; }));
+  a.join();
+  b.join();
+  EXPECT_EQ(timed_out, 0);
+  // A notify with nobody waiting is not remembered; a wait times out with false.
+  c.acquire();
+  c.notify_all();
+  EXPECT_FALSE(c.wait(0.05s));
+  c.release();
+}
+
+TEST(Condition, NotifyAllWakesEveryWaiterAndNotifyNWakesN) {
+  tp::Condition c;
+  std::atomic<int> registered{0}, woken{0};
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 4; ++i)
+    ts.emplace_back([&] {
+      c.acquire();
+      ++registered;
+      if (c.wait(30s)) ++woken;
+      c.release();
+    });
+  for (int i = 0; i < 20000 && registered < 4; ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(registered, 4);
+  c.acquire();
+  c.notify(2);
+  c.release();
+  for (int i = 0; i < 20000 && woken < 2; ++i) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(woken, 2);
+  c.acquire();
+  c.notify_all();
+  c.release();
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(woken, 4);
 }
 
 TEST(Event, WaitTimeoutAndClear) {

@@ -44,6 +44,7 @@ class Connection {
   void send_bytes(std::string_view bytes);
   std::string recv_bytes(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
   /// True when data (or EOF) is ready within `timeout` (0: just look).
+  /// Errors: torchpar::Error on a write-only end (as recv), ClosedError when closed.
   bool poll(std::chrono::duration<double> timeout = std::chrono::duration<double>(0));
   void close();
   bool closed() const;

@@ -1,6 +1,8 @@
 #pragma once
-/// SharedPage: a small zero-filled shared-memory object (memfd + mapping) that copies of
-/// an IPC object share, and that travels to child processes as an fd.
+/// SharedPage: a small zero-filled shared-memory object (a sealed memfd + mapping, see
+/// shm/ShmRegion) that copies of an IPC object share, and that travels to child processes
+/// as an fd. A peer cannot truncate it (sealed); a received fd without the seals, or
+/// smaller than expected, is refused (ShmError).
 
 #include <cstddef>
 #include <memory>
@@ -11,21 +13,22 @@ namespace torchpar::detail {
 
 class OutputArchive;
 class InputArchive;
+class ShmRegion;
 
 class SharedPage {
  public:
   /// A new zero-filled object of `bytes` (rounded up to pages). Throws ShmError.
   static std::shared_ptr<SharedPage> create(size_t bytes, const char* what);
-  /// Maps the object behind `fd` (from a payload); at least `min_bytes` long, else
-  /// SerializationError.
+  /// Maps the object behind `fd` (from a payload): a sealed memfd of at least `min_bytes`,
+  /// else ShmError.
   static std::shared_ptr<SharedPage> open(UniqueFd fd, size_t min_bytes);
   ~SharedPage();
   SharedPage(const SharedPage&) = delete;
   SharedPage& operator=(const SharedPage&) = delete;
 
-  void* data() const { return base_; }
-  size_t size() const { return size_; }
-  int fd() const { return fd_.get(); }
+  void* data() const;
+  size_t size() const;
+  int fd() const;
 
   /// Archive helpers: the fd goes out of band.
   static void save(OutputArchive& ar, const std::shared_ptr<SharedPage>& page);
@@ -33,9 +36,7 @@ class SharedPage {
 
  private:
   SharedPage() = default;
-  UniqueFd fd_;
-  void* base_ = nullptr;
-  size_t size_ = 0;
+  std::unique_ptr<ShmRegion> region_;
 };
 
 }  // namespace torchpar::detail

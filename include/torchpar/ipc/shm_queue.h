@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,6 +18,7 @@ class OutputArchive;
 class InputArchive;
 
 struct QueueControl;
+class ShmRegion;
 
 class ShmQueue {
  public:
@@ -31,9 +33,12 @@ class ShmQueue {
   ShmQueue(const ShmQueue&) = delete;
   ShmQueue& operator=(const ShmQueue&) = delete;
 
-  /// Throws Full (timeout passed or no room with timeout 0) or ClosedError.
+  /// Throws Full (timeout passed or no room with timeout 0) or ClosedError. Never blocks
+  /// past the timeout, even when a peer holding the internal lock is stopped (timeout 0
+  /// waits up to 10 ms for the lock).
   void put(const std::string& bytes, Timeout timeout);
-  /// Throws Empty (timeout) or ClosedError (closed and empty).
+  /// Throws Empty (timeout, also when the internal lock stays held by a stopped peer) or
+  /// ClosedError (closed and empty).
   std::string get(Timeout timeout);
   uint64_t qsize() const;
   uint64_t maxsize() const;
@@ -42,13 +47,16 @@ class ShmQueue {
   /// JoinableQueue: one task done; join waits until every put item was task_done'd.
   void task_done();
   bool join(Timeout timeout);
-  int fd() const { return fd_.get(); }
+  /// The ring's sealed memfd (what a child's copy maps).
+  int fd() const;
+  /// Test hook: runs `while_held` holding the internal lock (fault tests stop a process
+  /// there to check that the others time out instead of hanging).
+  void hold_lock_for_test(const std::function<void()>& while_held);
 
  private:
-  UniqueFd fd_;
+  std::unique_ptr<ShmRegion> region_;
   QueueControl* ctl_ = nullptr;
   char* ring_ = nullptr;
-  uint64_t map_bytes_ = 0;
 };
 
 }  // namespace torchpar::detail

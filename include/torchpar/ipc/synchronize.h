@@ -118,7 +118,8 @@ class Event {
 
 /// A condition variable bound to a Lock (an RLock by default).
 /// Requires: the lock held around wait / notify (wait releases every level of an RLock and
-/// restores them). Wake-ups may be spurious: use wait_for.
+/// restores them). wait returns true only for a notify meant for it; use wait_for to
+/// re-check the predicate (another waiter may have changed it first).
 /// Source: multiprocessing.Condition.
 class Condition {
  public:
@@ -130,6 +131,9 @@ class Condition {
   bool wait(Timeout timeout = std::nullopt);
   /// Waits until pred() is true; returns its last value (false: timed out).
   bool wait_for(const std::function<bool()>& pred, Timeout timeout = std::nullopt);
+  /// Wakes exactly min(n, waiting) waiters (each of their waits returns true); a notify
+  /// with no waiter is not remembered. Python: Condition.notify(n).
+  /// Limits: at most 65535 waiters; a waiter killed while waiting still counts as one.
   void notify(int n = 1);
   void notify_all();
   Lock& lock() { return lock_; }
