@@ -16,6 +16,7 @@ PACKAGES=(
   ccache                  # faster rebuilds
   libclang-rt-14-dev      # libFuzzer runtime for the fuzz label
   dataset-fashion-mnist   # the data set of the main job
+  libssl-dev              # OpenSSL libcrypto: HMAC of the auth handshake
   libgloo-dev             # headers of the Gloo that LibTorch's c10d links
   iproute2                # ip netns for the two-host collective test
   python3-torch           # interop test (torch.distributed rank) and benchmark peers

@@ -32,6 +32,14 @@ class ClosedError : public Error {
   using Error::Error;
 };
 
+/// A peer did not prove the job's key in the connection handshake (or refused ours), or
+/// broke the handshake protocol (Python: multiprocessing.AuthenticationError). The
+/// connection was closed; nothing else changed.
+class AuthenticationError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A system call failed. Carries the syscall, its errno and the object it acted on
 /// (a path, a shared-memory name, an fd).
 class SystemError : public Error {
