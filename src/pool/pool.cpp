@@ -5,6 +5,9 @@
 
 #include <c10/util/Type.h>
 
+#include <signal.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <map>
@@ -59,6 +62,7 @@ class PoolCore {
     if (options_.processes == 0)
       options_.processes = std::max(1u, std::thread::hardware_concurrency());
     workers_.resize(options_.processes);
+    worker_pids_.assign(workers_.size(), -1);
     for (size_t i = 0; i < workers_.size(); ++i) start_worker(i);
     thread_ = std::thread([this] { manage(); });
   }
@@ -68,14 +72,18 @@ class PoolCore {
   std::shared_ptr<JobState> submit(PoolCall call, std::vector<std::string> chunks,
                                    JobState::Unpack unpack) {
     auto job = std::make_shared<JobState>(chunks.size(), unpack);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_ || stop_) throw ClosedError("Pool is closed");
-    if (chunks.empty()) return job;
-    const uint64_t id = next_job_++;
-    jobs_[id] = job;
-    for (uint32_t c = 0; c < chunks.size(); ++c)
-      pending_.push_back(PoolTask{id, c, call, std::move(chunks[c])});
-    if (!broken_) dispatch();  // idle workers start now, not at the manager's next turn
+    std::vector<Completion> done;  // chunks whose dispatch failed
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_ || stop_) throw ClosedError("Pool is closed");
+      if (chunks.empty()) return job;
+      const uint64_t id = next_job_++;
+      jobs_[id] = job;
+      for (uint32_t c = 0; c < chunks.size(); ++c)
+        pending_.push_back(PoolTask{id, c, call, std::move(chunks[c])});
+      if (!broken_) dispatch(done);  // idle workers start now, not at the manager's next turn
+    }
+    finish(done);
     return job;
   }
 
@@ -97,10 +105,18 @@ class PoolCore {
     return true;
   }
 
+  // Kills the workers first, without mu_: the manager may be blocked (holding mu_) on a
+  // queue lock that a stopped worker holds, and only that worker's death (the queue's
+  // robust mutex) releases it. Then every wait of the manager is bounded.
   void terminate() {
+    stop_.store(true);
+    {
+      std::lock_guard<std::mutex> lock(pid_mu_);
+      for (int pid : worker_pids_)
+        if (pid > 0) ::kill(pid, SIGKILL);
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
       closed_ = true;
     }
     join_thread();
@@ -126,6 +142,7 @@ class PoolCore {
     Queue<PoolTask> inbox{0, {.capacity_bytes = 1 << 20}};
     std::vector<std::pair<uint64_t, uint32_t>> outstanding;
     uint64_t sent = 0;
+    uint64_t answered = 0;  // results received from it
     bool told_to_exit = false;
   };
 
@@ -147,7 +164,39 @@ class PoolCore {
     }
     w.proc = std::make_unique<Process>(po, pool_worker_main, static_cast<int>(i), w.inbox, results_,
                                        options_.maxtasksperchild, init, context);
+    std::lock_guard<std::mutex> lock(pid_mu_);  // terminate() must see every live worker
+    if (stop_.load()) throw ClosedError("the pool was terminated");
     w.proc->start();
+    worker_pids_[i] = w.proc->pid();
+  }
+
+  // Under pid_mu_, so terminate() never signals a pid that was already reaped (and reused).
+  bool worker_alive(size_t i) {
+    std::lock_guard<std::mutex> lock(pid_mu_);
+    if (workers_[i].proc->is_alive()) return true;
+    worker_pids_[i] = -1;
+    return false;
+  }
+
+  // A dead worker's inbox: the tasks it never took go back to the front of pending_ (in
+  // order) and leave its outstanding list; what stays there is what it had begun.
+  void requeue_unstarted(Worker& w) {
+    std::vector<PoolTask> unstarted;
+    for (;;) {
+      try {
+        unstarted.push_back(w.inbox.get_nowait());
+      } catch (...) {
+        break;  // Empty, or a message the worker was taking when it died (it counts as begun)
+      }
+    }
+    for (auto it = unstarted.rbegin(); it != unstarted.rend(); ++it) {
+      if (it->job == 0) continue;
+      auto& out = w.outstanding;
+      auto o = std::find(out.begin(), out.end(), std::make_pair(it->job, it->chunk));
+      if (o == out.end()) continue;
+      out.erase(o);
+      pending_.push_front(std::move(*it));
+    }
   }
 
   // Completes (job, chunk) outside the lock: callbacks may run user code.
@@ -162,6 +211,7 @@ class PoolCore {
   void take_result(PoolResult& r, std::vector<Completion>& done) {
     early_deaths_ = 0;  // workers do get work done
     if (r.worker >= 0 && static_cast<size_t>(r.worker) < workers_.size()) {
+      ++workers_[r.worker].answered;
       auto& out = workers_[r.worker].outstanding;
       for (auto it = out.begin(); it != out.end(); ++it) {
         if (it->first == r.job && it->second == r.chunk) {
@@ -196,21 +246,23 @@ class PoolCore {
     }
   }
 
+  // Never throws (it runs with mu_ released by hand). A result that cannot be read is
+  // reported once on stderr; its chunk then fails when its worker exits.
   void drain_results(std::vector<Completion>& done,
                      std::optional<std::chrono::duration<double>> wait) {
-    try {
-      PoolResult r = results_.get(wait.value_or(std::chrono::duration<double>(0)));
-      std::lock_guard<std::mutex> lock(mu_);
-      take_result(r, done);
-    } catch (const Empty&) {
-      return;
-    }
-    for (;;) {
+    for (bool first = true;; first = false) {
       try {
-        PoolResult r = results_.get_nowait();
+        PoolResult r = results_.get(first ? wait.value_or(std::chrono::duration<double>(0))
+                                          : std::chrono::duration<double>(0));
         std::lock_guard<std::mutex> lock(mu_);
         take_result(r, done);
       } catch (const Empty&) {
+        return;
+      } catch (const std::exception& e) {
+        if (!result_error_reported_)
+          std::fprintf(stderr, "torchpar: Pool: a worker's result could not be read: %s\n",
+                       e.what());
+        result_error_reported_ = true;
         return;
       }
     }
@@ -231,32 +283,57 @@ class PoolCore {
     done.clear();
   }
 
+  // The manager thread. No exception leaves it: an unexpected one is reported on stderr
+  // and ends the pool as terminate() does (what waits fails instead of hanging).
   void manage() {
     std::vector<Completion> done;
+    std::exception_ptr fatal;
+    try {
+      manage_loop(done);
+    } catch (...) {
+      fatal = std::current_exception();
+      try {
+        std::rethrow_exception(fatal);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "torchpar: Pool manager thread failed, terminating the pool: %s\n",
+                     e.what());
+      } catch (...) {
+        std::fprintf(stderr, "torchpar: Pool manager thread failed, terminating the pool\n");
+      }
+      stop_.store(true);
+    }
+    shut_down(done, fatal);
+  }
+
+  void manage_loop(std::vector<Completion>& done) {
     for (;;) {
       drain_results(done, std::chrono::milliseconds(5));
       finish(done);
       bool stop = false, all_exited = true, closed = false;
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        stop = stop_;
+        std::unique_lock<std::mutex> lock(mu_);
+        stop = stop_.load();
         closed = closed_;
         for (size_t i = 0; i < workers_.size(); ++i) {
           Worker& w = workers_[i];
           if (!w.proc) continue;
-          if (w.proc->is_alive()) {
+          if (worker_alive(i)) {
             all_exited = false;
             continue;
           }
           // Results it sent before dying are already queued: take them first.
-          mu_.unlock();
+          lock.unlock();
           drain_results(done, std::nullopt);
-          mu_.lock();
+          lock.lock();
+          // Tasks still in its inbox never ran: they go to the others. The rest had begun.
+          requeue_unstarted(w);
           const int code = w.proc->exitcode().value_or(-1);
           const int pid = w.proc->pid();
           for (auto [job, chunk] : w.outstanding)
             fail_chunk(job, chunk, std::make_exception_ptr(WorkerLostError(pid, code)), done);
-          if (code != 0 && w.sent == 0) ++early_deaths_;
+          // Died without answering anything (a failing initializer?). Counted on answers,
+          // not on tasks sent: its unstarted tasks went back to pending_ above.
+          if (code != 0 && w.answered == 0) ++early_deaths_;
           w.outstanding.clear();
           w.proc.reset();
           if (early_deaths_ > 3 * workers_.size()) {
@@ -282,7 +359,7 @@ class PoolCore {
             }
           }
         }
-        if (!stop_) dispatch();
+        if (!stop_) dispatch(done);
         if (broken_ && !pending_.empty()) {
           bool any_alive = false;
           for (auto& w : workers_) any_alive = any_alive || (w.proc != nullptr);
@@ -295,8 +372,12 @@ class PoolCore {
           if (idle) {
             for (auto& w : workers_) {
               if (w.proc && !w.told_to_exit) {
-                w.inbox.put(PoolTask{});  // job 0: exit
                 w.told_to_exit = true;
+                try {
+                  w.inbox.put(PoolTask{}, std::chrono::duration<double>(0));  // job 0: exit
+                } catch (...) {
+                  w.proc->kill();  // it holds no task: ending it is as good
+                }
               }
             }
           }
@@ -306,46 +387,68 @@ class PoolCore {
       if (stop) break;
       if (all_exited && closed) break;
     }
-    // terminate (or a clean close): kill what is left; fail what never ran.
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& w : workers_) {
+  }
+
+  // terminate (or a clean close): kill what is left; fail what never ran. Bounded: the
+  // workers are dead before any join, and a join waits at most 10 s.
+  void shut_down(std::vector<Completion>& done, std::exception_ptr fatal) noexcept {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto error = [&](const char* what) {
+      return fatal ? fatal : std::make_exception_ptr(ClosedError(what));
+    };
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      Worker& w = workers_[i];
       if (w.proc) {
-        w.proc->kill();
-        w.proc->join(std::chrono::seconds(10));
+        std::lock_guard<std::mutex> pl(pid_mu_);
+        try {
+          w.proc->kill();
+          w.proc->join(std::chrono::seconds(10));
+        } catch (...) {
+        }
+        worker_pids_[i] = -1;
       }
       for (auto [job, chunk] : w.outstanding)
-        fail_chunk(
-            job, chunk,
-            std::make_exception_ptr(ClosedError("the pool was terminated while this task ran")),
-            done);
+        fail_chunk(job, chunk, error("the pool was terminated while this task ran"), done);
       w.outstanding.clear();
       w.proc.reset();
     }
     for (auto& t : pending_)
-      fail_chunk(
-          t.job, t.chunk,
-          std::make_exception_ptr(ClosedError("the pool was terminated before this task ran")),
-          done);
+      fail_chunk(t.job, t.chunk, error("the pool was terminated before this task ran"), done);
     pending_.clear();
+    closed_ = true;
     finished_ = true;
     finished_cv_.notify_all();
-    mu_.unlock();
+    lock.unlock();
     finish(done);
-    mu_.lock();
   }
 
   // Under mu_: hands pending chunks to workers with room (two in flight each, never more
-  // than a worker's remaining maxtasksperchild budget).
-  void dispatch() {
+  // than a worker's remaining maxtasksperchild budget). Never blocks: an inbox that is full
+  // (in bytes) keeps the chunk pending for a later turn while its worker has tasks to take;
+  // any other failure of the put (or Full at an idle worker: it can never fit) fails that
+  // chunk with the put's error, and the pool goes on.
+  void dispatch(std::vector<Completion>& done) {
     for (auto& w : workers_) {
       if (!w.proc || w.told_to_exit) continue;
       while (!pending_.empty() && w.outstanding.size() < 2 &&
              (options_.maxtasksperchild == 0 || w.sent < options_.maxtasksperchild)) {
-        PoolTask t = std::move(pending_.front());
-        pending_.pop_front();
+        PoolTask& t = pending_.front();
+        try {
+          w.inbox.put(t, std::chrono::duration<double>(0));
+        } catch (const Full&) {
+          if (!w.outstanding.empty()) break;  // room comes as this worker takes its tasks
+          fail_chunk(t.job, t.chunk, std::current_exception(), done);
+          pending_.pop_front();
+          continue;
+        } catch (...) {
+          fail_chunk(t.job, t.chunk, std::current_exception(), done);
+          pending_.pop_front();
+          continue;
+        }
+        // Marked after the put succeeded; the worker's result needs mu_, which we hold.
         w.outstanding.emplace_back(t.job, t.chunk);
         ++w.sent;
-        w.inbox.put(t);
+        pending_.pop_front();
       }
     }
   }
@@ -360,10 +463,15 @@ class PoolCore {
   std::map<uint64_t, size_t> remaining_done_;
   uint64_t next_job_ = 1;
   bool closed_ = false;
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};
   bool finished_ = false;
   bool broken_ = false;
+  bool result_error_reported_ = false;
   size_t early_deaths_ = 0;
+  // Workers' pids for terminate(), which must not take mu_. Held only for non-blocking
+  // calls (start, a WNOHANG reap) and the final kill + bounded join.
+  std::mutex pid_mu_;
+  std::vector<int> worker_pids_;
   std::mutex join_mu_;
   std::thread thread_;
 };

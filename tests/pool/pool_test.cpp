@@ -62,6 +62,8 @@ bool pid_running(int pid) {
   return state != '?' && state != 'Z' && state != 'X';
 }
 
+size_t string_size(std::string s) { return s.size(); }
+
 void failing_init(int) { throw std::runtime_error("initializer failed"); }
 
 void count_init(at::Tensor counter) {
@@ -236,6 +238,28 @@ TEST_P(PoolTest, CtxPoolContextsAreDistinctPerWorker) {
   EXPECT_EQ(names, (std::set<std::string>{"a", "b"}));
   EXPECT_GE(max_calls, 10) << "a context keeps its state across that worker's tasks";
   EXPECT_EQ(pool.apply(ctx_name, std::make_tuple(0)).size() > 2, true);
+}
+
+// 8 items of 300 KiB with 2 workers: each task travels outside the queue rings (spilled).
+// Before, a failing dispatch put left the chunk outstanding and the manager thread ended in
+// std::terminate (the test binary aborted). Now the map either works or get() raises the
+// put's error, and the pool stays usable.
+TEST_P(PoolTest, LargeTasksNeverWedgeThePool) {
+  tp::Pool pool(options(2));
+  const std::vector<std::string> items(8, std::string(300 << 10, 'a'));
+  for (int round = 0; round < 6; ++round) {  // the old code aborted within a few rounds
+    try {
+      EXPECT_EQ(pool.map_async(string_size, items).get(60s),
+                std::vector<size_t>(8, size_t{300} << 10));
+    } catch (const tp::TimeoutError&) {
+      FAIL() << "the pool wedged";
+    } catch (const tp::Error& e) {
+      std::fprintf(stderr, "note: a large dispatch failed: %s\n", e.what());
+    }
+    EXPECT_EQ(pool.map_async(square, std::vector<int>{1, 2, 3}).get(60s),
+              (std::vector<int>{1, 4, 9}))
+        << "the pool goes on after a failed dispatch";
+  }
 }
 
 // Workers started by a thread that then ends stay alive (PR_SET_PDEATHSIG follows the
