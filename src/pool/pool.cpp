@@ -58,7 +58,8 @@ void pool_worker_main(int index, Queue<PoolTask> inbox, Queue<PoolResult> result
 
 class PoolCore {
  public:
-  explicit PoolCore(PoolOptions o) : options_(std::move(o)) {
+  PoolCore(PoolOptions o, WorkerContextFn worker_context)
+      : options_(std::move(o)), worker_context_(std::move(worker_context)) {
     if (options_.processes == 0)
       options_.processes = std::max(1u, std::thread::hardware_concurrency());
     workers_.resize(options_.processes);
@@ -154,13 +155,13 @@ class PoolCore {
     po.daemon = options_.daemon;
     po.start_method = options_.start_method;
     po.threads = options_.threads;
-    PoolInit init = options_.init;
+    PoolInit init = pool_init(options_.init);
     if (init.set)
       init.args = std::make_shared<Payload>(init.make_args());  // fresh exports per worker
     WorkerContext context;
-    if (options_.worker_context) {
+    if (worker_context_) {
       context.set = true;
-      context.payload = std::make_shared<Payload>(options_.worker_context(i));
+      context.payload = std::make_shared<Payload>(worker_context_(i));
     }
     w.proc = std::make_unique<Process>(po, pool_worker_main, static_cast<int>(i), w.inbox, results_,
                                        options_.maxtasksperchild, init, context);
@@ -454,6 +455,7 @@ class PoolCore {
   }
 
   PoolOptions options_;
+  WorkerContextFn worker_context_;  // CtxPool: serializes worker i's context
   std::mutex mu_;
   std::condition_variable finished_cv_;
   std::vector<Worker> workers_;
@@ -476,10 +478,14 @@ class PoolCore {
   std::thread thread_;
 };
 
+const PoolInit& pool_init(const Initializer& init) { return init.init_; }
+
 }  // namespace detail
 
-Pool::Pool(PoolOptions options) : copy_tensor_(options.copy_tensor) {
-  core_ = std::make_unique<detail::PoolCore>(std::move(options));
+Pool::Pool(PoolOptions options) : Pool(std::move(options), nullptr) {}
+Pool::Pool(PoolOptions options, detail::WorkerContextFn worker_context)
+    : copy_tensor_(options.copy_tensor) {
+  core_ = std::make_unique<detail::PoolCore>(std::move(options), std::move(worker_context));
 }
 Pool::~Pool() = default;
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <future>
 #include <set>
 #include <thread>
 
@@ -49,6 +50,9 @@ std::string ctx_name(WorkerCtx& c, int) {
   return c.name + ":" + std::to_string(c.calls);
 }
 
+std::string ctx_sum(WorkerCtx& c, int a, int b) { return c.name + ":" + std::to_string(a + b); }
+size_t string_size(std::string s) { return s.size(); }
+
 bool pid_running(int pid) {
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
@@ -62,7 +66,11 @@ bool pid_running(int pid) {
   return state != '?' && state != 'Z' && state != 'X';
 }
 
-size_t string_size(std::string s) { return s.size(); }
+template <class T>
+T await(std::future<T>& f) {
+  EXPECT_EQ(f.wait_for(std::chrono::seconds(30)), std::future_status::ready) << "no callback";
+  return f.get();
+}
 
 void failing_init(int) { throw std::runtime_error("initializer failed"); }
 
@@ -238,6 +246,83 @@ TEST_P(PoolTest, CtxPoolContextsAreDistinctPerWorker) {
   EXPECT_EQ(names, (std::set<std::string>{"a", "b"}));
   EXPECT_GE(max_calls, 10) << "a context keeps its state across that worker's tasks";
   EXPECT_EQ(pool.apply(ctx_name, std::make_tuple(0)).size() > 2, true);
+}
+
+// CtxPool has every Pool call, each passing the worker's context (before: imap, starmap and
+// their relatives were Pool's, calling fn without the context; they did not compile).
+TEST_P(PoolTest, CtxPoolHasThePoolSurfaceWithItsContext) {
+  tp::CtxPool<WorkerCtx> pool({WorkerCtx{"a"}, WorkerCtx{"b"}}, options(2));
+  const std::vector<int> items(6, 0);
+  auto starts_with_context = [](const std::string& s) {
+    return s.rfind("a:", 0) == 0 || s.rfind("b:", 0) == 0;
+  };
+  auto it = pool.imap(ctx_name, items, 2);
+  for (size_t i = 0; i < items.size(); ++i) EXPECT_TRUE(starts_with_context(*it.next(30s)));
+  EXPECT_FALSE(it.next(5s).has_value());
+  auto un = pool.imap_unordered(ctx_name, items);
+  for (size_t i = 0; i < items.size(); ++i) EXPECT_TRUE(starts_with_context(*un.next(30s)));
+  const std::vector<std::tuple<int, int>> pairs{{1, 2}, {3, 4}};
+  for (auto& s : pool.starmap(ctx_sum, pairs)) EXPECT_TRUE(starts_with_context(s)) << s;
+  EXPECT_EQ(pool.starmap(ctx_sum, pairs)[1].substr(2), "7");
+
+  std::promise<std::vector<std::string>> star_got, map_got;
+  std::promise<std::string> apply_got;
+  auto sr = pool.starmap_async(ctx_sum, pairs, 1,
+                               [&](const std::vector<std::string>& v) { star_got.set_value(v); });
+  auto mr = pool.map_async(ctx_name, items, 0,
+                           [&](const std::vector<std::string>& v) { map_got.set_value(v); });
+  auto ar = pool.apply_async(ctx_sum, std::make_tuple(20, 22),
+                             [&](const std::string& v) { apply_got.set_value(v); });
+  auto star_f = star_got.get_future();
+  auto map_f = map_got.get_future();
+  auto apply_f = apply_got.get_future();
+  EXPECT_EQ(await(star_f).size(), 2u);
+  EXPECT_EQ(await(map_f).size(), items.size());
+  EXPECT_EQ(await(apply_f).substr(2), "42");
+  EXPECT_EQ(sr.get(30s).size(), 2u);
+  EXPECT_EQ(mr.get(30s).size(), items.size());
+  EXPECT_TRUE(starts_with_context(ar.get(30s)));
+  EXPECT_EQ(pool.size(), 2u);
+  pool.close();
+  EXPECT_TRUE(pool.join(30s));
+}
+
+// map_async and starmap_async take callback and error_callback, as apply_async does.
+TEST_P(PoolTest, MapAsyncAndStarmapAsyncCallbacks) {
+  tp::Pool pool(options());
+  std::promise<std::vector<int>> mapped, starred;
+  std::promise<std::string> map_error, star_error;
+  auto m = pool.map_async(square, std::vector<int>{1, 2, 3}, 0,
+                          [&](const std::vector<int>& v) { mapped.set_value(v); });
+  auto s = pool.starmap_async(add, std::vector<std::tuple<int, int>>{{1, 2}, {3, 4}}, 1,
+                              [&](const std::vector<int>& v) { starred.set_value(v); });
+  auto error_text = [](std::exception_ptr e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const tp::TaskError& t) {
+      return t.message();
+    } catch (...) {
+      return std::string("not a TaskError");
+    }
+  };
+  auto bad = pool.map_async(
+      fail_on_three, std::vector<int>{1, 2, 3}, 1, [&](const std::vector<int>&) {},
+      [&](std::exception_ptr e) { map_error.set_value(error_text(e)); });
+  auto bad_star = pool.starmap_async(
+      [](int a, int) { return fail_on_three(a); }, std::vector<std::tuple<int, int>>{{3, 0}}, 0, {},
+      [&](std::exception_ptr e) { star_error.set_value(error_text(e)); });
+  auto mf = mapped.get_future();
+  auto sf = starred.get_future();
+  auto mef = map_error.get_future();
+  auto sef = star_error.get_future();
+  EXPECT_EQ(await(mf), (std::vector<int>{1, 4, 9}));
+  EXPECT_EQ(await(sf), (std::vector<int>{3, 7}));
+  EXPECT_EQ(await(mef), "three is not allowed");
+  EXPECT_EQ(await(sef), "three is not allowed");
+  EXPECT_EQ(m.get(30s).size(), 3u);
+  EXPECT_EQ(s.get(30s).size(), 2u);
+  EXPECT_THROW(bad.get(30s), tp::TaskError);
+  EXPECT_THROW(bad_star.get(30s), tp::TaskError);
 }
 
 // 8 items of 300 KiB with 2 workers: each task travels outside the queue rings (spilled).

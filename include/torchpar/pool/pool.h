@@ -192,12 +192,40 @@ PoolCall make_call(Fn fn) {
 }
 
 class PoolCore;
+/// Serializes worker i's context (CtxPool).
+using WorkerContextFn = std::function<Payload(size_t)>;
 
 }  // namespace detail
 
-/// An initializer(initargs...) run once in every worker when it starts.
+class Initializer;
+namespace detail {
+const PoolInit& pool_init(const Initializer& init);
+}  // namespace detail
+
+/// What torchpar::initializer returns: a function and its arguments, run once in every
+/// worker when it starts. Default: none. Copyable; its arguments are shared by the copies.
+class Initializer {
+ public:
+  Initializer() = default;
+  /// True when no initializer is set.
+  bool empty() const { return !init_.set; }
+
+ private:
+  explicit Initializer(detail::PoolInit init) : init_(std::move(init)) {}
+  detail::PoolInit init_;
+  template <class Fn, class... Args>
+  friend Initializer initializer(Fn fn, Args... args);
+  friend const detail::PoolInit& detail::pool_init(const Initializer&);
+};
+
+/// An initializer(initargs...) run once in every worker when it starts, before its first
+/// task; the arguments are serialized afresh for every worker (tensors shared, queues and
+/// locks passed as fds). An initializer that throws ends its worker (the pool reports
+/// workers that keep dying; see docs/errors.md).
+/// Errors: a compile error unless `fn` is a free function or a captureless lambda.
+/// Source: the initializer/initargs of multiprocessing.Pool.
 template <class Fn, class... Args>
-detail::PoolInit initializer(Fn fn, Args... args) {
+Initializer initializer(Fn fn, Args... args) {
   using Tuple = std::tuple<std::decay_t<Args>...>;
   auto fp = detail::function_pointer(fn);
   static_assert(!std::is_same_v<decltype(fp), std::nullptr_t>,
@@ -209,22 +237,20 @@ detail::PoolInit initializer(Fn fn, Args... args) {
                                detail::to_code_address(reinterpret_cast<const void*>(fp))};
   auto tup = std::make_shared<Tuple>(args...);
   init.make_args = [tup] { return dumps(*tup, {.copy_tensor = false}); };
-  return init;
+  return Initializer(std::move(init));
 }
 
 /// Options of a Pool.
 struct PoolOptions {
   size_t processes = 0;           ///< 0: the number of cores
-  detail::PoolInit init;          ///< torchpar::initializer(fn, args...)
+  Initializer init{};             ///< torchpar::initializer(fn, args...)
   uint64_t maxtasksperchild = 0;  ///< a worker is replaced after this many tasks (0: never)
   std::optional<StartMethod> start_method;  ///< default: get_start_method()
-  bool copy_tensor = false;                 ///< task arguments: tensors shared (false) or copied
+  bool copy_tensor = false;                 ///< task arguments: tensors shared or copied
   int threads = 1;                          ///< intra-op threads per worker
   /// Workers are daemons: killed (not waited for) when the pool goes. false: the pool's
   /// destructor still terminates them, as Python's context-manager exit does.
   bool daemon = true;
-  /// CtxPool: serializes worker i's context (set by CtxPool).
-  std::function<Payload(size_t)> worker_context;
 };
 
 /// Worker processes that run tasks. A worker killed mid-task fails exactly the tasks it
@@ -238,75 +264,163 @@ struct PoolOptions {
 /// Source: multiprocessing.Pool, torch.multiprocessing.Pool, machin.parallel.pool.Pool.
 class Pool {
  public:
+  /// Starts `options.processes` workers. Errors: what Process::start raises (see
+  /// docs/errors.md: a worker that cannot be started); workers started before are killed.
   explicit Pool(PoolOptions options = {});
+  /// Terminates (see terminate()). Never throws.
   ~Pool();
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
+  /// fn(args...) in some worker; the result arrives later.
+  ///
+  /// Units:   the returned AsyncResult's timeouts are seconds (std::chrono durations).
+  /// Errors:  ClosedError after close()/terminate(); torchpar::Error when an argument
+  ///          carries fds (queues, locks, pipes: pass those with the initializer), both in
+  ///          the calling thread. get() then raises TaskError (the task's exception type and
+  ///          message), WorkerLostError (its worker died while running it), ClosedError
+  ///          (terminated first) or the error of a failed dispatch.
+  /// Callbacks: `callback(result)` or `error_callback(error)` runs once, on the pool's
+  ///          manager thread (or in this call when already done); it must not block or
+  ///          call join()/terminate(). Arguments are serialized in this thread (tensors
+  ///          moved to shared memory unless PoolOptions::copy_tensor).
+  /// Safety:  thread-safe.
+  /// Source:  multiprocessing.Pool.apply_async.
   template <class Fn, class... Args>
   auto apply_async(Fn fn, std::tuple<Args...> args,
                    std::function<void(const detail::result_of_t<Fn, Args...>&)> callback = {},
                    std::function<void(std::exception_ptr)> error_callback = {}) {
     using V = detail::result_of_t<Fn, Args...>;
     using Tuple = std::tuple<std::decay_t<Args>...>;
-    auto job = submit(detail::make_call<Fn, Tuple>(fn),
-                      {encode_chunk<Tuple>(0, 1, [&](size_t) { return Tuple(args); })},
-                      &detail::unpack_values<V>);
-    AsyncResult<V> result(job, &detail::decode_one<V>);
-    detail::attach_callbacks<V>(job, result, callback, error_callback);
-    return result;
+    return apply_with<V, Tuple>(detail::make_call<Fn, Tuple>(fn), Tuple(std::move(args)),
+                                std::move(callback), std::move(error_callback));
   }
+  /// apply_async(fn, args).get(): blocks until the result is there (no timeout: a dead
+  /// worker fails the task, so it never hangs). Errors: as apply_async and its get().
+  /// Source: multiprocessing.Pool.apply.
   template <class Fn, class... Args>
   auto apply(Fn fn, std::tuple<Args...> args) {
     return apply_async(fn, std::move(args)).get();
   }
 
+  /// fn(item) for each item, in chunks of `chunksize` items (0: about four chunks a
+  /// worker); the results, in order, arrive later as one vector.
+  ///
+  /// Units:   chunksize counts items; AsyncResult timeouts are seconds.
+  /// Errors:  as apply_async; get() raises the first failed chunk's error (the other
+  ///          chunks still run). Callbacks: as apply_async, with the whole vector.
+  /// Safety:  thread-safe. Source: multiprocessing.Pool.map_async.
   template <class Fn, class T>
-  auto map_async(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
+  auto map_async(Fn fn, const std::vector<T>& items, size_t chunksize = 0,
+                 std::function<void(const std::vector<detail::result_of_t<Fn, T>>&)> callback = {},
+                 std::function<void(std::exception_ptr)> error_callback = {}) {
     using V = detail::result_of_t<Fn, T>;
-    auto job = submit_items<Fn, T>(fn, items, chunksize);
-    return AsyncResult<std::vector<V>>(job, &detail::decode_all<V>);
+    using Tuple = std::tuple<std::decay_t<T>>;
+    return map_with<V, Tuple>(
+        detail::make_call<Fn, Tuple>(fn), items.size(), chunksize,
+        [&](size_t i) { return Tuple(items[i]); }, std::move(callback), std::move(error_callback));
   }
+  /// map_async(fn, items, chunksize).get(). Errors: as map_async.
+  /// Source: multiprocessing.Pool.map.
   template <class Fn, class T>
   auto map(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
     return map_async(fn, items, chunksize).get();
   }
+  /// fn(item) for each item; an iterator yielding the results in order as they come.
+  /// Units: chunksize counts items (default 1). Errors: as apply_async, in the calling
+  /// thread; IMapIterator::next raises a failed chunk's error once, then goes on.
+  /// Safety: thread-safe (the iterator: one consumer). Source: multiprocessing.Pool.imap.
   template <class Fn, class T>
   auto imap(Fn fn, const std::vector<T>& items, size_t chunksize = 1) {
-    return iterator<Fn, T>(fn, items, chunksize, true);
+    using Tuple = std::tuple<std::decay_t<T>>;
+    return imap_with<detail::result_of_t<Fn, T>, Tuple>(
+        detail::make_call<Fn, Tuple>(fn), items.size(), chunksize,
+        [&](size_t i) { return Tuple(items[i]); }, true);
   }
+  /// As imap, but results come in completion order.
+  /// Source: multiprocessing.Pool.imap_unordered.
   template <class Fn, class T>
   auto imap_unordered(Fn fn, const std::vector<T>& items, size_t chunksize = 1) {
-    return iterator<Fn, T>(fn, items, chunksize, false);
+    using Tuple = std::tuple<std::decay_t<T>>;
+    return imap_with<detail::result_of_t<Fn, T>, Tuple>(
+        detail::make_call<Fn, Tuple>(fn), items.size(), chunksize,
+        [&](size_t i) { return Tuple(items[i]); }, false);
   }
-  /// fn(a, b, ...) for each tuple.
+  /// fn(a, b, ...) for each tuple; otherwise as map_async (units, errors, callbacks).
+  /// Source: multiprocessing.Pool.starmap_async.
   template <class Fn, class... Args>
-  auto starmap_async(Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0) {
+  auto starmap_async(
+      Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0,
+      std::function<void(const std::vector<detail::result_of_t<Fn, Args...>>&)> callback = {},
+      std::function<void(std::exception_ptr)> error_callback = {}) {
     using V = detail::result_of_t<Fn, Args...>;
     using Tuple = std::tuple<std::decay_t<Args>...>;
-    auto job = submit(
-        detail::make_call<Fn, Tuple>(fn),
-        encode_chunks<Tuple>(items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); }),
-        &detail::unpack_values<V>);
-    return AsyncResult<std::vector<V>>(job, &detail::decode_all<V>);
+    return map_with<V, Tuple>(
+        detail::make_call<Fn, Tuple>(fn), items.size(), chunksize,
+        [&](size_t i) { return Tuple(items[i]); }, std::move(callback), std::move(error_callback));
   }
+  /// starmap_async(fn, items, chunksize).get(). Source: multiprocessing.Pool.starmap.
   template <class Fn, class... Args>
   auto starmap(Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0) {
     return starmap_async(fn, items, chunksize).get();
   }
 
-  /// No more tasks; workers exit once the queued ones are done.
+  /// No more tasks; workers exit once the queued ones are done. Safety: thread-safe.
+  /// Source: multiprocessing.Pool.close.
   void close();
   /// Waits for the workers after close() (true) or until `timeout` (false).
   /// Errors: torchpar::Error when neither close() nor terminate() was called.
+  /// Safety: one thread at a time, never from a callback. Source: multiprocessing.Pool.join.
   bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
-  /// Kills the workers now; unfinished results fail with ClosedError.
+  /// Kills the workers now (SIGKILL, before anything else: a stopped or wedged worker
+  /// cannot block it); unfinished results fail with ClosedError. Returns once the manager
+  /// thread ended; every wait inside is bounded. Never throws.
+  /// Safety: one thread at a time, never from a callback. Source: multiprocessing.Pool.terminate.
   void terminate();
+  /// The number of worker slots (PoolOptions::processes).
   size_t size() const;
-  /// pids of the current workers (they change as workers are replaced).
+  /// pids of the current workers (they change as workers are replaced; -1: a slot being
+  /// refilled). Safety: thread-safe.
   std::vector<int> pids() const;
 
  protected:
+  /// CtxPool: worker i's context comes from `worker_context(i)`.
+  Pool(PoolOptions options, detail::WorkerContextFn worker_context);
+
+  template <class V>
+  using Callback = std::function<void(const V&)>;
+  using ErrorCallback = std::function<void(std::exception_ptr)>;
+
+  /// One task of one item: `call` on `args`.
+  template <class V, class Tuple>
+  AsyncResult<V> apply_with(detail::PoolCall call, Tuple args, Callback<V> callback,
+                            ErrorCallback error_callback) {
+    auto job = submit(std::move(call), {encode_chunk<Tuple>(0, 1, [&](size_t) { return args; })},
+                      &detail::unpack_values<V>);
+    AsyncResult<V> result(job, &detail::decode_one<V>);
+    detail::attach_callbacks<V>(job, result, std::move(callback), std::move(error_callback));
+    return result;
+  }
+  /// `call` on get(i) for i in [0, n), in chunks; all results as one vector.
+  template <class V, class Tuple, class Get>
+  AsyncResult<std::vector<V>> map_with(detail::PoolCall call, size_t n, size_t chunksize, Get&& get,
+                                       Callback<std::vector<V>> callback,
+                                       ErrorCallback error_callback) {
+    auto job =
+        submit(std::move(call), encode_chunks<Tuple>(n, chunksize, get), &detail::unpack_values<V>);
+    AsyncResult<std::vector<V>> result(job, &detail::decode_all<V>);
+    detail::attach_callbacks<std::vector<V>>(job, result, std::move(callback),
+                                             std::move(error_callback));
+    return result;
+  }
+  /// `call` on get(i) for i in [0, n); results one by one (in order or as they complete).
+  template <class V, class Tuple, class Get>
+  IMapIterator<V> imap_with(detail::PoolCall call, size_t n, size_t chunksize, Get&& get,
+                            bool ordered) {
+    return IMapIterator<V>(
+        submit(std::move(call), encode_chunks<Tuple>(n, chunksize, get), &detail::unpack_values<V>),
+        ordered, [](std::any& v) { return std::any_cast<const V&>(v); });
+  }
   /// Items [b, e) as one archive: the count, then get(i) as a `Tuple` for each.
   template <class Tuple, class Get>
   std::string encode_chunk(size_t b, size_t e, Get&& get) const {
@@ -330,22 +444,6 @@ class Pool {
       chunks.push_back(encode_chunk<Tuple>(b, e, get));
     return chunks;
   }
-  template <class Fn, class T>
-  std::shared_ptr<detail::JobState> submit_items(Fn fn, const std::vector<T>& items,
-                                                 size_t chunksize) {
-    using Tuple = std::tuple<std::decay_t<T>>;
-    using V = detail::result_of_t<Fn, T>;
-    return submit(
-        detail::make_call<Fn, Tuple>(fn),
-        encode_chunks<Tuple>(items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); }),
-        &detail::unpack_values<V>);
-  }
-  template <class Fn, class T>
-  auto iterator(Fn fn, const std::vector<T>& items, size_t chunksize, bool ordered) {
-    using V = detail::result_of_t<Fn, T>;
-    return IMapIterator<V>(submit_items<Fn, T>(fn, items, chunksize), ordered,
-                           [](std::any& v) { return std::any_cast<const V&>(v); });
-  }
   /// Queues one task a chunk; `unpack` decodes a chunk's results on the manager thread.
   std::shared_ptr<detail::JobState> submit(detail::PoolCall call, std::vector<std::string> chunks,
                                            detail::JobState::Unpack unpack);
@@ -356,37 +454,86 @@ class Pool {
 
 /// A Pool whose worker i holds worker_contexts[i] and calls fn(context, args...): per-worker
 /// state (a model, an environment, a connection) without globals. Contexts are serialized
-/// once per worker (tensors shared). Source: machin.parallel.pool.CtxPool.
+/// once per worker (tensors shared). Every call passes the context: `fn` takes `Ctx&`
+/// first, then the item (or the tuple's elements). Pool's calls without a context are not
+/// reachable through a CtxPool (it is not a Pool).
+///
+/// Units, errors, callbacks, safety: as the Pool method of the same name.
+/// Source: machin.parallel.pool.CtxPool.
 template <class Ctx>
-class CtxPool : public Pool {
+class CtxPool : private Pool {
  public:
+  /// Errors: c10::Error when `worker_contexts` is empty or its size differs from a non-zero
+  /// `options.processes`; else as Pool's constructor.
   CtxPool(std::vector<Ctx> worker_contexts, PoolOptions options = {})
-      : Pool(with_contexts(std::move(worker_contexts), std::move(options))) {}
+      : CtxPool(std::make_shared<std::vector<Ctx>>(std::move(worker_contexts)),
+                std::move(options)) {}
 
-  /// fn(Ctx&, args...) in some worker.
+  using Pool::close;
+  using Pool::join;
+  using Pool::pids;
+  using Pool::size;
+  using Pool::terminate;
+
+  /// fn(Ctx&, args...) in some worker. Source: Pool::apply_async.
   template <class Fn, class... Args>
-  auto apply_async(Fn fn, std::tuple<Args...> args) {
+  auto apply_async(Fn fn, std::tuple<Args...> args,
+                   Callback<detail::result_of_t<Fn, Ctx, Args...>> callback = {},
+                   ErrorCallback error_callback = {}) {
     using V = detail::result_of_t<Fn, Ctx, Args...>;
     using Tuple = std::tuple<std::decay_t<Args>...>;
-    auto job = submit(ctx_call<Fn, Tuple>(fn),
-                      {encode_chunk<Tuple>(0, 1, [&](size_t) { return Tuple(args); })},
-                      &detail::unpack_values<V>);
-    return AsyncResult<V>(job, &detail::decode_one<V>);
+    return apply_with<V, Tuple>(ctx_call<Fn, Tuple>(fn), Tuple(std::move(args)),
+                                std::move(callback), std::move(error_callback));
   }
   template <class Fn, class... Args>
   auto apply(Fn fn, std::tuple<Args...> args) {
     return apply_async(fn, std::move(args)).get();
   }
-  /// fn(Ctx&, item) for each item, in order.
+  /// fn(Ctx&, item) for each item, results in order. Source: Pool::map_async.
   template <class Fn, class T>
-  auto map(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
+  auto map_async(Fn fn, const std::vector<T>& items, size_t chunksize = 0,
+                 Callback<std::vector<detail::result_of_t<Fn, Ctx, T>>> callback = {},
+                 ErrorCallback error_callback = {}) {
     using V = detail::result_of_t<Fn, Ctx, T>;
     using Tuple = std::tuple<std::decay_t<T>>;
-    auto job = submit(
-        ctx_call<Fn, Tuple>(fn),
-        encode_chunks<Tuple>(items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); }),
-        &detail::unpack_values<V>);
-    return AsyncResult<std::vector<V>>(job, &detail::decode_all<V>).get();
+    return map_with<V, Tuple>(
+        ctx_call<Fn, Tuple>(fn), items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); },
+        std::move(callback), std::move(error_callback));
+  }
+  template <class Fn, class T>
+  auto map(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
+    return map_async(fn, items, chunksize).get();
+  }
+  /// fn(Ctx&, item) for each item, lazily in order. Source: Pool::imap.
+  template <class Fn, class T>
+  auto imap(Fn fn, const std::vector<T>& items, size_t chunksize = 1) {
+    using Tuple = std::tuple<std::decay_t<T>>;
+    return imap_with<detail::result_of_t<Fn, Ctx, T>, Tuple>(
+        ctx_call<Fn, Tuple>(fn), items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); },
+        true);
+  }
+  /// As imap, in completion order. Source: Pool::imap_unordered.
+  template <class Fn, class T>
+  auto imap_unordered(Fn fn, const std::vector<T>& items, size_t chunksize = 1) {
+    using Tuple = std::tuple<std::decay_t<T>>;
+    return imap_with<detail::result_of_t<Fn, Ctx, T>, Tuple>(
+        ctx_call<Fn, Tuple>(fn), items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); },
+        false);
+  }
+  /// fn(Ctx&, a, b, ...) for each tuple. Source: Pool::starmap_async.
+  template <class Fn, class... Args>
+  auto starmap_async(Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0,
+                     Callback<std::vector<detail::result_of_t<Fn, Ctx, Args...>>> callback = {},
+                     ErrorCallback error_callback = {}) {
+    using V = detail::result_of_t<Fn, Ctx, Args...>;
+    using Tuple = std::tuple<std::decay_t<Args>...>;
+    return map_with<V, Tuple>(
+        ctx_call<Fn, Tuple>(fn), items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); },
+        std::move(callback), std::move(error_callback));
+  }
+  template <class Fn, class... Args>
+  auto starmap(Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0) {
+    return starmap_async(fn, items, chunksize).get();
   }
 
  private:
@@ -399,15 +546,16 @@ class CtxPool : public Pool {
                                 &detail::run_ctx_task<decltype(fp), Ctx, Tuple>)),
                             detail::to_code_address(reinterpret_cast<const void*>(fp))};
   }
-  static PoolOptions with_contexts(std::vector<Ctx> contexts, PoolOptions o) {
-    TORCH_CHECK(!contexts.empty(), "CtxPool needs one context per worker");
-    if (o.processes == 0) o.processes = contexts.size();
-    TORCH_CHECK(o.processes == contexts.size(), "CtxPool: ", contexts.size(),
-                " worker contexts for ", o.processes, " processes");
-    auto shared = std::make_shared<std::vector<Ctx>>(std::move(contexts));
-    o.worker_context = [shared](size_t i) { return dumps((*shared)[i], {.copy_tensor = false}); };
+  static PoolOptions with_contexts(size_t ncontexts, PoolOptions o) {
+    TORCH_CHECK(ncontexts != 0, "CtxPool needs one context per worker");
+    if (o.processes == 0) o.processes = ncontexts;
+    TORCH_CHECK(o.processes == ncontexts, "CtxPool: ", ncontexts, " worker contexts for ",
+                o.processes, " processes");
     return o;
   }
+  CtxPool(std::shared_ptr<std::vector<Ctx>> contexts, PoolOptions options)
+      : Pool(with_contexts(contexts->size(), std::move(options)),
+             [contexts](size_t i) { return dumps((*contexts)[i], {.copy_tensor = false}); }) {}
 };
 
 /// The Pool engine already feeds each worker through its own queue (so a dead worker's
