@@ -34,7 +34,6 @@ namespace detail {
 struct ProcessImpl {
   ProcessOptions options;
   LaunchSpec spec;
-  int index = 0;
   pid_t pid = -1;
   UniqueFd pidfd;
   std::optional<int> exitcode;
@@ -459,9 +458,8 @@ void Process::kill() {
 
 const std::string& Process::name() const { return impl_->options.name; }
 bool Process::daemon() const { return impl_->options.daemon; }
-void Process::set_index(int index) { impl_->index = index; }
-int Process::pidfd() const {
-  return impl_->status.valid() ? impl_->status.get() : impl_->pidfd.get();
+int detail::process_wait_fd(const Process& p) {
+  return p.impl_->status.valid() ? p.impl_->status.get() : p.impl_->pidfd.get();
 }
 
 std::optional<std::pair<std::string, std::string>> Process::error() const {

@@ -71,7 +71,7 @@ bool ProcessContext::join(std::optional<std::chrono::duration<double>> timeout) 
     }
     std::vector<pollfd> fds;
     for (auto& p : processes_)
-      if (p.pidfd() >= 0) fds.push_back({p.pidfd(), POLLIN, 0});
+      if (const int fd = detail::process_wait_fd(p); fd >= 0) fds.push_back({fd, POLLIN, 0});
     if (!fds.empty())
       ::poll(fds.data(), fds.size(), wait_ms);
     else

@@ -115,6 +115,13 @@ struct ProcessImpl;
 
 }  // namespace detail
 
+class Process;
+namespace detail {
+/// A fd that becomes readable when `p` exits (its pidfd, or the forkserver's status
+/// channel); -1 if none. For ProcessContext::join's poll.
+int process_wait_fd(const Process& p);
+}  // namespace detail
+
 /// A child process running `target(args...)`.
 ///
 /// Lifetime: the destructor of a started, un-joined Process kills (SIGKILL) and reaps a
@@ -160,12 +167,9 @@ class Process {
   /// Error the child raised, if it ended by an exception: {type, message}. The child also
   /// prints "Process <name>:" and "<type>: <message>" on its stderr.
   std::optional<std::pair<std::string, std::string>> error() const;
-  /// Index reported in ProcessRaisedException/ProcessExitedException (spawn's i).
-  void set_index(int index);
-  /// Waits for readiness of exit: the pidfd (readable when the child exits), -1 if none.
-  int pidfd() const;
 
  private:
+  friend int detail::process_wait_fd(const Process& p);
   void finish() noexcept;  // kill a daemon, then join: what the destructor does
   std::unique_ptr<detail::ProcessImpl> impl_;
 };

@@ -63,7 +63,6 @@ ProcessContext start_processes(Fn fn, std::tuple<Args...> args, int nprocs,
     po.name = "SpawnProcess-" + std::to_string(i);
     procs.emplace_back(
         po, std::apply([&](auto&... a) { return detail::make_launch_spec(fn, i, a...); }, args));
-    procs.back().set_index(i);
   }
   ProcessContext ctx(std::move(procs));
   for (auto& p : ctx.processes()) p.start();
