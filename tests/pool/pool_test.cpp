@@ -10,6 +10,7 @@
 #include <set>
 #include <thread>
 
+#include "support/child.h"
 #include "support/start_methods.h"
 #include "torchpar/torchpar.h"
 
@@ -54,15 +55,7 @@ std::string ctx_sum(WorkerCtx& c, int a, int b) { return c.name + ":" + std::to_
 size_t string_size(std::string s) { return s.size(); }
 
 bool pid_running(int pid) {
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  char state = '?';
-  if (FILE* f = std::fopen(path, "r")) {
-    int read_pid = 0;
-    char comm[256];
-    if (std::fscanf(f, "%d %255s %c", &read_pid, comm, &state) != 3) state = '?';
-    std::fclose(f);
-  }
+  const char state = tp::testing::proc_state(pid);
   return state != '?' && state != 'Z' && state != 'X';
 }
 

@@ -124,4 +124,17 @@ int count_open_fds() {
   return n - 1;  // the directory stream itself
 }
 
+char proc_state(int pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  char state = '?';
+  if (FILE* f = std::fopen(path, "r")) {
+    int read_pid = 0;
+    char comm[256];
+    if (std::fscanf(f, "%d %255s %c", &read_pid, comm, &state) != 3) state = '?';
+    std::fclose(f);
+  }
+  return state;
+}
+
 }  // namespace torchpar::testing

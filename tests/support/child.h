@@ -37,4 +37,7 @@ unsigned long long meminfo_shmem_bytes();
 /// Open fds of this process.
 int count_open_fds();
 
+/// The state letter of /proc/<pid>/stat (R, S, T, Z, ...); '?' when the pid is gone.
+char proc_state(int pid);
+
 }  // namespace torchpar::testing

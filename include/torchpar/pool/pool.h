@@ -243,7 +243,7 @@ Initializer initializer(Fn fn, Args... args) {
 /// Options of a Pool.
 struct PoolOptions {
   size_t processes = 0;           ///< 0: the number of cores
-  Initializer init;               ///< torchpar::initializer(fn, args...)
+  Initializer init{};             ///< torchpar::initializer(fn, args...)
   uint64_t maxtasksperchild = 0;  ///< a worker is replaced after this many tasks (0: never)
   std::optional<StartMethod> start_method;  ///< default: get_start_method()
   bool copy_tensor = false;                 ///< task arguments: tensors shared or copied
