@@ -19,7 +19,7 @@
 
 #include "core/cpu_relax.h"
 #include "core/futex.h"
-#include "../shm/cleaner.h"
+#include "shm/cleaner.h"
 #include "core/liveness.h"
 #include "reduce_kernels.h"
 #include "torchpar/core/error.h"

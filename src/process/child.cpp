@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "../shm/cleaner.h"
+#include "shm/cleaner.h"
 
 namespace torchpar::detail {
 

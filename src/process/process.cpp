@@ -21,7 +21,7 @@
 
 #include <fmt/format.h>
 
-#include "../shm/allocator.h"
+#include "shm/allocator.h"
 #include "shm/segment.h"
 #include "child.h"
 #include "launch.h"

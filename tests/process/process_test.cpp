@@ -97,7 +97,8 @@ TEST_P(StartMethods, ExceptionInOneChildTerminatesTheOthers) {
     EXPECT_EQ(e.message(), "boom from child 1");
     EXPECT_NE(std::string(e.what()).find("boom from child 1"), std::string::npos);
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  // Child 0 sleeps 30 s: the join must end it, not wait for it (generous on a loaded box).
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
   EXPECT_TRUE(pid_gone(ctx.pids()[0])) << "child 0 must be terminated and reaped";
 }
 
