@@ -18,7 +18,6 @@
 #include <mutex>
 #include <set>
 #include <sstream>
-#include <thread>
 
 #include "gloo_backend.h"
 #include "liveness.h"
@@ -109,6 +108,11 @@ std::string local_address_towards(const std::string& addr, int port) {
   }
   ::freeaddrinfo(res);
   return out;
+}
+
+std::chrono::steady_clock::time_point deadline_after(Seconds s) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(s);
 }
 
 std::string join(const std::vector<int>& v) {
@@ -411,14 +415,8 @@ struct World::Impl {
         host);
     const std::string key = "store_based_barrier_key:1";
     pg_store->add(key, 1);
-    const auto deadline =
-        std::chrono::steady_clock::now() +
-        std::chrono::duration_cast<std::chrono::steady_clock::duration>(opts.timeout);
-    while (pg_store->add(key, 0) < world_size) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw TimeoutError("World: not every rank created the default group in time");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (!detail::store_wait_count(*pg_store, key, world_size, deadline_after(opts.timeout))) {
+      throw TimeoutError("World: not every rank created the default group in time");
     }
     detail::set_gloo_sequence_number(*gloo);
     std::lock_guard<std::mutex> g(mu);
@@ -435,21 +433,16 @@ struct World::Impl {
       if (!opts.python_compatible) {
         store->add("torchpar/world/left", 1);
         if (rank == 0 && std::uncaught_exceptions() == 0) {
-          const auto deadline =
-              std::chrono::steady_clock::now() +
-              std::min<std::chrono::steady_clock::duration>(
-                  std::chrono::seconds(10),
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(opts.timeout));
-          while (store->add("torchpar/world/left", 0) < world_size &&
-                 std::chrono::steady_clock::now() < deadline) {
-            bool others_alive = false;
-            for (int q = 1; q < world_size; ++q) {
-              const auto& m = members[static_cast<size_t>(q)];
-              if (m.host != host || detail::pid_alive(m.pid)) others_alive = true;
-            }
-            if (!others_alive) break;
-            std::this_thread::sleep_for(std::chrono::milliseconds(2));
-          }
+          // Wait (at most 10 s) while some other rank may still use the store.
+          detail::store_wait_count(
+              *store, "torchpar/world/left", world_size,
+              deadline_after(std::min<Seconds>(std::chrono::seconds(10), opts.timeout)), [&] {
+                for (int q = 1; q < world_size; ++q) {
+                  const auto& m = members[static_cast<size_t>(q)];
+                  if (m.host != host || detail::pid_alive(m.pid)) return true;
+                }
+                return false;
+              });
         }
       }
     } catch (...) {  // the store may be gone already: nothing to wait for
