@@ -31,23 +31,24 @@ using C10dWorkPtr = c10::intrusive_ptr<c10d::Work>;
 class GlooBackend;
 
 /// A c10d Work; errors are re-thrown as torchpar errors naming the group and, when it can
-/// tell, the rank that went away.
+/// tell, the rank that went away. It owns its backend: the group may be destroyed while the
+/// work is pending, and the error path still reads the backend's members.
 class C10dWork : public Work::Impl {
  public:
-  C10dWork(C10dWorkPtr w, const GlooBackend* group, std::string what, bool recv)
-      : w_(std::move(w)), group_(group), what_(std::move(what)), recv_(recv) {}
+  C10dWork(C10dWorkPtr w, std::shared_ptr<const GlooBackend> group, std::string what, bool recv)
+      : w_(std::move(w)), group_(std::move(group)), what_(std::move(what)), recv_(recv) {}
   bool wait_until(const Deadline& deadline) override;
   bool done() override { return w_->isCompleted(); }
   int source() override { return recv_ ? w_->sourceRank() : -1; }
 
  private:
   C10dWorkPtr w_;
-  const GlooBackend* group_;
+  std::shared_ptr<const GlooBackend> group_;
   std::string what_;
   bool recv_;
 };
 
-class GlooBackend final : public GroupBackend {
+class GlooBackend final : public GroupBackend, public std::enable_shared_from_this<GlooBackend> {
  public:
   GlooBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, std::vector<int> ranks,
               std::chrono::duration<double> timeout, std::string name, const GlooDeviceSpec& device,
@@ -184,7 +185,7 @@ class GlooBackend final : public GroupBackend {
     std::vector<at::Tensor> v{t};
     auto w =
         call("recv", [&] { return src ? pg().recv(v, *src, tag) : pg().recvAnysource(v, tag); });
-    return Work(std::make_shared<C10dWork>(std::move(w), this, "recv", true));
+    return Work(std::make_shared<C10dWork>(std::move(w), shared_from_this(), "recv", true));
   }
 
   /// "rank 1 (pid 123) is gone" for members on this host whose process ended.
@@ -219,7 +220,7 @@ class GlooBackend final : public GroupBackend {
   }
 
   std::shared_ptr<C10dWork> wrap(C10dWorkPtr w, const char* what) {
-    return std::make_shared<C10dWork>(std::move(w), this, what, false);
+    return std::make_shared<C10dWork>(std::move(w), shared_from_this(), what, false);
   }
 
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;

@@ -22,6 +22,7 @@
 #include "shm/cleaner.h"
 #include "core/liveness.h"
 #include "reduce_kernels.h"
+#include "store.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
@@ -369,19 +370,22 @@ class ShmBackend final : public GroupBackend {
     ctl_[rank()].pid = ::getpid();
     // Every rank attached -> unlink the name: the memory goes with the last mapping.
     store->add("attached", 1);
-    const auto deadline = SteadyClock::now() + ms;
-    while (store->add("attached", 0) < P) {
-      if (SteadyClock::now() > deadline) {
-        if (rank() == 0) ::shm_unlink(shm_name.c_str());
-        std::string missing;
-        for (int q = 0; q < P; ++q) {
-          if (ctl_[q].pid == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
-        }
-        throw TimeoutError(fmt::format(
-            "{}: rank(s) {} did not attach to the shared-memory segment within {:.1f} s", name(),
-            missing, timeout().count()));
+    bool all_attached = false;
+    try {
+      all_attached = store_wait_count(*store, "attached", P, SteadyClock::now() + ms);
+    } catch (...) {
+      if (rank() == 0) ::shm_unlink(shm_name.c_str());
+      throw;
+    }
+    if (!all_attached) {
+      if (rank() == 0) ::shm_unlink(shm_name.c_str());
+      std::string missing;
+      for (int q = 0; q < P; ++q) {
+        if (ctl_[q].pid == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      throw TimeoutError(
+          fmt::format("{}: rank(s) {} did not attach to the shared-memory segment within {:.1f} s",
+                      name(), missing, timeout().count()));
     }
     if (rank() == 0) ::shm_unlink(shm_name.c_str());
   }

@@ -18,11 +18,11 @@
 #include <mutex>
 #include <set>
 #include <sstream>
-#include <thread>
 
 #include "gloo_backend.h"
 #include "core/liveness.h"
 #include "shm_backend.h"
+#include "store.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
@@ -110,6 +110,11 @@ std::string local_address_towards(const std::string& addr, int port) {
   return out;
 }
 
+std::chrono::steady_clock::time_point deadline_after(Seconds s) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(s);
+}
+
 std::string join(const std::vector<int>& v) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
@@ -131,6 +136,7 @@ struct World::Impl {
   std::string master_addr;
   int master_port = 0;
   detail::GlooDeviceSpec device;
+  std::unique_ptr<detail::StoreServer> server;  // rank 0, unless python_compatible / file://
   c10::intrusive_ptr<c10d::Store> store;
   std::mutex mu;
   std::map<std::vector<int>, int> created;  // groups made per rank set
@@ -207,18 +213,34 @@ struct World::Impl {
     if (master_port <= 0 || master_port > 65535) {
       throw Error(fmt::format("World: master port {} is out of range 1..65535", master_port));
     }
+    if (opts.python_compatible) {
+      connect_tcp_store();
+    } else {
+      connect_our_store();
+    }
+    if (auto ifname = env("GLOO_SOCKET_IFNAME")) {
+      device.interface = *ifname;
+    } else if (auto a = env("TORCHPAR_GLOO_ADDR")) {
+      device.address = *a;
+    } else {
+      device.address = local_address_towards(master_addr, master_port);
+    }
+  }
+
+  /// c10d's TCPStore, as Python ranks expect it (unauthenticated; listens on every
+  /// interface: LibTorch 1.13 has no bind address). Only for python_compatible.
+  void connect_tcp_store() {
     c10d::TCPStoreOptions o;
     o.port = static_cast<uint16_t>(master_port);
     o.isServer = rank == 0;
     o.numWorkers = world_size;
     // Python ranks count arrivals on the store's init key: take part when mixing with them.
-    o.waitWorkers = opts.python_compatible;
+    o.waitWorkers = true;
     o.timeout = ms(opts.timeout);
     try {
       store = c10::make_intrusive<c10d::TCPStore>(master_addr, o);
     } catch (const std::exception& e) {
-      const auto* ce = dynamic_cast<const c10::Error*>(&e);
-      const char* why = ce ? ce->what_without_backtrace() : e.what();
+      const char* why = detail::message_of(e);
       if (rank == 0) {
         throw Error(fmt::format("World: rank 0 cannot serve the store on {}:{}: {}", master_addr,
                                 master_port, why));
@@ -227,12 +249,27 @@ struct World::Impl {
           fmt::format("World: rank {} cannot reach the master {}:{} within {:.1f} s: {}", rank,
                       master_addr, master_port, opts.timeout.count(), why));
     }
-    if (auto ifname = env("GLOO_SOCKET_IFNAME")) {
-      device.interface = *ifname;
-    } else if (auto a = env("TORCHPAR_GLOO_ADDR")) {
-      device.address = *a;
-    } else {
-      device.address = local_address_towards(master_addr, master_port);
+  }
+
+  /// torchpar's store: rank 0 serves it on the master address (or store_bind_addr), every
+  /// rank (rank 0 too) connects and proves the job's key.
+  void connect_our_store() {
+    const AuthKey key = opts.authkey.empty() ? default_authkey() : opts.authkey;
+    if (rank == 0) {
+      std::string bind = opts.store_bind_addr;
+      if (bind.empty()) bind = env("TORCHPAR_STORE_BIND_ADDR").value_or(master_addr);
+      server = std::make_unique<detail::StoreServer>(bind, master_port, key, ms(opts.timeout));
+    }
+    try {
+      store =
+          c10::make_intrusive<detail::StoreClient>(master_addr, master_port, key, ms(opts.timeout));
+    } catch (const AuthenticationError& e) {
+      throw AuthenticationError(
+          fmt::format("World: rank {} was refused by {}", rank, e.what_without_backtrace()));
+    } catch (const Error& e) {
+      throw TimeoutError(
+          fmt::format("World: rank {} cannot reach the master {}:{} within {:.1f} s: {}", rank,
+                      master_addr, master_port, opts.timeout.count(), e.what_without_backtrace()));
     }
   }
 
@@ -262,6 +299,8 @@ struct World::Impl {
                                      deadline - std::chrono::steady_clock::now()));
       try {
         store->wait({key}, left);
+      } catch (const RankLostError&) {
+        throw;
       } catch (const std::exception&) {
         throw TimeoutError(fmt::format(
             "World: rank {} did not join within {:.1f} s (world size {}, this is rank {})", q,
@@ -324,6 +363,8 @@ struct World::Impl {
         const std::string hk = fmt::format("host/{}", q);
         try {
           gstore->wait({hk}, t_ms);
+        } catch (const RankLostError&) {
+          throw;
         } catch (const std::exception&) {
           throw TimeoutError(fmt::format(
               "World::create_collective_group: rank {} did not join group [{}] within {:.1f} s",
@@ -374,14 +415,8 @@ struct World::Impl {
         host);
     const std::string key = "store_based_barrier_key:1";
     pg_store->add(key, 1);
-    const auto deadline =
-        std::chrono::steady_clock::now() +
-        std::chrono::duration_cast<std::chrono::steady_clock::duration>(opts.timeout);
-    while (pg_store->add(key, 0) < world_size) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw TimeoutError("World: not every rank created the default group in time");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (!detail::store_wait_count(*pg_store, key, world_size, deadline_after(opts.timeout))) {
+      throw TimeoutError("World: not every rank created the default group in time");
     }
     detail::set_gloo_sequence_number(*gloo);
     std::lock_guard<std::mutex> g(mu);
@@ -398,26 +433,22 @@ struct World::Impl {
       if (!opts.python_compatible) {
         store->add("torchpar/world/left", 1);
         if (rank == 0 && std::uncaught_exceptions() == 0) {
-          const auto deadline =
-              std::chrono::steady_clock::now() +
-              std::min<std::chrono::steady_clock::duration>(
-                  std::chrono::seconds(10),
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(opts.timeout));
-          while (store->add("torchpar/world/left", 0) < world_size &&
-                 std::chrono::steady_clock::now() < deadline) {
-            bool others_alive = false;
-            for (int q = 1; q < world_size; ++q) {
-              const auto& m = members[static_cast<size_t>(q)];
-              if (m.host != host || detail::pid_alive(m.pid)) others_alive = true;
-            }
-            if (!others_alive) break;
-            std::this_thread::sleep_for(std::chrono::milliseconds(2));
-          }
+          // Wait (at most 10 s) while some other rank may still use the store.
+          detail::store_wait_count(
+              *store, "torchpar/world/left", world_size,
+              deadline_after(std::min<Seconds>(std::chrono::seconds(10), opts.timeout)), [&] {
+                for (int q = 1; q < world_size; ++q) {
+                  const auto& m = members[static_cast<size_t>(q)];
+                  if (m.host != host || detail::pid_alive(m.pid)) return true;
+                }
+                return false;
+              });
         }
       }
     } catch (...) {  // the store may be gone already: nothing to wait for
     }
     store.reset();
+    server.reset();  // closes every connection, joins its threads
   }
 };
 

@@ -7,6 +7,8 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstring>
+#include <memory>
 
 #include "support/ranks.h"
 #include "torchpar/torchpar.h"
@@ -313,6 +315,53 @@ TEST(Collective, KilledRankMakesOthersRaiseNamingIt) {
     EXPECT_EQ(res[1].exitcode, -SIGKILL) << backend;
     EXPECT_EQ(res[2].exitcode, 0) << backend << ": " << res[2].error;
   }
+}
+
+// ---- a group destroyed while its work is pending ----------------------------------------------
+
+/// Frees and reuses heap chunks of many sizes, filled with 0xff: memory of a destroyed object
+/// that something still reads becomes garbage pointers (a crash) instead of stale values.
+void scribble_heap() {
+  std::vector<std::unique_ptr<char[]>> keep;
+  for (size_t n = 16; n <= 1024; n += 8) {
+    for (int i = 0; i < 8; ++i) {
+      keep.emplace_back(new char[n]);
+      std::memset(keep.back().get(), 0xff, n);
+    }
+  }
+}
+
+void pending_work_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port, 30);
+  auto signal = w.create_collective_group({}, tp::Backend::Gloo, 20.0s);
+  auto g = w.create_collective_group({}, tp::Backend::Gloo, 20.0s);
+  if (rank == 0) {
+    signal.barrier();  // rank 1 destroyed its group with a recv pending
+    ::raise(SIGKILL);  // which makes that recv fail
+  }
+  tp::Work pending;
+  {
+    auto t = at::zeros({16});
+    pending = g.irecv(t, 0, /*tag=*/7);  // rank 0 never sends it
+    g.destroy();
+    g = tp::CollectiveGroup();
+  }  // the group object is gone; the Work must keep its backend alive
+  scribble_heap();
+  signal.barrier();
+  try {
+    pending.wait(20.0s);
+  } catch (const tp::Error& e) {
+    const std::string msg = e.what();
+    RCHECK(msg.find("recv") != std::string::npos, "unexpected error: {}", msg);
+    return;
+  }
+  throw std::runtime_error("a recv from a dead rank succeeded");
+}
+
+TEST(Collective, GroupDestroyedWithPendingWorkIsSafe) {
+  auto res = run_ranks(2, 60, &pending_work_rank, 2, free_port());
+  EXPECT_EQ(res[0].exitcode, -SIGKILL);
+  EXPECT_EQ(res[1].exitcode, 0) << res[1].error;
 }
 
 // ---- sub-groups --------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "torchpar/core/auth.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/process/exec.h"
@@ -235,6 +237,11 @@ Command add_run(CLI::App& app) {
     sa.sa_handler = on_signal;
     ::sigaction(SIGINT, &sa, nullptr);
     ::sigaction(SIGTERM, &sa, nullptr);
+    // The job's key reaches the ranks in their environment, never through the store: the
+    // caller's TORCHPAR_AUTHKEY (the same on every node), else a fresh key for a one-node job.
+    if (!std::getenv("TORCHPAR_AUTHKEY") && o->nnodes == 1) {
+      ::setenv("TORCHPAR_AUTHKEY", to_hex(random_authkey()).c_str(), 1);
+    }
     int code = 0;
     bool interrupted = false;
     for (int attempt = 0; attempt <= o->max_restarts; ++attempt) {

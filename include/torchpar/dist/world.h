@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "torchpar/core/auth.h"
 #include "torchpar/dist/collective_group.h"
 
 namespace torchpar {
@@ -33,17 +34,30 @@ struct WorldOptions {
   /// rank (same LibTorch version) joins default_group() with backend gloo. Skips the
   /// world-size cross-check, which Python ranks would not answer.
   bool python_compatible = false;
+  /// The job's key: every connection to rank 0's store must prove it (the handshake of
+  /// Python's multiprocessing.connection; see torchpar/core/auth.h). Empty: default_authkey()
+  /// (TORCHPAR_AUTHKEY in hex, as `torchpar run` sets it, else the per-user key file).
+  /// Ranks with different keys cannot join one World. Unused with python_compatible (c10d's
+  /// TCPStore has no authentication) and with file:// (the file's permissions guard it).
+  AuthKey authkey;
+  /// Address rank 0's store listens on. Empty: TORCHPAR_STORE_BIND_ADDR, else the master
+  /// address itself (loopback for a one-host job, so the job is not reachable from the
+  /// network). "0.0.0.0" or "::" listens on every interface: only when asked here.
+  std::string store_bind_addr;
 };
 
 /// Membership of one distributed job and the store its groups meet through.
 ///
 /// Construction is collective: every rank constructs its World with the same world size;
-/// rank 0 hosts the c10d TCPStore (or all share a FileStore). It returns when all ranks
-/// joined. Safety: a World may be used from several threads; its groups may not (see
+/// rank 0 hosts the store (torchpar's authenticated store, bound to the master address;
+/// c10d's TCPStore with python_compatible; or all share a FileStore). It returns when all
+/// ranks joined. Safety: a World may be used from several threads; its groups may not (see
 /// CollectiveGroup).
 /// Errors (torchpar::Error, within `timeout`): rank outside [0, world_size), missing
 /// RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, master unreachable, ranks that disagree on the
-/// world size, a rank joining twice, a rank that never joins (TimeoutError naming it).
+/// world size, a rank joining twice, a rank that never joins (TimeoutError naming it);
+/// AuthenticationError when this rank's key differs from rank 0's; RankLostError naming
+/// rank 0 when rank 0 (the store's host) goes away, here or in any later store use.
 /// Source: torch.distributed.init_process_group, machin.parallel.distributed.World.
 class World {
  public:
@@ -90,7 +104,8 @@ class World {
 ///
 /// Returns: a port number in [1, 65535], host byte order.
 /// Errors:  torchpar::Error naming the failed syscall (socket, bind, getsockname).
-/// Safety:  thread- and process-safe; nothing blocks. Source: torch.distributed.elastic.utils.get_free_port /
+/// Safety:  thread- and process-safe; nothing blocks. Source:
+/// torch.distributed.elastic.utils.get_free_port /
 ///          torchrun's choice of MASTER_PORT with --rdzv-endpoint port 0.
 int find_free_port(bool loopback_only = true);
 

@@ -1,0 +1,590 @@
+#include "store.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "torchpar/core/error.h"
+#include "torchpar/core/syscall.h"
+
+namespace torchpar::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kForever = Clock::time_point::max();
+constexpr size_t kMaxFrame = kStoreMaxValueBytes * 2 + 64 * 1024;
+
+enum Cmd : uint8_t { kSet = 1, kGet, kAdd, kCompareSet, kCheck, kWait, kDelete, kNumKeys };
+enum Status : uint8_t { kOk = 0, kTimedOut = 1, kRefused = 2 };
+
+// ---- encoding ---------------------------------------------------------------------------
+
+void put_u32(std::string& s, uint32_t v) {
+  for (int i = 3; i >= 0; --i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void put_i64(std::string& s, int64_t v) {
+  const auto u = static_cast<uint64_t>(v);
+  for (int i = 7; i >= 0; --i) s.push_back(static_cast<char>((u >> (8 * i)) & 0xff));
+}
+void put_bytes(std::string& s, const void* p, size_t n) {
+  put_u32(s, static_cast<uint32_t>(n));
+  s.append(static_cast<const char*>(p), n);
+}
+void put_str(std::string& s, const std::string& v) { put_bytes(s, v.data(), v.size()); }
+void put_vec(std::string& s, const std::vector<uint8_t>& v) { put_bytes(s, v.data(), v.size()); }
+
+/// Reads fields from a received message; every length is checked against what is left.
+struct Reader {
+  std::string_view in;
+  bool ok = true;
+  uint64_t take(int n) {
+    if (in.size() < static_cast<size_t>(n)) {
+      ok = false;
+      return 0;
+    }
+    uint64_t v = 0;
+    for (int i = 0; i < n; ++i) v = (v << 8) | static_cast<unsigned char>(in[i]);
+    in.remove_prefix(static_cast<size_t>(n));
+    return v;
+  }
+  uint8_t u8() { return static_cast<uint8_t>(take(1)); }
+  uint32_t u32() { return static_cast<uint32_t>(take(4)); }
+  int64_t i64() { return static_cast<int64_t>(take(8)); }
+  std::string_view bytes(size_t cap) {
+    const uint32_t n = u32();
+    if (!ok || n > cap || n > in.size()) {
+      ok = false;
+      return {};
+    }
+    auto out = in.substr(0, n);
+    in.remove_prefix(n);
+    return out;
+  }
+};
+
+std::string frame(std::string body) {
+  std::string out;
+  out.reserve(body.size() + 4);
+  put_u32(out, static_cast<uint32_t>(body.size()));
+  out += body;
+  return out;
+}
+
+/// Reads one framed message; a length over kMaxFrame is refused before allocating.
+std::string read_message(int fd, Clock::time_point deadline, std::string_view what) {
+  unsigned char hdr[4];
+  recv_all(fd, hdr, 4, deadline, what);
+  const uint32_t n = (uint32_t{hdr[0]} << 24) | (uint32_t{hdr[1]} << 16) | (uint32_t{hdr[2]} << 8) |
+                     uint32_t{hdr[3]};
+  if (n > kMaxFrame) {
+    throw Error(fmt::format("{}: message of {} bytes refused (at most {})", what, n, kMaxFrame));
+  }
+  std::string out(n, '\0');
+  recv_all(fd, out.data(), n, deadline, what);
+  return out;
+}
+
+void check_key(const std::string& key) {
+  if (key.size() > kStoreMaxKeyBytes) {
+    throw Error(fmt::format("store: key of {} bytes is over the limit of {}", key.size(),
+                            kStoreMaxKeyBytes));
+  }
+}
+
+Clock::time_point after(std::chrono::milliseconds ms) {
+  if (ms.count() <= 0) return kForever;  // c10d's kNoTimeout
+  return Clock::now() + ms;
+}
+
+}  // namespace
+
+// ---- server -------------------------------------------------------------------------------
+
+StoreServer::StoreServer(const std::string& bind_addr, int port, AuthKey key,
+                         std::chrono::milliseconds handshake_timeout)
+    : key_(std::move(key)), handshake_timeout_(handshake_timeout) {
+  const std::string where = fmt::format("store on {}:{}", bind_addr, port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const int gai = ::getaddrinfo(bind_addr == "localhost" ? "127.0.0.1" : bind_addr.c_str(),
+                                std::to_string(port).c_str(), &hints, &res);
+  if (gai != 0 || !res) {
+    throw Error(fmt::format("World: cannot resolve the address {} to serve the store on: {}",
+                            bind_addr, ::gai_strerror(gai)));
+  }
+  std::string last_error;
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (!fd) continue;
+    const int one = 1;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (ai->ai_family == AF_INET6) {
+      ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+    }
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd.get(), 1024) != 0) {
+      last_error = std::strerror(errno);
+      continue;
+    }
+    listen_fd_ = std::move(fd);
+    break;
+  }
+  ::freeaddrinfo(res);
+  if (!listen_fd_) {
+    throw Error(fmt::format(
+        "World: rank 0 cannot serve the {}: {} (the address must be one of this host's; set "
+        "WorldOptions::store_bind_addr or TORCHPAR_STORE_BIND_ADDR, e.g. 0.0.0.0 for every "
+        "interface)",
+        where, last_error));
+  }
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  ::getsockname(listen_fd_.get(), reinterpret_cast<sockaddr*>(&ss), &len);
+  port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_fd_) throw_system_error("eventfd", errno, where);
+  acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+StoreServer::~StoreServer() {
+  stop_ = true;
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_.get(), &one, sizeof(one));
+  if (acceptor_.joinable()) acceptor_.join();
+  {
+    std::lock_guard<std::mutex> g(conns_mu_);
+    for (auto& c : conns_) ::shutdown(c->fd.get(), SHUT_RDWR);  // wakes their reads
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);  // waiters re-check stop_
+  }
+  cv_.notify_all();
+  reap(/*all=*/true);
+}
+
+void StoreServer::reap(bool all) {
+  std::list<std::unique_ptr<Conn>> finished;
+  {
+    std::lock_guard<std::mutex> g(conns_mu_);
+    for (auto it = conns_.begin(); it != conns_.end();) {
+      if (all || (*it)->done) {
+        finished.push_back(std::move(*it));
+        it = conns_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& c : finished) {
+    if (c->thread.joinable()) c->thread.join();
+  }
+}
+
+void StoreServer::accept_loop() {
+  constexpr int kMaxHandshaking = 128;  // strangers cannot make us start unbounded threads
+  while (!stop_) {
+    pollfd p[2] = {{listen_fd_.get(), POLLIN, 0}, {wake_fd_.get(), POLLIN, 0}};
+    const int r = ::poll(p, 2, 1000);
+    if (stop_) return;
+    reap(false);
+    if (r <= 0 || !(p[0].revents & POLLIN)) continue;
+    UniqueFd fd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd) {
+      // EMFILE and friends: back off instead of spinning on a pending connection
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) ::poll(nullptr, 0, 50);
+      continue;
+    }
+    if (handshaking_.load() >= kMaxHandshaking) continue;  // closes it
+    const int one = 1;
+    ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    auto conn = std::make_unique<Conn>();
+    conn->fd = std::move(fd);
+    Conn* c = conn.get();
+    handshaking_.fetch_add(1);
+    std::lock_guard<std::mutex> g(conns_mu_);
+    conns_.push_back(std::move(conn));
+    c->thread = std::thread([this, c] { serve(c); });
+  }
+}
+
+void StoreServer::serve(Conn* c) {
+  const int fd = c->fd.get();
+  bool authenticated = false;
+  try {
+    auth_accept(fd, key_, Clock::now() + handshake_timeout_);
+    authenticated = true;
+    handshaking_.fetch_sub(1);
+    while (!stop_) {
+      const std::string req = read_message(fd, kForever, "store connection");
+      if (!handle(fd, req)) break;
+    }
+  } catch (const std::exception&) {
+    // A stranger, a wrong key, a stalled or closed client, a violation: end this connection
+    // only. The client sees the refusal (#FAILURE#) or the closed socket.
+  }
+  if (!authenticated) handshaking_.fetch_sub(1);
+  ::shutdown(fd, SHUT_RDWR);
+  c->done = true;
+}
+
+bool StoreServer::handle(int fd, const std::string& req) {
+  Reader in{req};
+  const uint8_t cmd = in.u8();
+  std::string out;
+  auto reply = [&](Status st) {
+    std::string body(1, static_cast<char>(st));
+    body += out;
+    const std::string f = frame(std::move(body));
+    send_all(fd, f.data(), f.size(), Clock::now() + std::chrono::seconds(30), "store reply");
+    return true;
+  };
+  auto key = [&] { return std::string(in.bytes(kStoreMaxKeyBytes)); };
+  auto keys = [&] {
+    std::vector<std::string> ks;
+    const uint32_t n = in.u32();
+    if (n > kStoreMaxKeys) in.ok = false;
+    for (uint32_t i = 0; in.ok && i < n; ++i) ks.push_back(key());
+    return ks;
+  };
+  auto all_present = [&](const std::vector<std::string>& ks) {
+    for (const auto& k : ks) {
+      if (!data_.count(k)) return false;
+    }
+    return true;
+  };
+  /// Waits under `lk` until every key exists; false on timeout or shutdown.
+  auto wait_keys = [&](std::unique_lock<std::mutex>& lk, const std::vector<std::string>& ks,
+                       int64_t timeout_ms) {
+    const auto deadline = after(std::chrono::milliseconds(timeout_ms));
+    while (!all_present(ks)) {
+      if (stop_) return false;
+      if (deadline == kForever) {
+        cv_.wait(lk);
+      } else if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !all_present(ks)) {
+        return false;
+      }
+    }
+    return true;
+  };
+
+  switch (cmd) {
+    case kSet: {
+      auto k = key();
+      auto v = in.bytes(kStoreMaxValueBytes);
+      if (!in.ok) return false;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        data_[k].assign(v.begin(), v.end());
+      }
+      cv_.notify_all();
+      return reply(kOk);
+    }
+    case kGet: {
+      auto k = key();
+      const int64_t timeout_ms = in.i64();
+      if (!in.ok) return false;
+      std::unique_lock<std::mutex> lk(mu_);
+      if (!wait_keys(lk, {k}, timeout_ms)) return reply(kTimedOut);
+      const auto& v = data_[k];
+      put_vec(out, v);
+      lk.unlock();
+      return reply(kOk);
+    }
+    case kAdd: {
+      auto k = key();
+      const int64_t delta = in.i64();
+      if (!in.ok) return false;
+      int64_t value = 0;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        auto& v = data_[k];
+        if (!v.empty()) value = std::strtoll(std::string(v.begin(), v.end()).c_str(), nullptr, 10);
+        value += delta;
+        const std::string s = std::to_string(value);
+        v.assign(s.begin(), s.end());
+      }
+      cv_.notify_all();
+      put_i64(out, value);
+      return reply(kOk);
+    }
+    case kCompareSet: {
+      auto k = key();
+      auto expected = in.bytes(kStoreMaxValueBytes);
+      auto desired = in.bytes(kStoreMaxValueBytes);
+      if (!in.ok) return false;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        // c10d TCPStore's semantics: a missing key is created only when `expected` is empty.
+        auto it = data_.find(k);
+        if (it == data_.end()) {
+          if (expected.empty()) {
+            data_[k].assign(desired.begin(), desired.end());
+            put_bytes(out, desired.data(), desired.size());
+          } else {
+            put_bytes(out, expected.data(), expected.size());
+          }
+        } else {
+          if (std::string_view(reinterpret_cast<const char*>(it->second.data()),
+                               it->second.size()) == expected) {
+            it->second.assign(desired.begin(), desired.end());
+          }
+          put_vec(out, it->second);
+        }
+      }
+      cv_.notify_all();
+      return reply(kOk);
+    }
+    case kCheck: {
+      auto ks = keys();
+      if (!in.ok) return false;
+      std::lock_guard<std::mutex> g(mu_);
+      out.push_back(all_present(ks) ? 1 : 0);
+      return reply(kOk);
+    }
+    case kWait: {
+      auto ks = keys();
+      const int64_t timeout_ms = in.i64();
+      if (!in.ok) return false;
+      std::unique_lock<std::mutex> lk(mu_);
+      const bool ok = wait_keys(lk, ks, timeout_ms);
+      lk.unlock();
+      return reply(ok ? kOk : kTimedOut);
+    }
+    case kDelete: {
+      auto k = key();
+      if (!in.ok) return false;
+      std::lock_guard<std::mutex> g(mu_);
+      out.push_back(data_.erase(k) ? 1 : 0);
+      return reply(kOk);
+    }
+    case kNumKeys: {
+      std::lock_guard<std::mutex> g(mu_);
+      put_i64(out, static_cast<int64_t>(data_.size()));
+      return reply(kOk);
+    }
+    default:
+      return false;
+  }
+}
+
+// ---- client -------------------------------------------------------------------------------
+
+namespace {
+
+/// Connects to addr:port, retrying (the server may not listen yet) until `deadline`.
+UniqueFd connect_retrying(const std::string& addr, int port, Clock::time_point deadline,
+                          const std::string& where) {
+  std::string last = "no address";
+  for (;;) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    addrinfo* res = nullptr;
+    const int gai = ::getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &res);
+    if (gai != 0) {
+      last = ::gai_strerror(gai);
+      res = nullptr;
+    }
+    for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+      UniqueFd fd(
+          ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
+      if (!fd) continue;
+      int rc = ::connect(fd.get(), ai->ai_addr, ai->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::min(deadline, Clock::now() + std::chrono::seconds(5)) - Clock::now());
+        pollfd p{fd.get(), POLLOUT, 0};
+        if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 1))) == 1) {
+          int err = 0;
+          socklen_t len = sizeof(err);
+          ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+          rc = err == 0 ? 0 : -1;
+          errno = err;
+        } else {
+          errno = ETIMEDOUT;
+        }
+      }
+      if (rc == 0) {
+        ::freeaddrinfo(res);
+        const int one = 1;
+        ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        return fd;
+      }
+      last = std::strerror(errno);
+    }
+    if (res) ::freeaddrinfo(res);
+    if (Clock::now() + std::chrono::milliseconds(50) >= deadline) {
+      throw TimeoutError(fmt::format("cannot reach {}: {}", where, last));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+}  // namespace
+
+StoreClient::StoreClient(const std::string& addr, int port, const AuthKey& key,
+                         std::chrono::milliseconds timeout)
+    : c10d::Store(timeout),
+      where_(fmt::format("the store at {}:{} (hosted by rank 0)", addr, port)) {
+  const auto deadline = after(timeout);
+  for (;;) {
+    fd_ = connect_retrying(addr, port, deadline, where_);
+    try {
+      auth_connect(fd_.get(), key, deadline);
+      return;
+    } catch (const AuthenticationError& e) {
+      throw AuthenticationError(fmt::format(
+          "{} and this process do not share the job's key ({}): give every rank the same "
+          "WorldOptions::authkey or TORCHPAR_AUTHKEY (hex)",
+          where_, e.what_without_backtrace()));
+    } catch (const ClosedError&) {
+      // The server closed before the handshake ended (it was busy or restarting): retry
+      // within the deadline, as for a refused connection.
+      if (Clock::now() >= deadline) throw TimeoutError(fmt::format("cannot reach {}", where_));
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+}
+
+StoreClient::~StoreClient() = default;
+
+std::string StoreClient::call(const std::string& req, std::chrono::milliseconds wait_ms,
+                              const char* what) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!broken_.empty()) throw RankLostError(0, broken_);
+  // The reply of a wait comes when the server's own timer fires: allow for it.
+  const auto op = timeout_;
+  const auto deadline = wait_ms.count() > 0 ? Clock::now() + wait_ms + std::chrono::seconds(5)
+                        : op.count() > 0    ? Clock::now() + op + std::chrono::seconds(5)
+                                            : kForever;
+  std::string reply;
+  try {
+    const std::string f = frame(req);
+    send_all(fd_.get(), f.data(), f.size(), deadline, where_);
+    reply = read_message(fd_.get(), deadline, where_);
+  } catch (const TimeoutError&) {
+    broken_ = fmt::format("{} stopped answering (a {} timed out)", where_, what);
+    throw TimeoutError(broken_);
+  } catch (const Error& e) {
+    broken_ =
+        fmt::format("lost the connection to {}: rank 0 exited or closed the store ({} failed: {})",
+                    where_, what, e.what_without_backtrace());
+    fd_.reset();
+    throw RankLostError(0, broken_);
+  }
+  if (reply.empty()) throw Error(fmt::format("{}: empty reply to {}", where_, what));
+  const auto st = static_cast<uint8_t>(reply[0]);
+  if (st == kTimedOut) {
+    throw TimeoutError(fmt::format("{}: {} timed out after {} ms", where_, what,
+                                   (wait_ms.count() > 0 ? wait_ms : timeout_).count()));
+  }
+  if (st != kOk) throw Error(fmt::format("{}: {} refused: {}", where_, what, reply.substr(1)));
+  return reply.substr(1);
+}
+
+void StoreClient::set(const std::string& key, const std::vector<uint8_t>& value) {
+  check_key(key);
+  if (value.size() > kStoreMaxValueBytes) {
+    throw Error(fmt::format("store: value of {} bytes is over the limit of {}", value.size(),
+                            kStoreMaxValueBytes));
+  }
+  std::string req(1, static_cast<char>(kSet));
+  put_str(req, key);
+  put_vec(req, value);
+  call(req, std::chrono::milliseconds(0), "set");
+}
+
+std::vector<uint8_t> StoreClient::compareSet(const std::string& key,
+                                             const std::vector<uint8_t>& expected,
+                                             const std::vector<uint8_t>& desired) {
+  check_key(key);
+  std::string req(1, static_cast<char>(kCompareSet));
+  put_str(req, key);
+  put_vec(req, expected);
+  put_vec(req, desired);
+  Reader r{call(req, std::chrono::milliseconds(0), "compareSet")};
+  auto v = r.bytes(kStoreMaxValueBytes);
+  return {v.begin(), v.end()};
+}
+
+std::vector<uint8_t> StoreClient::get(const std::string& key) {
+  check_key(key);
+  std::string req(1, static_cast<char>(kGet));
+  put_str(req, key);
+  put_i64(req, timeout_.count());
+  const std::string rep = call(req, timeout_, "get");
+  Reader r{rep};
+  auto v = r.bytes(kStoreMaxValueBytes);
+  return {v.begin(), v.end()};
+}
+
+int64_t StoreClient::add(const std::string& key, int64_t value) {
+  check_key(key);
+  std::string req(1, static_cast<char>(kAdd));
+  put_str(req, key);
+  put_i64(req, value);
+  Reader r{call(req, std::chrono::milliseconds(0), "add")};
+  return r.i64();
+}
+
+bool StoreClient::deleteKey(const std::string& key) {
+  check_key(key);
+  std::string req(1, static_cast<char>(kDelete));
+  put_str(req, key);
+  return call(req, std::chrono::milliseconds(0), "deleteKey") == std::string(1, '\1');
+}
+
+bool StoreClient::check(const std::vector<std::string>& keys) {
+  std::string req(1, static_cast<char>(kCheck));
+  put_u32(req, static_cast<uint32_t>(keys.size()));
+  for (const auto& k : keys) {
+    check_key(k);
+    put_str(req, k);
+  }
+  return call(req, std::chrono::milliseconds(0), "check") == std::string(1, '\1');
+}
+
+int64_t StoreClient::getNumKeys() {
+  Reader r{call(std::string(1, static_cast<char>(kNumKeys)), std::chrono::milliseconds(0),
+                "getNumKeys")};
+  return r.i64();
+}
+
+void StoreClient::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
+
+void StoreClient::wait(const std::vector<std::string>& keys,
+                       const std::chrono::milliseconds& timeout) {
+  if (keys.size() > kStoreMaxKeys) throw Error("store: too many keys to wait for");
+  std::string req(1, static_cast<char>(kWait));
+  put_u32(req, static_cast<uint32_t>(keys.size()));
+  for (const auto& k : keys) {
+    check_key(k);
+    put_str(req, k);
+  }
+  put_i64(req, timeout.count());
+  call(req, timeout, "wait");
+}
+
+bool store_wait_count(c10d::Store& store, const std::string& key, int64_t count,
+                      Clock::time_point deadline, const std::function<bool()>& keep_waiting) {
+  while (store.add(key, 0) < count) {
+    if (Clock::now() > deadline || (keep_waiting && !keep_waiting())) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
+}
+
+}  // namespace torchpar::detail

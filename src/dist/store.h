@@ -1,0 +1,128 @@
+#pragma once
+// The authenticated rendezvous store of a World: a small key-value server hosted by rank 0
+// and a client implementing c10d::Store (so ProcessGroupGloo and PrefixStore work on it).
+//
+// Why not c10d's TCPStore: in LibTorch 1.13 it listens on every interface, has no
+// authentication, serves all clients from one thread (a client that sends one byte and
+// stalls delays everyone), allocates whatever length a client announces, and its
+// watch-key thread spins on a closed socket when the server dies. This store binds the
+// address it is given, runs the job's key handshake (torchpar/core/auth.h) before anything
+// else on every connection, serves each connection on its own thread, caps key and value
+// lengths before allocating, and reports a lost server as RankLostError naming rank 0.
+//
+// Wire format (after the handshake), both directions: u32 big-endian length of the rest,
+// then the message. Request: u8 command, fields; reply: u8 status (0 ok, 1 timed out,
+// 2 refused + message), fields. Strings are u32 length + bytes; integers i64 big-endian.
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "torchpar/core/auth.h"
+#include "torchpar/core/fd.h"
+
+namespace torchpar::detail {
+
+inline constexpr size_t kStoreMaxKeyBytes = 4096;
+inline constexpr size_t kStoreMaxValueBytes = 16 << 20;
+inline constexpr size_t kStoreMaxKeys = 4096;  // per check / wait
+
+/// Listens on `bind_addr`:`port` (numeric or a host name; "0.0.0.0" or "::" only when the
+/// caller asks for every interface) and serves authenticated clients until destroyed.
+/// Errors (constructor): torchpar::Error naming the address when it cannot listen there.
+/// Safety: the destructor closes every connection and joins every thread.
+class StoreServer {
+ public:
+  StoreServer(const std::string& bind_addr, int port, AuthKey key,
+              std::chrono::milliseconds handshake_timeout);
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+
+  /// The port listened on (the kernel's pick when constructed with port 0).
+  int port() const { return port_; }
+
+ private:
+  struct Conn {
+    UniqueFd fd;
+    std::thread thread;
+    std::atomic<bool> done{false};
+  };
+  void accept_loop();
+  void serve(Conn* c);
+  /// Handles one request; false ends the connection (protocol violation).
+  bool handle(int fd, const std::string& req);
+  void reap(bool all);
+
+  AuthKey key_;
+  std::chrono::milliseconds handshake_timeout_;
+  int port_ = 0;
+  UniqueFd listen_fd_;
+  UniqueFd wake_fd_;
+  std::thread acceptor_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> handshaking_{0};
+
+  std::mutex conns_mu_;
+  std::list<std::unique_ptr<Conn>> conns_;
+
+  std::mutex mu_;  // guards data_
+  std::condition_variable cv_;
+  std::map<std::string, std::vector<uint8_t>> data_;
+};
+
+/// One connection to a StoreServer, as a c10d::Store. Every call is bounded: operations by
+/// the store's timeout, wait() by its argument. Errors: TimeoutError; RankLostError(0, ...)
+/// once the server is gone (then every later call fails fast); torchpar::Error for keys or
+/// values over the caps; AuthenticationError (constructor) when the server has another key.
+/// Safety: thread-safe (calls are serialised on the one connection).
+class StoreClient final : public c10d::Store {
+ public:
+  /// Connects (retrying while nothing listens yet) and authenticates, within `timeout`.
+  StoreClient(const std::string& addr, int port, const AuthKey& key,
+              std::chrono::milliseconds timeout);
+  ~StoreClient() override;
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override;
+  /// Waits (up to the store's timeout) for the key, as c10d's stores do.
+  std::vector<uint8_t> get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t value) override;
+  bool deleteKey(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  int64_t getNumKeys() override;
+  void wait(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override;
+
+ private:
+  /// Sends one request, returns the reply's fields (status checked).
+  std::string call(const std::string& req, std::chrono::milliseconds wait_ms, const char* what);
+
+  std::string where_;  // "the store at host:port (hosted by rank 0)"
+  std::mutex mu_;
+  UniqueFd fd_;
+  std::string broken_;  // why the connection is unusable, once it is
+};
+
+/// The store barrier: waits until the counter `key` (store.add(key, 0)) reaches `count`.
+/// Polls every 2 ms (c10d stores have no wait-for-value); `keep_waiting`, when given, is
+/// asked every poll and ends the wait early by returning false.
+/// Returns: true when the count was reached; false at `deadline` or when keep_waiting said
+/// stop. Errors: the store's (RankLostError when rank 0 is gone).
+bool store_wait_count(c10d::Store& store, const std::string& key, int64_t count,
+                      std::chrono::steady_clock::time_point deadline,
+                      const std::function<bool()>& keep_waiting = nullptr);
+
+}  // namespace torchpar::detail
