@@ -104,11 +104,13 @@ void measure(const Args& a, const std::string& system, int rank, const Op& run,
 }
 
 void run_torchpar(const Args& a, const std::string& system, int rank, int port) {
-  tp::World world(tp::WorldOptions{.rank = rank,
-                                   .world_size = a.ranks,
-                                   .master_addr = "127.0.0.1",
-                                   .master_port = port,
-                                   .timeout = std::chrono::seconds(120)});
+  tp::WorldOptions options;
+  options.rank = rank;
+  options.world_size = a.ranks;
+  options.master_addr = "127.0.0.1";
+  options.master_port = port;
+  options.timeout = std::chrono::seconds(120);
+  tp::World world(options);
   auto g = world.create_collective_group(
       {}, system == "torchpar-shm" ? tp::Backend::Shm : tp::Backend::Gloo);
   measure(
@@ -145,8 +147,8 @@ void run_c10d(const Args& a, int rank, int port) {
         } else if (op == "broadcast") {
           pg->broadcast(v)->wait();
         } else {
-          std::vector<std::vector<at::Tensor>> o{out};
-          pg->allgather(o, v)->wait();
+          std::vector<std::vector<at::Tensor>> outs{out};
+          pg->allgather(outs, v)->wait();
         }
       },
       [&] { pg->barrier()->wait(); });

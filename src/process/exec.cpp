@@ -115,8 +115,7 @@ pid_t exec_program(const std::vector<std::string>& argv, const ExecOptions& opti
   return pid;
 }
 
-std::optional<int> wait_program(pid_t pid,
-                                std::optional<std::chrono::duration<double>> timeout) {
+std::optional<int> wait_program(pid_t pid, std::optional<std::chrono::duration<double>> timeout) {
   using Clock = std::chrono::steady_clock;
   const auto deadline =
       timeout ? std::optional<Clock::time_point>(

@@ -10,11 +10,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <set>
-#include <tuple>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -260,6 +260,7 @@ void reclaim_dead_holders(State& s, std::unique_lock<std::mutex>& lock) {
   std::vector<std::shared_ptr<Segment>> keep_alive;  // the candidates, while unlocked
   for (auto& p : s.pending) {
     if (p.seg->refs(p.block).load() == 0 || p.seg->exports(p.block).load() != 0) continue;
+    if (p.seg->ino() == 0) continue;  // no identity to look for: assume it is in use
     wanted.emplace(major(p.seg->dev()), minor(p.seg->dev()), p.seg->ino());
     keep_alive.push_back(p.seg);
   }

@@ -14,8 +14,8 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <cstring>
+#include <ctime>
 #include <mutex>
 #include <random>
 #include <string>

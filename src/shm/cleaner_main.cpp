@@ -64,8 +64,8 @@ bool sweep(const std::string& prefix) {
   while (auto* e = ::readdir(d)) {
     if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) != 0) continue;
     struct stat st {};
-    const bool young =
-        ::fstatat(dirfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && now - st.st_ctime < kHoldSeconds;
+    const bool young = ::fstatat(dirfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                       now - st.st_ctime < kHoldSeconds;
     if (young && torchpar::detail::segment_in_flight_at(dirfd, e->d_name)) {
       left = true;
       continue;

@@ -147,15 +147,17 @@ std::shared_ptr<Segment> Segment::create(SharingStrategy strategy, uint64_t bloc
   seg->block_size_ = block_size;
   seg->num_blocks_ = num_blocks;
   seg->data_offset_ = header;
+  // dev/ino identify the segment in other processes' /proc/<pid>/maps (the allocator's
+  // check for blocks whose holders all died), for both strategies.
+  struct stat st {};
+  if (::fstat(seg->fd_.get(), &st) != 0) throw_shm("fstat", errno, what);
+  seg->dev_ = st.st_dev;
+  seg->ino_ = st.st_ino;
   if (strategy == SharingStrategy::kFileSystem) {
     seg->key_ = "fs:" + seg->name_;
     seg->fd_.reset();  // the name travels, not the fd: keep no fd per segment
   } else {
-    struct stat st {};
-    if (::fstat(seg->fd_.get(), &st) != 0) throw_shm("fstat", errno, what);
     seg->key_ = fmt::format("fd:{}:{}", st.st_dev, st.st_ino);
-    seg->dev_ = st.st_dev;
-    seg->ino_ = st.st_ino;
   }
   return seg;
 }

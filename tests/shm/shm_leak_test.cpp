@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/strategy_guard.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -18,20 +19,10 @@ using tp::testing::Child;
 using tp::testing::fork_child;
 using tp::testing::recv_line;
 using tp::testing::send_line;
+using tp::testing::StrategyGuard;
 using tp::testing::wait_child;
 
 namespace {
-
-class StrategyGuard {
- public:
-  explicit StrategyGuard(const std::string& s) : old_(tp::get_sharing_strategy()) {
-    tp::set_sharing_strategy(s);
-  }
-  ~StrategyGuard() { tp::set_sharing_strategy(old_); }
-
- private:
-  std::string old_;
-};
 
 class ShmLeakTest : public ::testing::TestWithParam<std::string> {};
 
@@ -46,11 +37,15 @@ TEST_P(ShmLeakTest, BlocksOfAKilledImporterAreReused) {
   for (int round = 0; round < 5; ++round) {
     // Fork first, so the child inherits no reference on the tensor made below.
     Child c = fork_child([](int sock) {
+      // By now this child's fork handlers dropped its copies of the parent's free and
+      // pending segments: a child still in fork() maps them and would keep them in use.
+      send_line(sock, "started");
       auto t = tp::loads<at::Tensor>(tp::recv_payload(sock, std::chrono::seconds(30)));
       send_line(sock, t.sum().item<double>() == 2.0 * (2 << 20) ? "holding" : "wrong");
       ::pause();  // killed while it holds the block
       return 0;
     });
+    ASSERT_EQ(recv_line(c.sock), "started");
     {
       at::Tensor t = tp::empty_shared({2 << 20}, at::kFloat);  // 8 MiB: its own segment
       t.fill_(2.0f);
@@ -100,7 +95,8 @@ namespace {
 int exit_status_keeping_socket(pid_t pid) {
   for (int i = 0; i < 3000; ++i) {
     int status = 0;
-    if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (::waitpid(pid, &status, WNOHANG) == pid)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ::kill(pid, SIGKILL);

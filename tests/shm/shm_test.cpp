@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/strategy_guard.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -18,21 +19,10 @@ using tp::testing::Child;
 using tp::testing::fork_child;
 using tp::testing::recv_line;
 using tp::testing::send_line;
+using tp::testing::StrategyGuard;
 using tp::testing::wait_child;
 
 namespace {
-
-// Restores the process-wide strategy after each test.
-class StrategyGuard {
- public:
-  explicit StrategyGuard(const std::string& s) : old_(tp::get_sharing_strategy()) {
-    tp::set_sharing_strategy(s);
-  }
-  ~StrategyGuard() { tp::set_sharing_strategy(old_); }
-
- private:
-  std::string old_;
-};
 
 std::vector<at::ScalarType> all_dtypes() {
   return {at::kByte,  at::kChar,   at::kShort,        at::kInt,           at::kLong, at::kHalf,

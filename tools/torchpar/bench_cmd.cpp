@@ -55,8 +55,8 @@ Command add_bench(CLI::App& app) {
                    (prefix / "share/torchpar/bench").c_str());
       return 2;
     }
-    std::vector<std::string> args = {"/usr/bin/python3", runner.string(), "--bin", bin.string(),
-                                     "--cli",           exe.string()};
+    std::vector<std::string> args = {"/usr/bin/python3", runner.string(), "--bin",
+                                     bin.string(),       "--cli",         exe.string()};
     if (o->quick) args.push_back("--quick");
     if (!o->only.empty()) args.insert(args.end(), {"--only", o->only});
     if (!o->out.empty()) args.insert(args.end(), {"--out", o->out});

@@ -51,8 +51,7 @@ pid_t exec_program(const std::vector<std::string>& argv, const ExecOptions& opti
 /// Waits for `pid` (a child of this process) at most `timeout` (nullopt: forever).
 /// Returns the raw wait status, or nullopt on timeout (the child is left running).
 /// Errors: torchpar::Error when `pid` is not a child of ours.
-std::optional<int> wait_program(pid_t pid,
-                                std::optional<std::chrono::duration<double>> timeout);
+std::optional<int> wait_program(pid_t pid, std::optional<std::chrono::duration<double>> timeout);
 
 /// Starts a program, waits for it and returns its exit code as a shell would report it
 /// (128 + signal number when killed). On timeout the program is SIGKILLed, reaped and
