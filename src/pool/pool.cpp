@@ -322,6 +322,12 @@ class PoolCore {
             all_exited = false;
             continue;
           }
+          // terminate() kills the workers before the manager sees stop_: such a death is
+          // the pool's end, not a lost worker (its tasks fail with ClosedError below).
+          if (stop_.load()) {
+            stop = true;
+            break;
+          }
           // Results it sent before dying are already queued: take them first.
           lock.unlock();
           drain_results(done, std::nullopt);
