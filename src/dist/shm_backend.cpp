@@ -19,9 +19,9 @@
 
 #include "core/cpu_relax.h"
 #include "core/futex.h"
-#include "shm/cleaner.h"
 #include "core/liveness.h"
 #include "reduce_kernels.h"
+#include "shm/cleaner.h"
 #include "store.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"

@@ -19,8 +19,8 @@
 #include <set>
 #include <sstream>
 
-#include "gloo_backend.h"
 #include "core/liveness.h"
+#include "gloo_backend.h"
 #include "shm_backend.h"
 #include "store.h"
 #include "torchpar/core/error.h"

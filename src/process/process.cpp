@@ -21,10 +21,10 @@
 
 #include <fmt/format.h>
 
-#include "shm/allocator.h"
-#include "shm/segment.h"
 #include "child.h"
 #include "launch.h"
+#include "shm/allocator.h"
+#include "shm/segment.h"
 #include "torchpar/core/syscall.h"
 
 extern char** environ;

@@ -325,6 +325,17 @@ ShmRegion ShmRegion::create_named(const std::string& name, uint64_t bytes) {
   return r;  // the name travels, not the fd
 }
 
+namespace {
+// The size of an opened shared object, refused below `min_bytes` (and when empty).
+uint64_t checked_size(const struct stat& st, uint64_t min_bytes, const std::string& what) {
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size < std::max<uint64_t>(min_bytes, 1))
+    throw_shm("fstat", EINVAL, what,
+              fmt::format("shared object of {} bytes, expected at least {}", size, min_bytes));
+  return size;
+}
+}  // namespace
+
 ShmRegion ShmRegion::open_fd(UniqueFd fd, uint64_t min_bytes, const char* what) {
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw_shm("fstat", errno, what);
@@ -333,10 +344,7 @@ ShmRegion ShmRegion::open_fd(UniqueFd fd, uint64_t min_bytes, const char* what) 
   if (seals < 0 || (static_cast<unsigned>(seals) & kSeals) != kSeals)
     throw_shm("fcntl(F_GET_SEALS)", EINVAL, what,
               "not a sealed torchpar memfd (it could be truncated under us)");
-  const auto size = static_cast<uint64_t>(st.st_size);
-  if (size < std::max<uint64_t>(min_bytes, 1))
-    throw_shm("fstat", EINVAL, what,
-              fmt::format("shared object of {} bytes, expected at least {}", size, min_bytes));
+  const uint64_t size = checked_size(st, min_bytes, what);
   ShmRegion r;
   r.map(fd.get(), size, true, what);
   r.fd_ = std::move(fd);
@@ -353,10 +361,7 @@ ShmRegion ShmRegion::open_named(const std::string& name, bool writable, uint64_t
   UniqueFd fd(raw);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw_shm("fstat", errno, name);
-  const auto size = static_cast<uint64_t>(st.st_size);
-  if (size < std::max<uint64_t>(min_bytes, 1))
-    throw_shm("fstat", EINVAL, name,
-              fmt::format("shared object of {} bytes, expected at least {}", size, min_bytes));
+  const uint64_t size = checked_size(st, min_bytes, name);
   ShmRegion r;
   r.map(fd.get(), size, writable, name);
   return r;

@@ -36,15 +36,7 @@ bool wait_state(int pid, char want, std::chrono::duration<double> limit) {
 
 }  // namespace
 
-class PoolFault : public tp::testing::StartMethodTest {
- protected:
-  tp::PoolOptions options(size_t processes = 2) {
-    tp::PoolOptions o;
-    o.processes = processes;
-    o.start_method = tp::start_method_from_string(GetParam());
-    return o;
-  }
-};
+class PoolFault : public tp::testing::StartMethodTest {};
 
 // A worker stopped while idle gets two chunks of a new map into its inbox, then is killed
 // before taking them: they never ran, so they run on the other worker (before: the map

@@ -73,15 +73,7 @@ void count_init(at::Tensor counter) {
 
 }  // namespace
 
-class PoolTest : public tp::testing::StartMethodTest {
- protected:
-  tp::PoolOptions options(size_t processes = 2) {
-    tp::PoolOptions o;
-    o.processes = processes;
-    o.start_method = tp::start_method_from_string(GetParam());
-    return o;
-  }
-};
+class PoolTest : public tp::testing::StartMethodTest {};
 
 TEST_P(PoolTest, MapImapStarmapApply) {
   tp::Pool pool(options());

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "torchpar/pool/pool.h"
 #include "torchpar/process/spawn.h"
 
 namespace torchpar::testing {
@@ -15,6 +16,13 @@ class StartMethodTest : public ::testing::TestWithParam<std::string> {
     SpawnOptions o;
     o.start_method = start_method_from_string(GetParam());
     o.join = join;
+    return o;
+  }
+  /// Pool options with this suite's start method.
+  PoolOptions options(size_t processes = 2) {
+    PoolOptions o;
+    o.processes = processes;
+    o.start_method = start_method_from_string(GetParam());
     return o;
   }
 };
