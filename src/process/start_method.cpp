@@ -125,7 +125,7 @@ StartMethod start_method_from_string(const std::string& name) {
   if (name == "fork") return StartMethod::kFork;
   if (name == "spawn") return StartMethod::kSpawn;
   if (name == "forkserver") return StartMethod::kForkserver;
-  throw std::invalid_argument("unknown start method '" + name +
+  throw ValueError("unknown start method '" + name +
                               "'; valid start methods are: fork, forkserver, spawn");
 }
 

@@ -3,6 +3,8 @@
 #include <atomic>
 #include <stdexcept>
 
+#include "torchpar/core/error.h"
+
 namespace torchpar {
 namespace {
 std::atomic<SharingStrategy> g_strategy{SharingStrategy::kFileDescriptor};
@@ -25,7 +27,7 @@ std::string to_string(SharingStrategy s) {
 SharingStrategy sharing_strategy_from_string(const std::string& name) {
   if (name == "file_descriptor") return SharingStrategy::kFileDescriptor;
   if (name == "file_system") return SharingStrategy::kFileSystem;
-  throw std::invalid_argument("unknown sharing strategy '" + name +
+  throw ValueError("unknown sharing strategy '" + name +
                               "'; valid strategies are: file_descriptor, file_system");
 }
 

@@ -280,7 +280,7 @@ TEST(Process, StartMethodNames) {
   try {
     tp::set_start_method("threads");
     FAIL();
-  } catch (const std::invalid_argument& e) {
+  } catch (const tp::ValueError& e) {
     EXPECT_NE(std::string(e.what()).find("forkserver"), std::string::npos) << e.what();
   }
   tp::set_start_method("fork");

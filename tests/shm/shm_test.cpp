@@ -49,7 +49,7 @@ TEST(SharingStrategy, NamesAndValidation) {
   try {
     tp::set_sharing_strategy("posix");
     FAIL() << "no exception";
-  } catch (const std::invalid_argument& e) {
+  } catch (const tp::ValueError& e) {
     std::string msg = e.what();
     EXPECT_NE(msg.find("posix"), std::string::npos) << msg;
     EXPECT_NE(msg.find("file_descriptor"), std::string::npos) << msg;

@@ -40,6 +40,21 @@ class AuthenticationError : public Error {
   using Error::Error;
 };
 
+/// A Barrier was broken (abort, reset, or a waiter's timeout); every waiter of that round
+/// raises it and the barrier stays broken until reset() (Python:
+/// threading.BrokenBarrierError).
+class BrokenBarrierError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A value is not one of those allowed (an unknown start method or sharing strategy
+/// name, an option out of range). Nothing changed (Python: ValueError).
+class ValueError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A system call failed. Carries the syscall, its errno and the object it acted on
 /// (a path, a shared-memory name, an fd).
 class SystemError : public Error {

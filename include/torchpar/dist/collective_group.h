@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "torchpar/core/timeout.h"
+
 namespace torchpar {
 
 /// Element-wise reductions (torch.distributed.ReduceOp). AVG needs a floating dtype.
@@ -34,7 +36,6 @@ Backend backend_from_string(const std::string& name);
 /// several threads; it is not shared across processes.
 class Work {
  public:
-  using Timeout = std::optional<std::chrono::duration<double>>;
   struct Impl;
 
   Work() = default;

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 
+#include "torchpar/core/timeout.h"
 #include "torchpar/ipc/shm_queue.h"
 #include "torchpar/serialize/serialize.h"
 
@@ -35,7 +36,6 @@ struct QueueOptions {
 template <class T>
 class Queue {
  public:
-  using Timeout = std::optional<std::chrono::duration<double>>;
 
   /// `maxsize` items at most (0: unbounded, as in Python).
   explicit Queue(uint64_t maxsize = 0, QueueOptions options = {})

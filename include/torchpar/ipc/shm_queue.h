@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "torchpar/core/timeout.h"
 #include "torchpar/core/fd.h"
 
 namespace torchpar::detail {
@@ -22,7 +23,6 @@ class ShmRegion;
 
 class ShmQueue {
  public:
-  using Timeout = std::optional<std::chrono::duration<double>>;
 
   /// `maxsize` items (0: unbounded); `capacity_bytes` of ring (messages larger than a
   /// quarter of it travel in a shared segment of their own).

@@ -18,18 +18,11 @@
 #include <optional>
 
 #include "torchpar/core/error.h"
+#include "torchpar/core/timeout.h"
 #include "torchpar/ipc/shared_page.h"
 
 namespace torchpar {
 
-/// A Barrier was broken (abort, reset, or a waiter's timeout). Python:
-/// threading.BrokenBarrierError.
-class BrokenBarrierError : public Error {
- public:
-  using Error::Error;
-};
-
-using Timeout = std::optional<std::chrono::duration<double>>;
 
 /// Mutual exclusion between processes and threads.
 /// Requires: release() by the holder (unlike Python's Lock, which any thread may release).

@@ -37,7 +37,7 @@ std::vector<std::string> get_all_start_methods();
 /// Current default start method ("spawn" unless set). Source: multiprocessing.get_start_method.
 std::string get_start_method();
 
-/// Sets the default start method. Errors: std::invalid_argument naming the valid methods
+/// Sets the default start method. Errors: torchpar::ValueError naming the valid methods
 /// for an unknown or unsupported name. Safety: thread-safe.
 /// Source: multiprocessing.set_start_method.
 void set_start_method(const std::string& method);

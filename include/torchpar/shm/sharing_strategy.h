@@ -25,12 +25,12 @@ std::vector<std::string> get_all_sharing_strategies();
 std::string get_sharing_strategy();
 
 /// Selects the strategy for segments created from now on (existing ones keep theirs).
-/// Errors: std::invalid_argument naming the valid strategies for an unknown name.
+/// Errors: torchpar::ValueError naming the valid strategies for an unknown name.
 /// Safety: thread-safe. Source: torch.multiprocessing.set_sharing_strategy.
 void set_sharing_strategy(const std::string& name);
 
 /// Strategy as an enum; name conversions. `sharing_strategy_from_string` throws
-/// std::invalid_argument like set_sharing_strategy.
+/// torchpar::ValueError like set_sharing_strategy.
 SharingStrategy current_sharing_strategy();
 std::string to_string(SharingStrategy s);
 SharingStrategy sharing_strategy_from_string(const std::string& name);
