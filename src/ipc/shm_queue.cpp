@@ -57,7 +57,7 @@ std::atomic_ref<uint64_t> word64(uint64_t& w) { return std::atomic_ref<uint64_t>
 constexpr auto kNowaitLockWait = std::chrono::milliseconds(10);
 
 // The deadline for the internal lock: the call's own, or kNowaitLockWait for timeout 0.
-Deadline lock_deadline_of(const ShmQueue::Timeout& t, const Deadline& deadline) {
+Deadline lock_deadline_of(const Timeout& t, const Deadline& deadline) {
   if (t && t->count() <= 0) return SteadyClock::now() + kNowaitLockWait;
   return deadline;
 }

@@ -112,7 +112,7 @@ class JoinableQueue : public Queue<T> {
   /// Errors: torchpar::Error when called more often than items were put.
   void task_done() { this->q_->task_done(); }
   /// True when all tasks are done; false when `timeout` passed first.
-  bool join(typename Queue<T>::Timeout timeout = std::nullopt) { return this->q_->join(timeout); }
+  bool join(Timeout timeout = std::nullopt) { return this->q_->join(timeout); }
 };
 
 }  // namespace torchpar
