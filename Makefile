@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo
 
-.PHONY: all deps deps-bench configure build test test-fast demo bench bench-quick fuzz test-all bench-smoke format clean
+.PHONY: all deps deps-bench configure build test test-fast check-sanitizers demo bench bench-quick fuzz test-all bench-smoke format clean
 
 all: build
 
@@ -28,6 +28,12 @@ test: build
 # The iteration set while developing (CTest label `fast`).
 test-fast: build
 	@cd $(BUILD) && ctest -L fast --output-on-failure --timeout 600
+
+# ASan+UBSan build running the fast set, then a ThreadSanitizer build running the ipc, pool
+# and dist suites; each in its own tree (build-asan, build-tsan). Suppressions, each with its
+# reason: tests/sanitizers/*.supp.
+check-sanitizers: deps
+	@bash tests/sanitizers/run.sh
 
 # The main job: ddp training on Fashion-MNIST with the defaults (one epoch, every core).
 demo: build
@@ -56,4 +62,4 @@ format:
 	@find include src tests tools bench examples -name '*.h' -o -name '*.cpp' | xargs clang-format -i
 
 clean:
-	@rm -rf $(BUILD) $(BUILD).configure.log
+	@rm -rf $(BUILD) $(BUILD).configure.log build-asan build-tsan build-asan.configure.log build-tsan.configure.log

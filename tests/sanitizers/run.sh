@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# make check-sanitizers: builds torchpar twice more, each in its own tree, and runs
+#   build-asan (-DTORCHPAR_SANITIZE=address,undefined): the `fast` set,
+#   build-tsan (-DTORCHPAR_SANITIZE=thread):            the ipc, pool and dist suites,
+# both without the tests labelled `notsan` (scripts and installed-program checks that run
+# uninstrumented programs or time out under the sanitizers' slow-down).
+# Any report fails the run: halt_on_error=1, and every suppression lives in
+# tests/sanitizers/*.supp with its reason beside it.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+src=$PWD
+supp=$src/tests/sanitizers
+jobs=${JOBS:-$(nproc)}
+which=${1:-all}
+
+build() {  # build <dir> <sanitizers>
+  cmake -S "$src" -B "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCHPAR_SANITIZE="$2" \
+        -DTORCHPAR_BUILD_BENCH=OFF > "$1.configure.log" 2>&1 || { cat "$1.configure.log"; exit 1; }
+  cmake --build "$1" -j "$jobs"
+}
+
+if [[ $which == all || $which == asan ]]; then
+  build build-asan address,undefined
+  # LibTorch is not instrumented: ASan's container-overflow checks would misfire across the
+  # boundary; leaks are checked (detect_leaks=1) with LibTorch's process-lifetime singletons
+  # suppressed in lsan.supp.
+  export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:detect_container_overflow=0:abort_on_error=0"
+  export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+  export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$supp/ubsan.supp"
+  (cd build-asan && ctest -L fast -LE notsan --output-on-failure --timeout 900)
+fi
+
+if [[ $which == all || $which == tsan ]]; then
+  build build-tsan thread
+  export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
+  (cd build-tsan && ctest -R '^(ipc|shm_queue|sync|pool|thread_pool|collective|core)_test$' \
+                         -LE notsan --output-on-failure --timeout 1200)
+fi
