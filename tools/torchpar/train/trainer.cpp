@@ -111,14 +111,13 @@ torch::optim::SGD make_sgd(Net& net, const TrainConfig& c) {
 
 // ---- workers (spawned) ---------------------------------------------------------------------
 
-void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared, at::Tensor images,
-                    at::Tensor labels, Queue<Msg> msgs, Queue<int> go) {
-  torch::manual_seed(cfg.seed + index);
-  Net net;
-  auto params = net->parameters();
-  for (size_t i = 0; i < params.size(); ++i) params[i].set_data(shared[i]);  // alias shm
+/// A worker after its setup: reports ready, then trains one epoch of its shard per `go`
+/// message until kStop, reporting progress. after_epoch() runs before the epoch is reported
+/// done.
+template <class Sync, class AfterEpoch>
+void serve_epochs(int index, const TrainConfig& cfg, Net& net, const Split& data, Queue<Msg>& msgs,
+                  Queue<int>& go, Sync&& sync_grads, AfterEpoch&& after_epoch) {
   auto opt = make_sgd(net, cfg);
-  const Split data{images, labels};
   msgs.put({kReady, index, 0, 0, 0.0, 0});
   for (int epoch = 1;; ++epoch) {
     if (go.get(Seconds(24 * 3600)) == kStop) return;
@@ -128,9 +127,20 @@ void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared, 
         [&](int64_t s, double l, int64_t b) {
           msgs.put({kProgress, index, epoch, s, l, b});
         },
-        [] {});
+        sync_grads);
+    after_epoch();
     msgs.put({kEpochDone, index, epoch, 0, 0.0, 0});
   }
+}
+
+void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared, at::Tensor images,
+                    at::Tensor labels, Queue<Msg> msgs, Queue<int> go) {
+  torch::manual_seed(cfg.seed + index);
+  Net net;
+  auto params = net->parameters();
+  for (size_t i = 0; i < params.size(); ++i) params[i].set_data(shared[i]);  // alias shm
+  serve_epochs(
+      index, cfg, net, Split{images, labels}, msgs, go, [] {}, [] {});
 }
 
 void ddp_worker(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tensor labels,
@@ -142,56 +152,19 @@ void ddp_worker(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tens
   wo.master_port = port;
   wo.timeout = Seconds(cfg.timeout);
   World world(wo);
-  auto group = world.create_collective_group({}, backend_from_string(cfg.backend));
   torch::manual_seed(cfg.seed + rank);
   Net net;
-  auto params = net->parameters();
-  int64_t total = 0;
-  for (auto& p : params) total += p.numel();
-  at::Tensor bucket = at::empty({total});  // one flat bucket for every gradient
-  auto pack = [&](bool grads) {
-    int64_t off = 0;
-    for (auto& p : params) {
-      auto src = grads ? p.grad() : p.detach();
-      bucket.narrow(0, off, p.numel()).copy_(src.reshape({-1}));
-      off += p.numel();
-    }
-  };
-  auto unpack = [&](bool grads) {
-    torch::NoGradGuard no_grad;
-    int64_t off = 0;
-    for (auto& p : params) {
-      auto dst = grads ? p.mutable_grad() : p;
-      dst.view({-1}).copy_(bucket.narrow(0, off, p.numel()));
-      off += p.numel();
-    }
-  };
-  pack(false);
-  group.broadcast(bucket, 0);  // every rank starts from rank 0's parameters
-  unpack(false);
-  auto opt = make_sgd(net, cfg);
-  const Split data{images, labels};
-  msgs.put({kReady, rank, 0, 0, 0.0, 0});
-  for (int epoch = 1;; ++epoch) {
-    if (go.get(Seconds(24 * 3600)) == kStop) return;
-    const auto idx = shard(data.size(), cfg.seed, epoch, rank, cfg.workers);
-    train_epoch(
-        net, opt, data, idx, cfg.batch_size,
-        [&](int64_t s, double l, int64_t b) {
-          msgs.put({kProgress, rank, epoch, s, l, b});
-        },
-        [&] {
-          pack(true);
-          group.all_reduce(bucket, ReduceOp::AVG);
-          unpack(true);
-        });
-    if (rank == 0) {
-      std::vector<at::Tensor> copy;
-      for (auto& p : params) copy.push_back(p.detach().clone());
-      params_out.put(copy);
-    }
-    msgs.put({kEpochDone, rank, epoch, 0, 0.0, 0});
-  }
+  // Every rank starts from rank 0's parameters; each step averages the gradients.
+  DistributedDataParallel ddp(*net,
+                              world.create_collective_group({}, backend_from_string(cfg.backend)));
+  serve_epochs(
+      rank, cfg, net, Split{images, labels}, msgs, go, [&] { ddp.synchronize_gradients(); },
+      [&] {
+        if (rank != 0) return;
+        std::vector<at::Tensor> copy;
+        for (auto& p : net->parameters()) copy.push_back(p.detach().clone());
+        params_out.put(copy);
+      });
 }
 
 // ---- the parent ------------------------------------------------------------------------------
@@ -284,22 +257,21 @@ std::string tools_dir() {
 #endif
 }
 
-void write_outputs(const Run& run, Net& net, bool with_model) {
-  const std::filesystem::path dir = run.cfg.out;
-  std::filesystem::create_directories(dir);
+nlohmann::json metrics_json(const Run& run) {
+  const TrainConfig& cfg = run.cfg;
   nlohmann::json j;
-  j["strategy"] = run.cfg.strategy;
-  j["workers"] = run.cfg.strategy == "single" ? 1 : run.cfg.workers;
-  if (run.cfg.strategy == "ddp") j["backend"] = run.cfg.backend;
-  j["batch_size"] = run.cfg.batch_size;
-  j["lr"] = run.cfg.lr;
-  j["lr_effective"] = effective_lr(run.cfg);
-  if (run.cfg.strategy == "ddp") j["lr_scaling"] = run.cfg.lr_scaling;
-  j["momentum"] = run.cfg.momentum;
-  j["seed"] = run.cfg.seed;
-  j["threads_per_worker"] = run.cfg.threads_per_worker;
-  j["limit"] = run.cfg.limit;
-  j["data"] = run.cfg.data;
+  j["strategy"] = cfg.strategy;
+  j["workers"] = cfg.strategy == "single" ? 1 : cfg.workers;
+  if (cfg.strategy == "ddp") j["backend"] = cfg.backend;
+  j["batch_size"] = cfg.batch_size;
+  j["lr"] = cfg.lr;
+  j["lr_effective"] = effective_lr(cfg);
+  if (cfg.strategy == "ddp") j["lr_scaling"] = cfg.lr_scaling;
+  j["momentum"] = cfg.momentum;
+  j["seed"] = cfg.seed;
+  j["threads_per_worker"] = cfg.threads_per_worker;
+  j["limit"] = cfg.limit;
+  j["data"] = cfg.data;
   j["status"] = run.status;
   if (!run.error.empty()) j["error"] = run.error;
   double secs = 0;
@@ -323,32 +295,41 @@ void write_outputs(const Run& run, Net& net, bool with_model) {
   j["versions"] = {{"torchpar", version()},
                    {"libtorch", TORCH_VERSION},
                    {"compiler", fmt::format("gcc {}.{}", __GNUC__, __GNUC_MINOR__)}};
-  write_atomic(dir, "metrics.json", j.dump(2) + "\n");
+  return j;
+}
+
+/// dir/curves.png from dir/metrics.json; a warning on stderr when it cannot be drawn.
+void draw_curves(const std::filesystem::path& dir) {
+  const std::string script = tools_dir() + "/plot_curves.py";
+  // argv, never a shell: --out may hold quotes, spaces or `;` (it reaches python as is).
+  int code = -1;
+  try {
+    ExecOptions exec;
+    exec.stdout_fd = STDERR_FILENO;  // the plot script's chatter is diagnostics
+    code = run_program({"/usr/bin/python3", script, (dir / "metrics.json").string(),
+                        (dir / "curves.png").string()},
+                       exec, std::chrono::minutes(2));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "torchpar train: warning: %s\n", e.what());
+  }
+  if (code != 0) {
+    std::fprintf(stderr,
+                 "torchpar train: warning: curves.png not drawn (needs /usr/bin/python3 with "
+                 "python3-matplotlib and %s)\n",
+                 script.c_str());
+  }
+}
+
+void write_outputs(const Run& run, Net& net, bool with_model) {
+  const std::filesystem::path dir = run.cfg.out;
+  std::filesystem::create_directories(dir);
+  write_atomic(dir, "metrics.json", metrics_json(run).dump(2) + "\n");
   if (with_model && !run.epochs.empty()) {
     const auto tmp = dir / ".model.pt.tmp";
     torch::save(net, tmp.string());
     std::filesystem::rename(tmp, dir / "model.pt");
   }
-  if (!run.epochs.empty()) {
-    const std::string script = tools_dir() + "/plot_curves.py";
-    // argv, never a shell: --out may hold quotes, spaces or `;` (it reaches python as is).
-    int code = -1;
-    try {
-      ExecOptions exec;
-      exec.stdout_fd = STDERR_FILENO;  // the plot script's chatter is diagnostics
-      code = run_program({"/usr/bin/python3", script, (dir / "metrics.json").string(),
-                          (dir / "curves.png").string()},
-                         exec, std::chrono::minutes(2));
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "torchpar train: warning: %s\n", e.what());
-    }
-    if (code != 0) {
-      std::fprintf(stderr,
-                   "torchpar train: warning: curves.png not drawn (needs /usr/bin/python3 with "
-                   "python3-matplotlib and %s)\n",
-                   script.c_str());
-    }
-  }
+  if (!run.epochs.empty()) draw_curves(dir);
 }
 
 /// A worker that ended: how, in words. Empty while it runs (or ended well when allowed).
@@ -374,49 +355,57 @@ class Interrupted : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The spawned workers of hogwild and ddp, and the queues between them and the parent.
+struct Workers {
+  std::vector<Process> procs;
+  Queue<Msg> msgs;
+  Queue<int> go;
+  Queue<std::vector<at::Tensor>> params;  // ddp: rank 0's parameters after each epoch
+  Clock::time_point last_heard = Clock::now();
+};
+
 /// Waits for worker messages, checking signals and that workers live. Returns nullopt
 /// after 100 ms without a message.
-std::optional<Msg> next_msg(Queue<Msg>& msgs, std::vector<Process>& procs,
-                            Clock::time_point& last_heard, double timeout) {
+std::optional<Msg> next_msg(Workers& w, double timeout) {
   if (g_stop_signal != 0) throw Interrupted(fmt::format("signal {}", int(g_stop_signal)));
   try {
-    auto m = msgs.get(Seconds(0.1));
-    last_heard = Clock::now();
+    auto m = w.msgs.get(Seconds(0.1));
+    w.last_heard = Clock::now();
     return m;
   } catch (const Empty&) {
   }
   // Killed workers first: the others usually fail *because* of them.
   std::string first, killed;
-  for (size_t i = 0; i < procs.size(); ++i) {
-    const std::string f = worker_failure(procs[i], static_cast<int>(i), false);
+  for (size_t i = 0; i < w.procs.size(); ++i) {
+    const std::string f = worker_failure(w.procs[i], static_cast<int>(i), false);
     if (f.empty()) continue;
     if (first.empty()) first = f;
-    if (killed.empty() && procs[i].exitcode().value_or(0) < 0) killed = f;
+    if (killed.empty() && w.procs[i].exitcode().value_or(0) < 0) killed = f;
   }
   if (!first.empty()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let the rest settle
-    for (size_t i = 0; i < procs.size() && killed.empty(); ++i) {
-      if (procs[i].exitcode().value_or(0) < 0) {
-        killed = worker_failure(procs[i], static_cast<int>(i), false);
+    for (size_t i = 0; i < w.procs.size() && killed.empty(); ++i) {
+      if (w.procs[i].exitcode().value_or(0) < 0) {
+        killed = worker_failure(w.procs[i], static_cast<int>(i), false);
       }
     }
     throw Failed(killed.empty() ? first : killed);
   }
-  if (Seconds(Clock::now() - last_heard).count() > timeout) {
+  if (Seconds(Clock::now() - w.last_heard).count() > timeout) {
     throw Failed(fmt::format("no word from any worker for {:.0f} s", timeout));
   }
   return std::nullopt;
 }
 
-void stop_workers(std::vector<Process>& procs, Queue<int>& go) {
-  for (size_t i = 0; i < procs.size(); ++i) {
+void stop_workers(Workers& w) {
+  for (size_t i = 0; i < w.procs.size(); ++i) {
     try {
-      go.put(kStop, Seconds(1));
+      w.go.put(kStop, Seconds(1));
     } catch (const std::exception&) {
     }
   }
   const auto deadline = Clock::now() + std::chrono::seconds(10);
-  for (auto& p : procs) {
+  for (auto& p : w.procs) {
     const double left = std::max(0.01, Seconds(deadline - Clock::now()).count());
     if (!p.join(Seconds(left))) {
       p.kill();
@@ -425,14 +414,40 @@ void stop_workers(std::vector<Process>& procs, Queue<int>& go) {
   }
 }
 
-void kill_workers(std::vector<Process>& procs) {
-  for (auto& p : procs) p.kill();
-  for (auto& p : procs) p.join(Seconds(10));
+void kill_workers(std::optional<Workers>& w) {
+  if (!w) return;
+  for (auto& p : w->procs) p.kill();
+  for (auto& p : w->procs) p.join(Seconds(10));
 }
 
-}  // namespace
+// ---- run_train's steps ---------------------------------------------------------------------
 
-int run_train(TrainConfig cfg) {
+/// What a run works on: its options (run.cfg) and results, the data, and the parent's model
+/// (trained by single; for hogwild the workers' shared one, for ddp a copy of rank 0's).
+struct Session {
+  Run run;
+  FashionMnist data;
+  int64_t per_epoch = 0;  // training samples of an epoch: the same number for every worker
+  Net net{nullptr};
+  const TrainConfig& cfg() const { return run.cfg; }
+};
+
+/// The progress reports of one epoch, summed and drawn.
+struct EpochProgress {
+  EpochProgress(const Session& s, int epoch) : bar(epoch, s.cfg().epochs, s.per_epoch) {}
+  void add(int64_t samples, double loss, int64_t n_batches) {
+    done += samples;
+    loss_sum += loss;
+    batches += n_batches;
+    bar.update(done, batches ? loss_sum / batches : 0);
+  }
+  ProgressBar bar;
+  int64_t done = 0, batches = 0;
+  double loss_sum = 0;
+};
+
+/// Fills in the defaults. Returns 2 (after a message) for a bad strategy or backend, else 0.
+int complete_config(TrainConfig& cfg) {
   if (cfg.strategy != "single" && cfg.strategy != "hogwild" && cfg.strategy != "ddp") {
     std::fprintf(stderr, "torchpar train: unknown strategy '%s' (single, hogwild or ddp)\n",
                  cfg.strategy.c_str());
@@ -449,17 +464,31 @@ int run_train(TrainConfig cfg) {
     std::fprintf(stderr, "torchpar train: %s\n", e.what());
     return 2;
   }
+  return 0;
+}
 
-  // Before any ATen work: an OpenMP pool made wider now keeps spinning beside the training.
-  at::set_num_threads(cfg.threads_per_worker);
-  FashionMnist data;
+/// Loads the data set and keeps the first --limit training samples. Returns 2 (after a
+/// message) for missing or corrupt data, else 0.
+int load_data(Session& s) {
+  const TrainConfig& cfg = s.cfg();
   try {
-    data = load_fashion_mnist(cfg.data);
+    s.data = load_fashion_mnist(cfg.data);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torchpar train: %s\n", e.what());
     return 2;
   }
-  // Outputs are checked before training: an unwritable --out must not cost a whole run.
+  auto& train = s.data.train;
+  if (cfg.limit > 0 && cfg.limit < train.size()) {
+    train.images = train.images.slice(0, 0, cfg.limit).contiguous();
+    train.labels = train.labels.slice(0, 0, cfg.limit).contiguous();
+  }
+  s.per_epoch = train.size() / cfg.workers * cfg.workers;
+  return 0;
+}
+
+/// Outputs are checked before training: an unwritable --out must not cost a whole run.
+/// Returns 2 (after a message) when it is not writable, else 0.
+int check_out_writable(const TrainConfig& cfg) {
   try {
     const std::filesystem::path dir = cfg.out;
     std::filesystem::create_directories(dir);
@@ -470,166 +499,192 @@ int run_train(TrainConfig cfg) {
                  e.what());
     return 2;
   }
-  if (cfg.limit > 0 && cfg.limit < data.train.size()) {
-    data.train.images = data.train.images.slice(0, 0, cfg.limit).contiguous();
-    data.train.labels = data.train.labels.slice(0, 0, cfg.limit).contiguous();
-  }
-  const int64_t per_epoch = data.train.size() / cfg.workers * cfg.workers;
+  return 0;
+}
+
+void print_plan(const Session& s) {
+  const TrainConfig& cfg = s.cfg();
   std::printf(
       "torchpar train: %s, %d worker%s, %d epoch%s, %lld training samples, batch %d, "
       "lr %g, momentum %g -> %s\n",
       cfg.strategy.c_str(), cfg.workers, cfg.workers == 1 ? "" : "s", cfg.epochs,
-      cfg.epochs == 1 ? "" : "s", static_cast<long long>(per_epoch), cfg.batch_size,
+      cfg.epochs == 1 ? "" : "s", static_cast<long long>(s.per_epoch), cfg.batch_size,
       effective_lr(cfg), cfg.momentum, cfg.out.c_str());
   std::fflush(stdout);
+}
 
+void install_stop_handlers() {
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
+}
 
-  torch::manual_seed(cfg.seed);
-  Net net;
-  Run run;
-  run.cfg = cfg;
-  auto finish_epoch = [&](int epoch, double secs, double loss_sum, int64_t batches) {
-    const Eval ev = evaluate(net, data.test);
-    const double train_loss = batches ? loss_sum / static_cast<double>(batches) : 0;
-    run.epochs.push_back({epoch, train_loss, ev.loss, ev.accuracy, secs, per_epoch});
-    std::printf(
-        "epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, %.0f "
-        "samples/s\n",
-        epoch, train_loss, ev.loss, ev.accuracy, secs, static_cast<double>(per_epoch) / secs);
-    std::fflush(stdout);
-  };
+/// Evaluates the parent's model, records the epoch and prints its line.
+void record_epoch(Session& s, int epoch, double secs, const EpochProgress& progress) {
+  const Eval ev = evaluate(s.net, s.data.test);
+  const double train_loss =
+      progress.batches ? progress.loss_sum / static_cast<double>(progress.batches) : 0;
+  s.run.epochs.push_back({epoch, train_loss, ev.loss, ev.accuracy, secs, s.per_epoch});
+  std::printf(
+      "epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, %.0f "
+      "samples/s\n",
+      epoch, train_loss, ev.loss, ev.accuracy, secs, static_cast<double>(s.per_epoch) / secs);
+  std::fflush(stdout);
+}
 
-  int code = 0;
-  std::vector<Process> procs;
-  std::optional<Queue<int>> go;
-  try {
-    if (cfg.strategy == "single") {
-      auto opt = make_sgd(net, cfg);
-      for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
-        const auto t0 = Clock::now();
-        ProgressBar bar(epoch, cfg.epochs, per_epoch);
-        int64_t done = 0, batches = 0;
-        double loss_sum = 0;
-        const auto idx = shard(data.train.size(), cfg.seed, epoch, 0, 1);
-        train_epoch(
-            net, opt, data.train, idx, cfg.batch_size,
-            [&](int64_t s, double l, int64_t b) {
-              if (g_stop_signal != 0) throw Interrupted("signal");
-              done += s;
-              loss_sum += l;
-              batches += b;
-              bar.update(done, batches ? loss_sum / batches : 0);
-            },
-            [] {});
-        bar.finish();
-        finish_epoch(epoch, Seconds(Clock::now() - t0).count(), loss_sum, batches);
-      }
-    } else {
-      Queue<Msg> msgs;
-      go.emplace();
-      Queue<std::vector<at::Tensor>> params_q;
-      std::vector<at::Tensor> shared;
-      share_memory_(data.train.images);
-      share_memory_(data.train.labels);
-      if (cfg.strategy == "hogwild") {
-        share_memory(*net);  // the parameters every worker updates in place
-        for (auto& p : net->parameters()) shared.push_back(p.detach());
-      }
-      const int port = cfg.strategy == "ddp" ? find_free_port() : 0;
-      ProcessOptions po{.name = "",
-                        .daemon = false,
-                        .start_method = StartMethod::kSpawn,
-                        .threads = cfg.threads_per_worker};
-      for (int i = 0; i < cfg.workers; ++i) {
-        po.name = fmt::format("train-worker-{}", i);
-        if (cfg.strategy == "hogwild") {
-          procs.emplace_back(po, &hogwild_worker, i, cfg, shared, data.train.images,
-                             data.train.labels, msgs, *go);
-        } else {
-          procs.emplace_back(po, &ddp_worker, i, cfg, port, data.train.images, data.train.labels,
-                             msgs, *go, params_q);
-        }
-        procs.back().start();
-      }
-      auto last_heard = Clock::now();
-      for (int ready = 0; ready < cfg.workers;) {
-        if (auto m = next_msg(msgs, procs, last_heard, cfg.timeout)) {
-          if (std::get<0>(*m) == kReady) ++ready;
-        }
-      }
-      for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
-        const auto t0 = Clock::now();
-        for (int i = 0; i < cfg.workers; ++i) go->put(epoch);
-        ProgressBar bar(epoch, cfg.epochs, per_epoch);
-        int64_t done = 0, batches = 0;
-        double loss_sum = 0;
-        for (int finished = 0; finished < cfg.workers;) {
-          auto m = next_msg(msgs, procs, last_heard, cfg.timeout);
-          if (!m) continue;
-          const auto [kind, who, ep, s, l, b] = *m;
-          if (kind == kProgress) {
-            done += s;
-            loss_sum += l;
-            batches += b;
-            bar.update(done, batches ? loss_sum / batches : 0);
-          } else if (kind == kEpochDone) {
-            ++finished;
-          }
-        }
-        const double secs = Seconds(Clock::now() - t0).count();
-        bar.finish();
-        if (cfg.strategy == "ddp") {
-          auto p = params_q.get(Seconds(cfg.timeout));
-          torch::NoGradGuard no_grad;
-          auto mine = net->parameters();
-          for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_(p[i]);
-        }
-        finish_epoch(epoch, secs, loss_sum, batches);
-      }
-      stop_workers(procs, *go);
-    }
-  } catch (const Interrupted&) {
-    std::printf(
-        "\ntorchpar train: interrupted; stopping the workers, keeping %zu finished "
-        "epoch(s) in %s\n",
-        run.epochs.size(), cfg.out.c_str());
-    kill_workers(procs);
-    run.status = "interrupted";
-    code = 130;
-  } catch (const Failed& e) {
-    std::fprintf(stderr, "\ntorchpar train: failed: %s\n", e.what());
-    kill_workers(procs);
-    run.status = "failed";
-    run.error = e.what();
-    code = 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "\ntorchpar train: failed: %s\n", e.what());
-    kill_workers(procs);
-    run.status = "failed";
-    run.error = e.what();
-    code = 1;
+/// single: every epoch in this process.
+void train_single(Session& s) {
+  const TrainConfig& cfg = s.cfg();
+  auto opt = make_sgd(s.net, cfg);
+  for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
+    const auto t0 = Clock::now();
+    EpochProgress progress(s, epoch);
+    const auto idx = shard(s.data.train.size(), cfg.seed, epoch, 0, 1);
+    train_epoch(
+        s.net, opt, s.data.train, idx, cfg.batch_size,
+        [&](int64_t n, double l, int64_t b) {
+          if (g_stop_signal != 0) throw Interrupted("signal");
+          progress.add(n, l, b);
+        },
+        [] {});
+    progress.bar.finish();
+    record_epoch(s, epoch, Seconds(Clock::now() - t0).count(), progress);
   }
+}
+
+/// hogwild / ddp: shares the training data (hogwild: the model too) with cfg.workers spawned
+/// workers and waits until every one is ready.
+void start_workers(Session& s, Workers& w) {
+  const TrainConfig& cfg = s.cfg();
+  auto& train = s.data.train;
+  share_memory_(train.images);
+  share_memory_(train.labels);
+  std::vector<at::Tensor> shared;
+  if (cfg.strategy == "hogwild") {
+    share_memory(*s.net);  // the parameters every worker updates in place
+    for (auto& p : s.net->parameters()) shared.push_back(p.detach());
+  }
+  const int port = cfg.strategy == "ddp" ? find_free_port() : 0;
+  ProcessOptions po{.name = "",
+                    .daemon = false,
+                    .start_method = StartMethod::kSpawn,
+                    .threads = cfg.threads_per_worker};
+  for (int i = 0; i < cfg.workers; ++i) {
+    po.name = fmt::format("train-worker-{}", i);
+    if (cfg.strategy == "hogwild") {
+      w.procs.emplace_back(po, &hogwild_worker, i, cfg, shared, train.images, train.labels, w.msgs,
+                           w.go);
+    } else {
+      w.procs.emplace_back(po, &ddp_worker, i, cfg, port, train.images, train.labels, w.msgs, w.go,
+                           w.params);
+    }
+    w.procs.back().start();
+  }
+  w.last_heard = Clock::now();
+  for (int ready = 0; ready < cfg.workers;) {
+    if (auto m = next_msg(w, cfg.timeout)) {
+      if (std::get<0>(*m) == kReady) ++ready;
+    }
+  }
+}
+
+/// One epoch of hogwild / ddp: starts every worker on it and draws their progress; for ddp
+/// the parent's model then takes rank 0's parameters. Evaluates the parent's model.
+void train_workers_epoch(Session& s, Workers& w, int epoch) {
+  const TrainConfig& cfg = s.cfg();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < cfg.workers; ++i) w.go.put(epoch);
+  EpochProgress progress(s, epoch);
+  for (int finished = 0; finished < cfg.workers;) {
+    auto m = next_msg(w, cfg.timeout);
+    if (!m) continue;
+    const auto [kind, who, ep, n, l, b] = *m;
+    if (kind == kProgress) {
+      progress.add(n, l, b);
+    } else if (kind == kEpochDone) {
+      ++finished;
+    }
+  }
+  const double secs = Seconds(Clock::now() - t0).count();
+  progress.bar.finish();
+  if (cfg.strategy == "ddp") {
+    auto p = w.params.get(Seconds(cfg.timeout));
+    torch::NoGradGuard no_grad;
+    auto mine = s.net->parameters();
+    for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_(p[i]);
+  }
+  record_epoch(s, epoch, secs, progress);
+}
+
+void train_with_workers(Session& s, Workers& w) {
+  start_workers(s, w);
+  for (int epoch = 1; epoch <= s.cfg().epochs; ++epoch) train_workers_epoch(s, w, epoch);
+  stop_workers(w);
+}
+
+/// Writes the outputs (with the model when the run completed or finished an epoch) and, for
+/// a completed run, the closing line. Returns the exit code.
+int finish_run(Session& s, int code) {
+  const TrainConfig& cfg = s.cfg();
   try {
-    write_outputs(run, net, code == 0 || !run.epochs.empty());
+    write_outputs(s.run, s.net, code == 0 || !s.run.epochs.empty());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torchpar train: cannot write the outputs: %s\n", e.what());
     return 1;
   }
   if (code == 0) {
     double secs = 0;
-    for (auto& e : run.epochs) secs += e.seconds;
-    const auto& last = run.epochs.back();
+    for (const auto& e : s.run.epochs) secs += e.seconds;
+    const auto& last = s.run.epochs.back();
     std::printf(
         "done: test accuracy %.2f%% after %d epoch(s); training %.1f s, %.0f samples/s; "
         "outputs in %s\n",
-        last.test_accuracy, cfg.epochs, secs, static_cast<double>(per_epoch) * cfg.epochs / secs,
+        last.test_accuracy, cfg.epochs, secs, static_cast<double>(s.per_epoch) * cfg.epochs / secs,
         cfg.out.c_str());
   }
   return code;
+}
+
+}  // namespace
+
+int run_train(TrainConfig cfg) {
+  if (int code = complete_config(cfg)) return code;
+  // Before any ATen work: an OpenMP pool made wider now keeps spinning beside the training.
+  at::set_num_threads(cfg.threads_per_worker);
+  Session s;
+  s.run.cfg = cfg;
+  if (int code = load_data(s)) return code;
+  if (int code = check_out_writable(cfg)) return code;
+  print_plan(s);
+  install_stop_handlers();
+
+  torch::manual_seed(cfg.seed);
+  s.net = Net();
+  int code = 0;
+  std::optional<Workers> workers;
+  try {
+    if (cfg.strategy == "single") {
+      train_single(s);
+    } else {
+      train_with_workers(s, workers.emplace());
+    }
+  } catch (const Interrupted&) {
+    std::printf(
+        "\ntorchpar train: interrupted; stopping the workers, keeping %zu finished "
+        "epoch(s) in %s\n",
+        s.run.epochs.size(), cfg.out.c_str());
+    kill_workers(workers);
+    s.run.status = "interrupted";
+    code = 130;
+  } catch (const std::exception& e) {  // Failed (a worker's end) and every other error
+    std::fprintf(stderr, "\ntorchpar train: failed: %s\n", e.what());
+    kill_workers(workers);
+    s.run.status = "failed";
+    s.run.error = e.what();
+    code = 1;
+  }
+  return finish_run(s, code);
 }
 
 }  // namespace torchpar::train

@@ -1,0 +1,350 @@
+#include "torchpar/parallel/distributed_data_parallel.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <numeric>
+#include <utility>
+
+#include "torchpar/core/error.h"
+
+namespace torchpar {
+namespace {
+
+// ---- every call into CollectiveGroup ---------------------------------------------------------
+// Kept together so that a change of the group's signatures touches these lines only.
+
+Work start_average(CollectiveGroup& group, const at::Tensor& flat) {
+  return group.all_reduce(flat, ReduceOp::AVG, /*async_op=*/true);
+}
+
+Work start_broadcast_from_rank0(CollectiveGroup& group, const at::Tensor& flat) {
+  return group.broadcast(flat, /*src=*/0, /*async_op=*/true);
+}
+
+void all_gather(CollectiveGroup& group, std::vector<at::Tensor> out, const at::Tensor& in) {
+  group.all_gather(std::move(out), in);
+}
+
+// ----------------------------------------------------------------------------------------------
+
+/// torch's default broadcast_bucket_size: rank 0's state goes out in buckets of this size.
+constexpr int64_t kBroadcastBucketBytes = int64_t{250} << 20;
+
+/// Starts op k for every k, then waits for each in order and runs done(k) after it, so that
+/// done(k) overlaps the transfer of the later ones. After a failure it still waits for every
+/// started op (they write into buffers the next call reuses; after a collective's failure the
+/// group is broken and they fail at once) and rethrows the first error.
+template <class Start, class Done>
+void run_pipelined(std::size_t n, Start&& start, Done&& done) {
+  std::vector<Work> works;
+  works.reserve(n);
+  std::exception_ptr error;
+  try {
+    for (std::size_t k = 0; k < n; ++k) works.push_back(start(k));
+    for (std::size_t k = 0; k < n; ++k) {
+      works[k].wait();
+      done(k);
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (!error) return;
+  for (auto& w : works) {
+    try {
+      if (!w.is_completed()) w.wait();
+    } catch (...) {  // the first error is the one to report
+    }
+  }
+  std::rethrow_exception(error);
+}
+
+/// Splits tensors[indices] into buckets of one dtype each, in order; a bucket is closed once
+/// it holds cap_bytes or more (torch's _compute_bucket_assignment_by_size, without its small
+/// first bucket, which only pays when reduction overlaps backward). Deterministic, so every
+/// rank with the same model gets the same buckets.
+std::vector<std::vector<std::size_t>> assign_buckets(const std::vector<at::Tensor>& tensors,
+                                                     const std::vector<std::size_t>& indices,
+                                                     int64_t cap_bytes) {
+  struct Open {
+    std::vector<std::size_t> members;
+    int64_t bytes = 0;
+  };
+  std::map<at::ScalarType, Open> open;
+  std::vector<std::vector<std::size_t>> out;
+  for (std::size_t i : indices) {
+    Open& b = open[tensors[i].scalar_type()];
+    b.members.push_back(i);
+    b.bytes += static_cast<int64_t>(tensors[i].nbytes());
+    if (b.bytes >= cap_bytes) {
+      out.push_back(std::move(b.members));
+      b = Open{};
+    }
+  }
+  for (auto& [dtype, b] : open) {
+    if (!b.members.empty()) out.push_back(std::move(b.members));
+  }
+  return out;
+}
+
+/// Copies rank 0's `tensors` into every rank's, in place: one broadcast per bucket, all
+/// started before the first wait.
+void broadcast_from_rank0(CollectiveGroup& group, const std::vector<at::Tensor>& tensors) {
+  std::vector<std::size_t> all(tensors.size());
+  std::iota(all.begin(), all.end(), std::size_t{0});
+  std::vector<std::vector<std::size_t>> buckets;
+  for (auto& b : assign_buckets(tensors, all, kBroadcastBucketBytes)) {
+    int64_t numel = 0;
+    for (std::size_t i : b) numel += tensors[i].numel();
+    if (numel > 0) buckets.push_back(std::move(b));  // nothing to send for empty tensors
+  }
+  // Parameters are leaves that require grad: in-place copies into them must not be recorded.
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> flats(buckets.size());
+  const bool receiver = group.rank() != 0;
+  run_pipelined(
+      buckets.size(),
+      [&](std::size_t k) {
+        std::vector<at::Tensor> parts;
+        for (std::size_t i : buckets[k]) parts.push_back(tensors[i].reshape({-1}));
+        flats[k] = at::cat(parts);
+        return start_broadcast_from_rank0(group, flats[k]);
+      },
+      [&](std::size_t k) {
+        if (!receiver) return;
+        int64_t off = 0;
+        for (std::size_t i : buckets[k]) {
+          const at::Tensor& t = tensors[i];
+          t.copy_(flats[k].narrow(0, off, t.numel()).view(t.sizes()));
+          off += t.numel();
+        }
+        flats[k] = at::Tensor();
+      });
+}
+
+/// 64-bit FNV-1a over a sequence of integers.
+struct Fnv {
+  uint64_t h = 14695981039346656037ULL;
+  void add(int64_t v) {
+    auto u = static_cast<uint64_t>(v);
+    for (int byte = 0; byte < 8; ++byte) {
+      h ^= (u >> (8 * byte)) & 0xff;
+      h *= 1099511628211ULL;
+    }
+  }
+};
+
+/// Count, elements and a hash of (dtype, requires_grad, shape) of each tensor, in order.
+std::array<int64_t, 3> describe(const std::vector<at::Tensor>& tensors) {
+  Fnv fnv;
+  int64_t numel = 0;
+  for (const auto& t : tensors) {
+    fnv.add(static_cast<int64_t>(t.scalar_type()));
+    fnv.add(t.requires_grad() ? 1 : 0);
+    fnv.add(t.dim());
+    for (int64_t s : t.sizes()) fnv.add(s);
+    numel += t.numel();
+  }
+  return {static_cast<int64_t>(tensors.size()), numel, static_cast<int64_t>(fnv.h)};
+}
+
+/// Throws ValueError on every rank when some rank's parameters or buffers differ from rank
+/// 0's: a mismatch would otherwise surface as a size error of a collective (or, with Gloo, a
+/// timeout), or go unnoticed when only shapes differ.
+void check_same_model(CollectiveGroup& group, const std::vector<at::Tensor>& params,
+                      const std::vector<at::Tensor>& buffers) {
+  const auto p = describe(params);
+  const auto b = describe(buffers);
+  at::Tensor mine = at::tensor(std::vector<int64_t>{p[0], p[1], p[2], b[0], b[1], b[2]});
+  std::vector<at::Tensor> all;
+  for (int r = 0; r < group.size(); ++r) all.push_back(at::empty_like(mine));
+  all_gather(group, all, mine);
+  for (int r = 1; r < group.size(); ++r) {
+    if (at::equal(all[r], all[0])) continue;
+    auto v = [&](int rank, int i) { return all[rank][i].item<int64_t>(); };
+    throw ValueError(fmt::format(
+        "DistributedDataParallel: the ranks build different models: rank {} has {} parameters "
+        "of {} elements and {} buffers of {} elements, rank 0 {} of {} and {} of {} (or the "
+        "same counts with other shapes, dtypes or requires_grad)",
+        r, v(r, 0), v(r, 1), v(r, 3), v(r, 4), v(0, 0), v(0, 1), v(0, 3), v(0, 4)));
+  }
+}
+
+void check_tensor(const at::Tensor& t, const char* what, std::size_t i) {
+  if (!t.defined()) {
+    throw ValueError(fmt::format("DistributedDataParallel: {} {} is undefined", what, i));
+  }
+  if (!t.device().is_cpu() || t.layout() != at::kStrided) {
+    throw ValueError(fmt::format(
+        "DistributedDataParallel: {} {} is a {} tensor on {}; only strided CPU tensors are "
+        "supported",
+        what, i, c10::str(t.layout()), t.device().str()));
+  }
+}
+
+}  // namespace
+
+// ---- Impl --------------------------------------------------------------------------------------
+
+/// One all_reduce's worth of gradients: flat = [grad of members[0] | grad of members[1] | ...
+/// | one flag per member]. A flag is 1 where the rank has the gradient, 0 where it counts as
+/// zeros; after the average it is > 0 iff some rank had it, which decides whether an
+/// undefined gradient becomes defined (torch's find_unused_parameters, without its extra
+/// all_reduce of a usage bitmap).
+struct Bucket {
+  std::vector<std::size_t> members;  // indices into Impl::params
+  std::vector<int64_t> offsets;      // element offset of each member's gradient in flat
+  int64_t grad_numel = 0;            // where the flags start
+  at::Tensor flat;
+};
+
+struct DistributedDataParallel::Impl {
+  CollectiveGroup group;
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> buffers;
+  std::vector<Bucket> buckets;
+
+  void pack(Bucket& b) const;
+  void unpack(Bucket& b) const;
+};
+
+void DistributedDataParallel::Impl::pack(Bucket& b) const {
+  std::vector<float> flags(b.members.size());
+  for (std::size_t j = 0; j < b.members.size(); ++j) {
+    const at::Tensor& p = params[b.members[j]];
+    at::Tensor slot = b.flat.narrow(0, b.offsets[j], p.numel());
+    const at::Tensor& g = p.grad();
+    if (g.defined()) {
+      slot.view(g.sizes()).copy_(g);
+      flags[j] = 1;
+    } else {
+      slot.zero_();
+    }
+  }
+  b.flat.narrow(0, b.grad_numel, static_cast<int64_t>(flags.size()))
+      .copy_(at::from_blob(flags.data(), {static_cast<int64_t>(flags.size())}, at::kFloat));
+}
+
+void DistributedDataParallel::Impl::unpack(Bucket& b) const {
+  const at::Tensor used =
+      b.flat.narrow(0, b.grad_numel, static_cast<int64_t>(b.members.size())).to(at::kFloat);
+  const float* used_by = used.data_ptr<float>();
+  for (std::size_t j = 0; j < b.members.size(); ++j) {
+    const at::Tensor& p = params[b.members[j]];
+    const at::Tensor slot = b.flat.narrow(0, b.offsets[j], p.numel()).view(p.sizes());
+    at::Tensor& g = p.mutable_grad();
+    if (g.defined()) {
+      g.copy_(slot);
+    } else if (used_by[j] > 0) {  // some other rank used the parameter
+      g = at::empty_like(p.detach());
+      g.copy_(slot);
+    }  // else no rank has it: it stays undefined everywhere
+  }
+}
+
+// ---- DistributedDataParallel
+// ---------------------------------------------------------------------
+
+DistributedDataParallel::DistributedDataParallel(torch::nn::Module& module, CollectiveGroup group,
+                                                 DistributedDataParallelOptions options)
+    : DistributedDataParallel(module.parameters(/*recurse=*/true), module.buffers(/*recurse=*/true),
+                              std::move(group), options) {}
+
+DistributedDataParallel::DistributedDataParallel(std::vector<at::Tensor> parameters,
+                                                 std::vector<at::Tensor> buffers,
+                                                 CollectiveGroup group,
+                                                 DistributedDataParallelOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  if (!(options.bucket_cap_mb > 0)) {
+    throw ValueError(fmt::format("DistributedDataParallel: bucket_cap_mb must be > 0, got {}",
+                                 options.bucket_cap_mb));
+  }
+  std::vector<std::size_t> reduced;  // the parameters whose gradients are averaged
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    const at::Tensor& p = parameters[i];
+    check_tensor(p, "parameter", i);
+    if (!p.requires_grad()) continue;
+    if (!at::isFloatingType(p.scalar_type())) {
+      throw ValueError(fmt::format(
+          "DistributedDataParallel: parameter {} requires grad but has dtype {}; gradients are "
+          "averaged, which needs a floating dtype",
+          i, c10::toString(p.scalar_type())));
+    }
+    reduced.push_back(i);
+  }
+  for (std::size_t i = 0; i < buffers.size(); ++i) check_tensor(buffers[i], "buffer", i);
+
+  Impl& m = *impl_;
+  m.group = std::move(group);
+  m.params = std::move(parameters);
+  m.buffers = std::move(buffers);
+  check_same_model(m.group, m.params, m.buffers);
+  std::vector<at::Tensor> state = m.params;
+  state.insert(state.end(), m.buffers.begin(), m.buffers.end());
+  broadcast_from_rank0(m.group, state);
+
+  // Beyond 2^62 bytes every dtype's gradients fit in one bucket anyway.
+  const double cap = std::min(options.bucket_cap_mb * double(1 << 20), 0x1p62);
+  for (auto& members : assign_buckets(m.params, reduced, static_cast<int64_t>(cap))) {
+    Bucket b;
+    b.members = std::move(members);
+    for (std::size_t i : b.members) {
+      b.offsets.push_back(b.grad_numel);
+      b.grad_numel += m.params[i].numel();
+    }
+    b.flat = at::empty({b.grad_numel + static_cast<int64_t>(b.members.size())},
+                       m.params[b.members[0]].options().requires_grad(false));
+    m.buckets.push_back(std::move(b));
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+DistributedDataParallel::DistributedDataParallel(DistributedDataParallel&&) noexcept = default;
+DistributedDataParallel& DistributedDataParallel::operator=(DistributedDataParallel&&) noexcept =
+    default;
+
+DistributedDataParallel::Impl& DistributedDataParallel::impl() const {
+  if (!impl_) throw Error("DistributedDataParallel: used after it was moved from");
+  return *impl_;
+}
+
+void DistributedDataParallel::synchronize_gradients() {
+  Impl& m = impl();
+  for (const auto& b : m.buckets) {
+    for (std::size_t i : b.members) {
+      const at::Tensor& g = m.params[i].grad();
+      if (g.defined() && g.layout() != at::kStrided) {
+        throw ValueError(fmt::format(
+            "DistributedDataParallel: parameter {} has a {} gradient; only dense gradients are "
+            "averaged",
+            i, c10::str(g.layout())));
+      }
+    }
+  }
+  c10::NoGradGuard no_grad;  // a gradient built with create_graph must not grow a graph here
+  run_pipelined(
+      m.buckets.size(),
+      [&](std::size_t k) {
+        m.pack(m.buckets[k]);
+        return start_average(m.group, m.buckets[k].flat);
+      },
+      [&](std::size_t k) { m.unpack(m.buckets[k]); });
+}
+
+void DistributedDataParallel::sync_buffers() {
+  Impl& m = impl();
+  broadcast_from_rank0(m.group, m.buffers);
+}
+
+std::size_t DistributedDataParallel::num_buckets() const { return impl().buckets.size(); }
+
+const CollectiveGroup& DistributedDataParallel::process_group() const { return impl().group; }
+
+}  // namespace torchpar
