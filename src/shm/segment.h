@@ -159,6 +159,13 @@ class ShmRegion {
   uint64_t size_ = 0;
 };
 
+/// Maps `bytes` of the shared object behind `fd` read-write (MAP_SHARED), for a forked child
+/// before it runs anything else (spawn and forkserver children map their error slot with
+/// it). No allocation, no exception, no lock: safe between fork and exec in a process whose
+/// other threads are gone. Returns nullptr when mmap fails (the caller _exit()s with its own
+/// code); the mapping lives until the process exits. Use ShmRegion everywhere else.
+void* map_shared_fd_noexcept(int fd, size_t bytes) noexcept;
+
 /// Bytes free where a new segment of `strategy` would go (/dev/shm, or MemAvailable for
 /// memfd). Used for the ShmError message and the pre-check.
 uint64_t shm_bytes_free(SharingStrategy strategy);
