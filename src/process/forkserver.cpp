@@ -85,7 +85,7 @@ void run_forkserver(int sock) {
     if (r <= 0) continue;
     Payload req;
     try {
-      req = recv_payload(sock, std::chrono::milliseconds(10000));
+      req = recv_payload(sock, std::chrono::seconds(10));
     } catch (...) {
       break;  // the client closed (or broke) the connection: we are done
     }

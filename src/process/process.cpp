@@ -359,7 +359,7 @@ bool poll_status(detail::ProcessImpl& p, int wait_ms) {
 }
 }  // namespace
 
-bool Process::join(std::optional<std::chrono::duration<double>> timeout) {
+bool Process::join(Timeout timeout) {
   auto& p = *impl_;
   if (!p.started) throw Error(fmt::format("{}: join() before start()", p.options.name));
   if (p.exitcode) return true;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "torchpar/core/error.h"
+#include "torchpar/core/timeout.h"
 
 namespace torchpar {
 namespace detail {
@@ -54,7 +55,7 @@ struct JobState {
       }
     }
   }
-  bool wait(std::optional<std::chrono::duration<double>> timeout) {
+  bool wait(Timeout timeout) {
     std::unique_lock<std::mutex> lock(mu);
     auto all = [&] { return ndone == chunks.size(); };
     if (!timeout) {
@@ -88,13 +89,13 @@ class AsyncResult {
   /// Waits and returns the result. Errors: TimeoutError when `timeout` passes; the task's
   /// exception (ThreadPool: the original; Pool: TaskError with type and message, or
   /// WorkerLostError when its worker died).
-  R get(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+  R get(Timeout timeout = std::nullopt) {
     if (!job_->wait(timeout)) throw TimeoutError("AsyncResult::get timed out");
     if (job_->first_error) std::rethrow_exception(job_->first_error);
     return decode_(*job_);
   }
   /// True when ready within `timeout`.
-  bool wait(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+  bool wait(Timeout timeout = std::nullopt) {
     return job_->wait(timeout);
   }
   bool ready() const {
@@ -124,7 +125,7 @@ class IMapIterator {
 
   /// The next result. Errors: TimeoutError after `timeout`; the task's exception when its
   /// chunk failed (the iterator then goes on with the next chunk).
-  std::optional<T> next(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+  std::optional<T> next(Timeout timeout = std::nullopt) {
     std::unique_lock<std::mutex> lock(job_->mu);
     for (;;) {
       if (current_ && pos_ < current_->values.size()) {

@@ -371,7 +371,7 @@ class Pool {
   /// Waits for the workers after close() (true) or until `timeout` (false).
   /// Errors: torchpar::Error when neither close() nor terminate() was called.
   /// Safety: one thread at a time, never from a callback. Source: multiprocessing.Pool.join.
-  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
+  bool join(Timeout timeout = std::nullopt);
   /// Kills the workers now (SIGKILL, before anything else: a stopped or wedged worker
   /// cannot block it); unfinished results fail with ClosedError. Returns once the manager
   /// thread ended; every wait inside is bounded. Never throws.

@@ -24,7 +24,7 @@ class ThreadPoolCore {
   void submit(std::function<void()> task, std::function<void()> cancel);
   size_t size() const { return threads_.size(); }
   void close();
-  bool join(std::optional<std::chrono::duration<double>> timeout);
+  bool join(Timeout timeout);
   void terminate();
 
  private:
@@ -118,7 +118,7 @@ class ThreadPool {
   }
 
   void close() { core_->close(); }
-  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+  bool join(Timeout timeout = std::nullopt) {
     return core_->join(timeout);
   }
   void terminate() { core_->terminate(); }

@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "torchpar/core/timeout.h"
 #include "torchpar/process/start_method.h"
 #include "torchpar/serialize/serialize.h"
 
@@ -153,7 +154,7 @@ class Process {
   /// Starts the child. Errors: see the class.
   void start();
   /// Waits for the child to exit; true when it did (then it is reaped), false on timeout.
-  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
+  bool join(Timeout timeout = std::nullopt);
   bool is_alive();
   /// Python's exitcode: nullopt while running (or not started), the exit code, or minus the
   /// signal number that killed it.

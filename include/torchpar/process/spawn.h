@@ -36,7 +36,7 @@ class ProcessContext {
   /// reaped, and this throws ProcessRaisedException (the child threw: its index, pid,
   /// exception type and message) or ProcessExitedException (non-zero exit code or a
   /// signal, named as e.g. "SIGKILL").
-  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
+  bool join(Timeout timeout = std::nullopt);
   std::vector<int> pids() const;
   std::vector<Process>& processes() { return processes_; }
 
