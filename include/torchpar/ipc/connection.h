@@ -30,8 +30,9 @@ class Connection {
   Connection() = default;
   Connection(UniqueFd fd, bool readable, bool writable);
 
-  /// Sends `value`. Tensors are shared by default (the receiver aliases them, as
-  /// torch.multiprocessing does); DumpsOptions{.copy_tensor = true} copies them.
+  /// Sends `value`. Tensors are shared by default: the receiver aliases them, as with
+  /// torch.multiprocessing's Connection (Queue and Pool share too; dumps alone copies, as
+  /// machin's dumps). `{.copy_tensor = true}` copies them.
   template <class T>
   void send(const T& value, DumpsOptions options = {.copy_tensor = false}) {
     send_payload_checked(dumps(value, options));

@@ -14,8 +14,10 @@ namespace torchpar {
 
 /// Options of a queue.
 struct QueueOptions {
-  /// false (default): tensors are moved to shared memory and the receiver aliases them
-  /// (torch.multiprocessing); true: tensor bytes are copied (machin's copy_tensor).
+  /// false (default): tensors are moved to shared memory and the receiver aliases them;
+  /// true: tensor bytes are copied. The default follows torch.multiprocessing.Queue (and
+  /// machin's SimpleQueue(copy_tensor=False)), as Connection::send and PoolOptions do;
+  /// dumps alone defaults to true (machin's dumps).
   bool copy_tensor = false;
   /// Bytes of the shared ring. Messages above a quarter of it travel in a segment of their own.
   uint64_t capacity_bytes = 4 << 20;

@@ -246,7 +246,10 @@ struct PoolOptions {
   Initializer init{};             ///< torchpar::initializer(fn, args...)
   uint64_t maxtasksperchild = 0;  ///< a worker is replaced after this many tasks (0: never)
   std::optional<StartMethod> start_method;  ///< default: get_start_method()
-  bool copy_tensor = false;                 ///< task arguments: tensors shared or copied
+  /// Task arguments: tensors shared (false) or copied (true); results are always copied.
+  /// Default false, as torch.multiprocessing.Pool, Queue and Connection::send; machin's
+  /// Pool defaults to is_copy_tensor=True, and so does dumps alone (machin's dumps).
+  bool copy_tensor = false;
   int threads = 1;                          ///< intra-op threads per worker
   /// Workers are daemons: killed (not waited for) when the pool goes. false: the pool's
   /// destructor still terminates them, as Python's context-manager exit does.
