@@ -57,6 +57,20 @@ void blocked_getter(int, tp::Queue<int> q, tp::Queue<std::string> out) {
   }
 }
 
+void simple_echo(int, tp::SimpleQueue<int> in, tp::SimpleQueue<int> out) {
+  out.put(in.get(30s) + 1);
+}
+
+// SimpleQueue offers Python's SimpleQueue calls and no more (before: every Queue member).
+template <class Q>
+concept HasQsize = requires(Q q) { q.qsize(); };
+template <class Q>
+concept HasNowait = requires(Q q) { q.get_nowait(); };
+template <class Q>
+concept HasFull = requires(Q q) { q.full(); };
+static_assert(HasQsize<tp::Queue<int>> && !HasQsize<tp::SimpleQueue<int>>);
+static_assert(!HasNowait<tp::SimpleQueue<int>> && !HasFull<tp::SimpleQueue<int>>);
+
 void joinable_worker(int i, tp::JoinableQueue<int> q, at::Tensor acc) {
   for (;;) {
     int v = q.get(30s);
@@ -138,6 +152,18 @@ TEST_P(Ipc, CloseWakesAWaitingConsumer) {
   EXPECT_EQ(out.get(10s), "closed");  // before get(10s) gives up: close woke it
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 8s);
   EXPECT_TRUE(ctx.join(10s));
+}
+
+TEST_P(Ipc, SimpleQueueAcrossProcesses) {
+  tp::SimpleQueue<int> in, out;
+  EXPECT_TRUE(in.empty());
+  auto ctx = tp::start_processes(simple_echo, std::make_tuple(in, out), 1, opts(false));
+  in.put(41);
+  EXPECT_EQ(out.get(30s), 42);
+  EXPECT_TRUE(ctx.join(30s));
+  EXPECT_TRUE(in.empty());
+  out.close();
+  EXPECT_THROW(out.get(1s), tp::ClosedError);
 }
 
 TEST_P(Ipc, JoinableQueueAcrossProcesses) {
