@@ -89,10 +89,6 @@ class Queue {
   }
   std::shared_ptr<detail::ShmQueue> q_;
   bool copy_tensor_ = false;
-
- public:
-  Queue(std::shared_ptr<detail::ShmQueue> q, bool copy_tensor)
-      : q_(std::move(q)), copy_tensor_(copy_tensor) {}
 };
 
 /// An unbounded queue with Python's SimpleQueue surface and nothing more: put, get, empty

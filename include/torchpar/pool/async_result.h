@@ -77,15 +77,15 @@ struct JobState {
 
 }  // namespace detail
 
-/// The result of apply_async / map_async / starmap_async.
+class Pool;
+class ThreadPool;
+
+/// The result of apply_async / map_async / starmap_async. Copies share the result.
+/// Made only by the pools (its constructor is private).
 /// Safety: thread-safe. Source: multiprocessing.pool.AsyncResult.
 template <class R>
 class AsyncResult {
  public:
-  using Decode = std::function<R(detail::JobState&)>;
-  AsyncResult(std::shared_ptr<detail::JobState> job, Decode decode)
-      : job_(std::move(job)), decode_(std::move(decode)) {}
-
   /// Waits and returns the result. Errors: TimeoutError when `timeout` passes; the task's
   /// exception (ThreadPool: the original; Pool: TaskError with type and message, or
   /// WorkerLostError when its worker died).
@@ -109,20 +109,22 @@ class AsyncResult {
   }
 
  private:
+  friend class Pool;
+  friend class ThreadPool;
+  using Decode = std::function<R(detail::JobState&)>;
+  AsyncResult(std::shared_ptr<detail::JobState> job, Decode decode)
+      : job_(std::move(job)), decode_(std::move(decode)) {}
+
   std::shared_ptr<detail::JobState> job_;
   Decode decode_;
 };
 
 /// Lazy results of imap (in order) or imap_unordered (as they complete).
-/// next() returns nullopt at the end. Safety: one consumer thread.
-/// Source: multiprocessing.pool.IMapIterator.
+/// next() returns nullopt at the end. Made only by the pools (its constructor is private).
+/// Safety: one consumer thread. Source: multiprocessing.pool.IMapIterator.
 template <class T>
 class IMapIterator {
  public:
-  using DecodeOne = std::function<T(std::any&)>;
-  IMapIterator(std::shared_ptr<detail::JobState> job, bool ordered, DecodeOne decode)
-      : job_(std::move(job)), ordered_(ordered), decode_(std::move(decode)) {}
-
   /// The next result. Errors: TimeoutError after `timeout`; the task's exception when its
   /// chunk failed (the iterator then goes on with the next chunk).
   std::optional<T> next(Timeout timeout = std::nullopt) {
@@ -155,6 +157,12 @@ class IMapIterator {
   }
 
  private:
+  friend class Pool;
+  friend class ThreadPool;
+  using DecodeOne = std::function<T(std::any&)>;
+  IMapIterator(std::shared_ptr<detail::JobState> job, bool ordered, DecodeOne decode)
+      : job_(std::move(job)), ordered_(ordered), decode_(std::move(decode)) {}
+
   std::shared_ptr<detail::JobState> job_;
   bool ordered_;
   DecodeOne decode_;

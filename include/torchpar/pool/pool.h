@@ -386,7 +386,12 @@ class Pool {
   /// refilled). Safety: thread-safe.
   std::vector<int> pids() const;
 
- protected:
+ private:
+  // The engine below is private: CtxPool (a friend, deriving privately) is its only other
+  // user; nothing here is part of the public API.
+  template <class Ctx>
+  friend class CtxPool;
+
   /// CtxPool: worker i's context comes from `worker_context(i)`.
   Pool(PoolOptions options, detail::WorkerContextFn worker_context);
 

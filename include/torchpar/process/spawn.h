@@ -61,8 +61,8 @@ ProcessContext start_processes(Fn fn, std::tuple<Args...> args, int nprocs,
     po.start_method = options.start_method;
     po.threads = options.threads;
     po.name = "SpawnProcess-" + std::to_string(i);
-    procs.emplace_back(
-        po, std::apply([&](auto&... a) { return detail::make_launch_spec(fn, i, a...); }, args));
+    procs.push_back(detail::make_process(
+        po, std::apply([&](auto&... a) { return detail::make_launch_spec(fn, i, a...); }, args)));
   }
   ProcessContext ctx(std::move(procs));
   for (auto& p : ctx.processes()) p.start();
