@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <set>
 #include <thread>
 
@@ -41,14 +42,15 @@ TEST(ThreadPool, ApplyAsyncCallbacksAndErrors) {
   EXPECT_EQ(r.get(10s), 42);
   EXPECT_TRUE(r.ready());
   EXPECT_TRUE(r.successful());
-  for (int i = 0; i < 100 && called == 0; ++i) std::this_thread::sleep_for(1ms);
+  // The callback runs on the pool thread, maybe just after get() returned: up to 30 s.
+  for (int i = 0; i < 30000 && called == 0; ++i) std::this_thread::sleep_for(1ms);
   EXPECT_EQ(called, 42);
   std::atomic<bool> errored{false};
   auto bad = pool.apply_async([](int) -> int { throw std::out_of_range("no such item"); },
                               std::make_tuple(1), {}, [&](std::exception_ptr) { errored = true; });
   EXPECT_THROW(bad.get(10s), std::out_of_range);
   EXPECT_FALSE(bad.successful());
-  for (int i = 0; i < 100 && !errored; ++i) std::this_thread::sleep_for(1ms);
+  for (int i = 0; i < 30000 && !errored; ++i) std::this_thread::sleep_for(1ms);
   EXPECT_TRUE(errored);
   auto slow = pool.apply_async(
       [](int ms) {
@@ -90,16 +92,22 @@ TEST(ThreadPool, CloseJoinTerminate) {
   EXPECT_TRUE(pool.join(10s));
   EXPECT_EQ(r.get(1s), 5);
 
+  // One thread: `running` holds it until released, so `queued` is still queued when
+  // terminate() drops it; terminate() then waits for `running`.
   tp::ThreadPool busy(1);
+  std::promise<void> started, release;
+  auto release_f = release.get_future().share();
   auto running = busy.apply_async(
-      [](int ms) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-        return 1;
+      [&started, release_f](int) {
+        started.set_value();
+        return release_f.wait_for(30s) == std::future_status::ready ? 1 : 0;
       },
-      std::make_tuple(200));
+      std::make_tuple(0));
   auto queued = busy.apply_async([](int x) { return x; }, std::make_tuple(2));
-  std::this_thread::sleep_for(20ms);
-  busy.terminate();
-  EXPECT_EQ(running.get(10s), 1);
-  EXPECT_THROW(queued.get(1s), tp::ClosedError) << "a dropped task fails instead of hanging";
+  ASSERT_EQ(started.get_future().wait_for(30s), std::future_status::ready);
+  auto terminated = std::async(std::launch::async, [&] { busy.terminate(); });
+  EXPECT_THROW(queued.get(10s), tp::ClosedError) << "a dropped task fails instead of hanging";
+  release.set_value();
+  EXPECT_EQ(terminated.wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(running.get(10s), 1) << "terminate() lets a running task finish";
 }
