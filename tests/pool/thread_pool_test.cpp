@@ -74,6 +74,36 @@ TEST(ThreadPool, ApplyAsyncCallbacksAndErrors) {
   EXPECT_EQ(it.next(10s), 3);
 }
 
+// map_async and starmap_async take callback and error_callback, as Pool's do (before:
+// ThreadPool's map_async took none and it had no starmap_async).
+TEST(ThreadPool, MapAsyncAndStarmapAsyncCallbacks) {
+  tp::ThreadPool pool(2);
+  std::promise<std::vector<int>> mapped, starred;
+  std::promise<void> failed;
+  auto m = pool.map_async([](int x) { return x * x; }, std::vector<int>{1, 2, 3}, 0,
+                          [&](const std::vector<int>& v) { mapped.set_value(v); });
+  auto s = pool.starmap_async([](int a, int b) { return a + b; },
+                              std::vector<std::tuple<int, int>>{{1, 2}, {3, 4}}, 1,
+                              [&](const std::vector<int>& v) { starred.set_value(v); });
+  auto bad = pool.map_async(
+      [](int x) {
+        if (x == 2) throw std::runtime_error("two");
+        return x;
+      },
+      std::vector<int>{1, 2}, 1, {}, [&](std::exception_ptr) { failed.set_value(); });
+  auto mf = mapped.get_future();
+  auto sf = starred.get_future();
+  auto ff = failed.get_future();
+  ASSERT_EQ(mf.wait_for(30s), std::future_status::ready) << "no map callback";
+  ASSERT_EQ(sf.wait_for(30s), std::future_status::ready) << "no starmap callback";
+  ASSERT_EQ(ff.wait_for(30s), std::future_status::ready) << "no error callback";
+  EXPECT_EQ(mf.get(), (std::vector<int>{1, 4, 9}));
+  EXPECT_EQ(sf.get(), (std::vector<int>{3, 7}));
+  EXPECT_EQ(m.get(10s).size(), 3u);
+  EXPECT_EQ(s.get(10s), (std::vector<int>{3, 7}));
+  EXPECT_THROW(bad.get(10s), std::runtime_error);
+}
+
 TEST(ThreadPool, VoidCallablesAndRepeatedGet) {
   tp::ThreadPool pool(2);
   std::atomic<int> n{0};

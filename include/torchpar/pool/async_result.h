@@ -86,23 +86,31 @@ class ThreadPool;
 template <class R>
 class AsyncResult {
  public:
-  /// Waits and returns the result. Errors: TimeoutError when `timeout` passes; the task's
-  /// exception (ThreadPool: the original; Pool: TaskError with type and message, or
-  /// WorkerLostError when its worker died).
+  /// Waits and returns the result (a copy: get() may be called again).
+  ///
+  /// Units:   `timeout` wall-clock (nullopt: no limit).
+  /// Errors:  TimeoutError when `timeout` passes (nothing changed; call again); the task's
+  ///          exception (ThreadPool: the original; Pool: TaskError with type and message,
+  ///          or WorkerLostError when its worker died); ClosedError when the pool was
+  ///          terminated first.
+  /// Safety:  thread-safe. Source: multiprocessing.pool.AsyncResult.get.
   R get(Timeout timeout = std::nullopt) {
     if (!job_->wait(timeout)) throw TimeoutError("AsyncResult::get timed out");
     if (job_->first_error) std::rethrow_exception(job_->first_error);
     return decode_(*job_);
   }
-  /// True when ready within `timeout`.
-  bool wait(Timeout timeout = std::nullopt) {
-    return job_->wait(timeout);
-  }
+  /// True when the result is ready within `timeout` (nullopt: waits without a limit).
+  /// Never throws. Safety: thread-safe. Source: multiprocessing.pool.AsyncResult.wait.
+  bool wait(Timeout timeout = std::nullopt) { return job_->wait(timeout); }
+  /// True when the call has completed. Safety: thread-safe.
+  /// Source: multiprocessing.pool.AsyncResult.ready.
   bool ready() const {
     std::lock_guard<std::mutex> lock(job_->mu);
     return job_->ndone == job_->chunks.size();
   }
+  /// True when the call completed without an exception.
   /// Errors: torchpar::Error when not ready yet (as Python's ValueError).
+  /// Safety: thread-safe. Source: multiprocessing.pool.AsyncResult.successful.
   bool successful() const {
     if (!ready()) throw Error("AsyncResult::successful: the result is not ready");
     return !job_->first_error;
@@ -125,8 +133,13 @@ class AsyncResult {
 template <class T>
 class IMapIterator {
  public:
-  /// The next result. Errors: TimeoutError after `timeout`; the task's exception when its
-  /// chunk failed (the iterator then goes on with the next chunk).
+  /// The next result; nullopt after the last.
+  ///
+  /// Units:   `timeout` wall-clock (nullopt: no limit).
+  /// Errors:  TimeoutError after `timeout` (the cursor did not move; call again); the
+  ///          task's exception when its chunk failed (the iterator then goes on with the
+  ///          next chunk).
+  /// Safety:  one consumer thread. Source: multiprocessing.pool.IMapIterator.next.
   std::optional<T> next(Timeout timeout = std::nullopt) {
     std::unique_lock<std::mutex> lock(job_->mu);
     for (;;) {
