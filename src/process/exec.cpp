@@ -135,8 +135,7 @@ std::optional<int> wait_program(pid_t pid, Timeout timeout) {
   }
 }
 
-int run_program(const std::vector<std::string>& argv, const ExecOptions& options,
-                Timeout timeout) {
+int run_program(const std::vector<std::string>& argv, const ExecOptions& options, Timeout timeout) {
   const pid_t pid = exec_program(argv, options);
   if (auto status = wait_program(pid, timeout)) return exit_code_of(*status);
   ::kill(pid, SIGKILL);

@@ -126,7 +126,7 @@ StartMethod start_method_from_string(const std::string& name) {
   if (name == "spawn") return StartMethod::kSpawn;
   if (name == "forkserver") return StartMethod::kForkserver;
   throw ValueError("unknown start method '" + name +
-                              "'; valid start methods are: fork, forkserver, spawn");
+                   "'; valid start methods are: fork, forkserver, spawn");
 }
 
 }  // namespace torchpar

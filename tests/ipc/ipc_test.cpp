@@ -64,11 +64,17 @@ void simple_echo(int, tp::SimpleQueue<int> in, tp::SimpleQueue<int> out) {
 
 // SimpleQueue offers Python's SimpleQueue calls and no more (before: every Queue member).
 template <class Q>
-concept HasQsize = requires(Q q) { q.qsize(); };
+concept HasQsize = requires(Q q) {
+  q.qsize();
+};
 template <class Q>
-concept HasNowait = requires(Q q) { q.get_nowait(); };
+concept HasNowait = requires(Q q) {
+  q.get_nowait();
+};
 template <class Q>
-concept HasFull = requires(Q q) { q.full(); };
+concept HasFull = requires(Q q) {
+  q.full();
+};
 static_assert(HasQsize<tp::Queue<int>> && !HasQsize<tp::SimpleQueue<int>>);
 static_assert(!HasNowait<tp::SimpleQueue<int>> && !HasFull<tp::SimpleQueue<int>>);
 
@@ -147,8 +153,7 @@ TEST_P(Ipc, CloseWakesAWaitingConsumer) {
   tp::Queue<int> q;
   tp::Queue<std::string> out;
   tp::Event started;
-  auto ctx =
-      tp::start_processes(blocked_getter, std::make_tuple(q, out, started), 1, opts(false));
+  auto ctx = tp::start_processes(blocked_getter, std::make_tuple(q, out, started), 1, opts(false));
   ASSERT_TRUE(started.wait(60s)) << "the child did not start within 60 s";
   // Lets the child get into its wait. Not needed for correctness: a close before its get
   // also makes it raise ClosedError.

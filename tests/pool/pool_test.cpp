@@ -221,8 +221,7 @@ TEST_P(PoolTest, CloseJoinAndTerminate) {
   tp::share_memory_(started);
   auto running = busy.apply_async(mark_then_sleep, std::make_tuple(started, 30000));
   auto queued = busy.map_async(sleep_ms, std::vector<int>{2000, 2000}, 1);
-  for (int i = 0; i < 60000 && started.item<int32_t>() == 0; ++i)
-    std::this_thread::sleep_for(1ms);
+  for (int i = 0; i < 60000 && started.item<int32_t>() == 0; ++i) std::this_thread::sleep_for(1ms);
   ASSERT_EQ(started.item<int32_t>(), 1) << "the task did not start within 60 s";
   const auto t0 = std::chrono::steady_clock::now();
   busy.terminate();

@@ -23,7 +23,6 @@
 
 namespace torchpar {
 
-
 /// Mutual exclusion between processes and threads.
 /// Requires: release() by the holder (unlike Python's Lock, which any thread may release).
 /// Guarantees: acquire returns false only when the timeout passed (timeout 0: a try).

@@ -250,7 +250,7 @@ struct PoolOptions {
   /// Default false, as torch.multiprocessing.Pool, Queue and Connection::send; machin's
   /// Pool defaults to is_copy_tensor=True, and so does dumps alone (machin's dumps).
   bool copy_tensor = false;
-  int threads = 1;                          ///< intra-op threads per worker
+  int threads = 1;  ///< intra-op threads per worker
   /// Workers are daemons: killed (not waited for) when the pool goes. false: the pool's
   /// destructor still terminates them, as Python's context-manager exit does.
   bool daemon = true;

@@ -59,8 +59,7 @@ std::optional<int> wait_program(pid_t pid, Timeout timeout);
 /// (128 + signal number when killed). On timeout the program is SIGKILLed, reaped and
 /// TimeoutError is thrown; nullopt waits without a limit (the timeout has no default, so
 /// that a caller chooses one).
-int run_program(const std::vector<std::string>& argv, const ExecOptions& options,
-                Timeout timeout);
+int run_program(const std::vector<std::string>& argv, const ExecOptions& options, Timeout timeout);
 
 /// The exit code a shell would report for a wait status: the code, or 128 + signal.
 int exit_code_of(int wait_status);
