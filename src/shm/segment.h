@@ -145,12 +145,6 @@ class ShmRegion {
   int fd() const { return fd_.get(); }
   /// Gives up the fd, keeping the mapping.
   UniqueFd release_fd() { return std::move(fd_); }
-  /// Gives up the mapping: the caller munmaps data() (size() bytes) itself.
-  char* release_mapping() {
-    char* p = base_;
-    base_ = nullptr;
-    return p;
-  }
 
  private:
   void map(int fd, uint64_t size, bool writable, const std::string& what);
