@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "core/futex.h"
 #include "torchpar/core/syscall.h"
 
 namespace torchpar {
@@ -30,7 +31,7 @@ void Connection::send_payload_checked(const Payload& p) {
   send_payload(fileno(), p);
 }
 
-Payload Connection::recv_payload_checked(std::optional<std::chrono::duration<double>> timeout) {
+Payload Connection::recv_payload_checked(Timeout timeout) {
   if (!readable_) throw Error("Connection is write-only");
   // Spin briefly before sleeping: a blocking wake-up costs tens of microseconds on these
   // VMs, while a reply in a ping-pong usually arrives within a few.
@@ -42,29 +43,34 @@ Payload Connection::recv_payload_checked(std::optional<std::chrono::duration<dou
     while (::poll(&pfd, 1, 0) == 0 && std::chrono::steady_clock::now() < spin_until) {
     }
   }
-  std::optional<std::chrono::milliseconds> ms;
-  if (timeout) ms = std::chrono::ceil<std::chrono::milliseconds>(*timeout);
-  return recv_payload(fileno(), ms);
+  return recv_payload(fileno(), timeout);
 }
 
 void Connection::send_bytes(std::string_view bytes) {
   send_payload_checked(Payload{std::string(bytes), {}});
 }
 
-std::string Connection::recv_bytes(std::optional<std::chrono::duration<double>> timeout) {
+std::string Connection::recv_bytes(Timeout timeout) {
   return std::move(recv_payload_checked(timeout).bytes);
 }
 
-bool Connection::poll(std::chrono::duration<double> timeout) {
+bool Connection::poll(Timeout timeout) {
   if (!readable_) throw Error("Connection is write-only: poll() needs a readable end");
   struct pollfd pfd {
     fileno(), POLLIN, 0
   };
-  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(timeout).count();
-  const int r = detail::check_syscall("poll", "Connection", [&] {
-    return ::poll(&pfd, 1, static_cast<int>(std::clamp<int64_t>(ms, 0, INT32_MAX)));
-  });
-  return r > 0;
+  const auto deadline = detail::deadline_after(timeout);
+  for (;;) {
+    int ms = -1;  // no timeout: wait without a limit
+    if (deadline) {
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(*deadline - detail::SteadyClock::now());
+      ms = static_cast<int>(std::clamp<int64_t>(left.count(), 0, INT32_MAX));
+    }
+    const int r = ::poll(&pfd, 1, ms);
+    if (r >= 0) return r > 0;
+    if (errno != EINTR) detail::throw_system_error("poll", errno, "Connection");
+  }
 }
 
 void Connection::save(detail::OutputArchive& ar) const {

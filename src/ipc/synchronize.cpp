@@ -241,7 +241,7 @@ bool Condition::wait_for(const std::function<bool()>& pred, Timeout timeout) {
   const auto deadline = detail::deadline_after(timeout);
   bool result = pred();
   while (!result) {
-    std::optional<std::chrono::duration<double>> left;
+    Timeout left;
     if (deadline) {
       left = *deadline - detail::SteadyClock::now();
       if (left->count() <= 0) break;

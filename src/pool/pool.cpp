@@ -93,7 +93,7 @@ class PoolCore {
     closed_ = true;
   }
 
-  bool join(std::optional<std::chrono::duration<double>> timeout) {
+  bool join(Timeout timeout) {
     std::unique_lock<std::mutex> lock(mu_);
     if (!closed_ && !stop_) throw Error("Pool::join() before close() or terminate()");
     auto done = [&] { return finished_; };
@@ -249,8 +249,7 @@ class PoolCore {
 
   // Never throws (it runs with mu_ released by hand). A result that cannot be read is
   // reported once on stderr; its chunk then fails when its worker exits.
-  void drain_results(std::vector<Completion>& done,
-                     std::optional<std::chrono::duration<double>> wait) {
+  void drain_results(std::vector<Completion>& done, Timeout wait) {
     for (bool first = true;; first = false) {
       try {
         PoolResult r = results_.get(first ? wait.value_or(std::chrono::duration<double>(0))
@@ -501,9 +500,7 @@ std::shared_ptr<detail::JobState> Pool::submit(detail::PoolCall call,
   return core_->submit(std::move(call), std::move(chunks), unpack);
 }
 void Pool::close() { core_->close(); }
-bool Pool::join(std::optional<std::chrono::duration<double>> timeout) {
-  return core_->join(timeout);
-}
+bool Pool::join(Timeout timeout) { return core_->join(timeout); }
 void Pool::terminate() { core_->terminate(); }
 size_t Pool::size() const { return core_->size(); }
 std::vector<int> Pool::pids() const { return core_->pids(); }

@@ -45,7 +45,7 @@ void ThreadPoolCore::close() {
   cv_.notify_all();
 }
 
-bool ThreadPoolCore::join(std::optional<std::chrono::duration<double>> timeout) {
+bool ThreadPoolCore::join(Timeout timeout) {
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (!closed_ && !stop_) throw Error("join() before close() or terminate()");

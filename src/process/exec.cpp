@@ -115,7 +115,7 @@ pid_t exec_program(const std::vector<std::string>& argv, const ExecOptions& opti
   return pid;
 }
 
-std::optional<int> wait_program(pid_t pid, std::optional<std::chrono::duration<double>> timeout) {
+std::optional<int> wait_program(pid_t pid, Timeout timeout) {
   using Clock = std::chrono::steady_clock;
   const auto deadline =
       timeout ? std::optional<Clock::time_point>(
@@ -135,14 +135,13 @@ std::optional<int> wait_program(pid_t pid, std::optional<std::chrono::duration<d
   }
 }
 
-int run_program(const std::vector<std::string>& argv, const ExecOptions& options,
-                std::chrono::duration<double> timeout) {
+int run_program(const std::vector<std::string>& argv, const ExecOptions& options, Timeout timeout) {
   const pid_t pid = exec_program(argv, options);
   if (auto status = wait_program(pid, timeout)) return exit_code_of(*status);
   ::kill(pid, SIGKILL);
   wait_program(pid, std::nullopt);
   throw TimeoutError(
-      fmt::format("'{}' did not finish within {:.3g} s; killed", argv[0], timeout.count()));
+      fmt::format("'{}' did not finish within {:.3g} s; killed", argv[0], timeout->count()));
 }
 
 int exit_code_of(int wait_status) {

@@ -6,7 +6,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -21,6 +20,7 @@
 
 #include "child.h"
 #include "launch.h"
+#include "shm/segment.h"
 #include "torchpar/core/syscall.h"
 
 namespace torchpar::detail {
@@ -85,7 +85,7 @@ void run_forkserver(int sock) {
     if (r <= 0) continue;
     Payload req;
     try {
-      req = recv_payload(sock, std::chrono::milliseconds(10000));
+      req = recv_payload(sock, std::chrono::seconds(10));
     } catch (...) {
       break;  // the client closed (or broke) the connection: we are done
     }
@@ -100,10 +100,9 @@ void run_forkserver(int sock) {
       ::close(sock);
       status.reset();
       children.clear();  // the siblings' status channels are the server's, not ours
-      void* slot =
-          ::mmap(nullptr, kErrorSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, slot_fd.get(), 0);
+      void* slot = map_shared_fd_noexcept(slot_fd.get(), kErrorSlotBytes);
       slot_fd.reset();
-      if (slot == MAP_FAILED) exit_child(71);
+      if (slot == nullptr) exit_child(71);
       std::vector<UniqueFd> args;
       for (size_t i = 2; i < req.fds.size(); ++i) args.push_back(std::move(req.fds[i]));
       std::string name;  // from the launch record, for the error report

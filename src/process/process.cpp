@@ -39,13 +39,9 @@ struct ProcessImpl {
   UniqueFd pidfd;
   std::optional<int> exitcode;
   bool started = false;
-  void* slot = nullptr;
+  ShmRegion slot;  // the child's error (child.h); mapped here, its fd goes to the child
   bool fork_refs = false;
   UniqueFd status;  // forkserver: the server writes the wait status here
-
-  ~ProcessImpl() {
-    if (slot != nullptr) ::munmap(slot, kErrorSlotBytes);
-  }
 };
 
 namespace {
@@ -144,11 +140,10 @@ int count_threads() {
 
 // A 4 KiB shared page for the child's error, backed by a sealed memfd (so spawn can pass
 // it), reserved before mapping: a full memory is a ShmError here, never a SIGBUS later.
-UniqueFd make_slot(void** mapping) {
-  ShmRegion slot = ShmRegion::create_memfd(kErrorSlotBytes, "torchpar-error-slot");
-  UniqueFd fd = slot.release_fd();
-  *mapping = slot.release_mapping();  // unmapped with the ProcessImpl
-  return fd;
+// Kept mapped in `p` (unmapped with it); returns the fd for the child.
+UniqueFd make_slot(ProcessImpl& p) {
+  p.slot = ShmRegion::create_memfd(kErrorSlotBytes, "torchpar-error-slot");
+  return p.slot.release_fd();
 }
 
 int count_user_threads() {
@@ -170,9 +165,8 @@ void start_fork(ProcessImpl& p) {
         "runs {} threads, and LibTorch/OpenMP thread pools deadlock in a forked child; use the "
         "'spawn' start method or threads=1",
         p.options.threads, threads));
-  void* slot = nullptr;
-  UniqueFd slot_fd = make_slot(&slot);
-  p.slot = slot;
+  make_slot(p);  // a forked child inherits the mapping; the fd is not needed
+  void* slot = p.slot.data();
   const pid_t parent = ::getpid();
   pid_t pid = -1;
   run_forking([&] {
@@ -228,9 +222,7 @@ void start_spawn(ProcessImpl& p) {
     });
     off += static_cast<size_t>(n);
   }
-  void* slot = nullptr;
-  UniqueFd slot_fd = make_slot(&slot);
-  p.slot = slot;
+  UniqueFd slot_fd = make_slot(p);
   std::vector<int> keep{record_fd.get(), slot_fd.get()};
   std::string spec =
       fmt::format("TORCHPAR_SPAWN={},{},{}", record_fd.get(), slot_fd.get(), ::getpid());
@@ -242,9 +234,7 @@ void start_spawn(ProcessImpl& p) {
 }
 
 void start_forkserver(ProcessImpl& p, Payload record, const std::vector<int>& arg_fds) {
-  void* slot = nullptr;
-  UniqueFd slot_fd = make_slot(&slot);
-  p.slot = slot;
+  UniqueFd slot_fd = make_slot(p);
   auto [pid, status] = forkserver_start(record, arg_fds, slot_fd.get());
   p.pid = pid;
   p.status = std::move(status);
@@ -369,7 +359,7 @@ bool poll_status(detail::ProcessImpl& p, int wait_ms) {
 }
 }  // namespace
 
-bool Process::join(std::optional<std::chrono::duration<double>> timeout) {
+bool Process::join(Timeout timeout) {
   auto& p = *impl_;
   if (!p.started) throw Error(fmt::format("{}: join() before start()", p.options.name));
   if (p.exitcode) return true;
@@ -461,9 +451,9 @@ int detail::process_wait_fd(const Process& p) {
 }
 
 std::optional<std::pair<std::string, std::string>> Process::error() const {
-  if (impl_->slot == nullptr) return std::nullopt;
+  if (impl_->slot.data() == nullptr) return std::nullopt;
   std::string type, msg;
-  if (!detail::read_error_slot(impl_->slot, &type, &msg)) return std::nullopt;
+  if (!detail::read_error_slot(impl_->slot.data(), &type, &msg)) return std::nullopt;
   return std::make_pair(type, msg);
 }
 

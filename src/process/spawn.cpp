@@ -42,7 +42,7 @@ void ProcessContext::terminate_all() {
   }
 }
 
-bool ProcessContext::join(std::optional<std::chrono::duration<double>> timeout) {
+bool ProcessContext::join(Timeout timeout) {
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
     bool all_done = true;

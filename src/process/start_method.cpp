@@ -1,7 +1,6 @@
 #include "torchpar/process/start_method.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,6 +14,7 @@
 
 #include "child.h"
 #include "launch.h"
+#include "shm/segment.h"
 #include "torchpar/process/process.h"
 
 namespace torchpar {
@@ -49,9 +49,9 @@ namespace {
   }
   const int record_fd = static_cast<int>(nums[0]);
   const int slot_fd = static_cast<int>(nums[1]);
-  void* slot = ::mmap(nullptr, kErrorSlotBytes, PROT_READ | PROT_WRITE, MAP_SHARED, slot_fd, 0);
+  void* slot = map_shared_fd_noexcept(slot_fd, kErrorSlotBytes);
   ::close(slot_fd);
-  if (slot == MAP_FAILED) ::_exit(71);
+  if (slot == nullptr) ::_exit(71);
   std::string name;  // from the launch record, for the error report
   const int code = run_child_body(slot, name, [&] {
     struct stat st {};
@@ -126,7 +126,7 @@ StartMethod start_method_from_string(const std::string& name) {
   if (name == "spawn") return StartMethod::kSpawn;
   if (name == "forkserver") return StartMethod::kForkserver;
   throw ValueError("unknown start method '" + name +
-                              "'; valid start methods are: fork, forkserver, spawn");
+                   "'; valid start methods are: fork, forkserver, spawn");
 }
 
 }  // namespace torchpar

@@ -60,8 +60,8 @@ using detail::Deadline;
 void wait_readable(int sock, const Deadline& deadline) {
   if (!deadline) return;
   for (;;) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now());
+    // Rounded up: poll's milliseconds must not wake before the deadline and spin.
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now());
     struct pollfd pfd {
       sock, POLLIN, 0
     };
@@ -135,9 +135,8 @@ void send_payload(int sock, const Payload& payload) {
   send_with_fds(sock, payload.bytes.data(), payload.bytes.size(), nullptr, 0);
 }
 
-Payload recv_payload(int sock, std::optional<std::chrono::milliseconds> timeout) {
-  Deadline deadline;
-  if (timeout) deadline = Clock::now() + std::max(*timeout, std::chrono::milliseconds(0));
+Payload recv_payload(int sock, Timeout timeout) {
+  const Deadline deadline = detail::deadline_after(timeout);
   Payload p;
   FrameHeader h{};
   recv_exact(sock, reinterpret_cast<char*>(&h), sizeof h, &p.fds, /*at_start=*/true, deadline);

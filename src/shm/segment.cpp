@@ -280,6 +280,11 @@ void ShmRegion::map(int fd, uint64_t size, bool writable, const std::string& wha
   size_ = size;
 }
 
+void* map_shared_fd_noexcept(int fd, size_t bytes) noexcept {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
 ShmRegion ShmRegion::create_memfd(uint64_t bytes, const char* what) {
   if (bytes == 0) throw_shm("memfd_create", EINVAL, what, "a region of 0 bytes");
   const int raw =

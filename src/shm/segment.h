@@ -145,12 +145,6 @@ class ShmRegion {
   int fd() const { return fd_.get(); }
   /// Gives up the fd, keeping the mapping.
   UniqueFd release_fd() { return std::move(fd_); }
-  /// Gives up the mapping: the caller munmaps data() (size() bytes) itself.
-  char* release_mapping() {
-    char* p = base_;
-    base_ = nullptr;
-    return p;
-  }
 
  private:
   void map(int fd, uint64_t size, bool writable, const std::string& what);
@@ -158,6 +152,13 @@ class ShmRegion {
   char* base_ = nullptr;
   uint64_t size_ = 0;
 };
+
+/// Maps `bytes` of the shared object behind `fd` read-write (MAP_SHARED), for a forked child
+/// before it runs anything else (spawn and forkserver children map their error slot with
+/// it). No allocation, no exception, no lock: safe between fork and exec in a process whose
+/// other threads are gone. Returns nullptr when mmap fails (the caller _exit()s with its own
+/// code); the mapping lives until the process exits. Use ShmRegion everywhere else.
+void* map_shared_fd_noexcept(int fd, size_t bytes) noexcept;
 
 /// Bytes free where a new segment of `strategy` would go (/dev/shm, or MemAvailable for
 /// memfd). Used for the ShmError message and the pre-check.

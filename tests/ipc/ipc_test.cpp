@@ -48,7 +48,8 @@ void consumer(int, tp::Queue<int64_t> q, tp::Queue<std::vector<int64_t>> results
   results.put(got);
 }
 
-void blocked_getter(int, tp::Queue<int> q, tp::Queue<std::string> out) {
+void blocked_getter(int, tp::Queue<int> q, tp::Queue<std::string> out, tp::Event started) {
+  started.set();
   try {
     q.get(30s);
     out.put("got");
@@ -56,6 +57,26 @@ void blocked_getter(int, tp::Queue<int> q, tp::Queue<std::string> out) {
     out.put("closed");
   }
 }
+
+void simple_echo(int, tp::SimpleQueue<int> in, tp::SimpleQueue<int> out) {
+  out.put(in.get(30s) + 1);
+}
+
+// SimpleQueue offers Python's SimpleQueue calls and no more (before: every Queue member).
+template <class Q>
+concept HasQsize = requires(Q q) {
+  q.qsize();
+};
+template <class Q>
+concept HasNowait = requires(Q q) {
+  q.get_nowait();
+};
+template <class Q>
+concept HasFull = requires(Q q) {
+  q.full();
+};
+static_assert(HasQsize<tp::Queue<int>> && !HasQsize<tp::SimpleQueue<int>>);
+static_assert(!HasNowait<tp::SimpleQueue<int>> && !HasFull<tp::SimpleQueue<int>>);
 
 void joinable_worker(int i, tp::JoinableQueue<int> q, at::Tensor acc) {
   for (;;) {
@@ -131,13 +152,29 @@ TEST_P(Ipc, ManyProducersAndConsumersLoseNothing) {
 TEST_P(Ipc, CloseWakesAWaitingConsumer) {
   tp::Queue<int> q;
   tp::Queue<std::string> out;
-  auto ctx = tp::start_processes(blocked_getter, std::make_tuple(q, out), 1, opts(false));
-  std::this_thread::sleep_for(GetParam() == "spawn" ? 1500ms : 200ms);  // let it block in get
+  tp::Event started;
+  auto ctx = tp::start_processes(blocked_getter, std::make_tuple(q, out, started), 1, opts(false));
+  ASSERT_TRUE(started.wait(60s)) << "the child did not start within 60 s";
+  // Lets the child get into its wait. Not needed for correctness: a close before its get
+  // also makes it raise ClosedError.
+  std::this_thread::sleep_for(200ms);
   const auto t0 = std::chrono::steady_clock::now();
   q.close();
   EXPECT_EQ(out.get(10s), "closed");  // before get(10s) gives up: close woke it
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 8s);
   EXPECT_TRUE(ctx.join(10s));
+}
+
+TEST_P(Ipc, SimpleQueueAcrossProcesses) {
+  tp::SimpleQueue<int> in, out;
+  EXPECT_TRUE(in.empty());
+  auto ctx = tp::start_processes(simple_echo, std::make_tuple(in, out), 1, opts(false));
+  in.put(41);
+  EXPECT_EQ(out.get(30s), 42);
+  EXPECT_TRUE(ctx.join(30s));
+  EXPECT_TRUE(in.empty());
+  out.close();
+  EXPECT_THROW(out.get(1s), tp::ClosedError);
 }
 
 TEST_P(Ipc, JoinableQueueAcrossProcesses) {
@@ -241,15 +278,21 @@ TEST(Queue, ThousandTransfersLeaveNoFdsOrSegments) {
 TEST(Queue, KilledConsumerDoesNotWedgeTheOthers) {
   tp::Queue<int> q;
   tp::Queue<int> out;
-  auto victim = tp::testing::fork_child([q](int) mutable {
+  tp::Semaphore arrived(0);
+  auto victim = tp::testing::fork_child([q, arrived](int) mutable {
+    arrived.release();
     q.get(60s);
     return 0;
   });
-  auto survivor = tp::testing::fork_child([q, out](int) mutable {
+  auto survivor = tp::testing::fork_child([q, out, arrived](int) mutable {
+    arrived.release();
     for (int i = 0; i < 3; ++i) out.put(q.get(60s));
     return 0;
   });
-  std::this_thread::sleep_for(200ms);  // both block in get
+  ASSERT_TRUE(arrived.acquire(30s) && arrived.acquire(30s)) << "the consumers did not start";
+  // Lets both get into their wait inside get. Not needed for correctness: a victim killed
+  // before its get leaves every item to the survivor too.
+  std::this_thread::sleep_for(200ms);
   ::kill(victim.pid, SIGKILL);
   EXPECT_EQ(tp::testing::wait_child(victim), -SIGKILL);
   for (int i = 0; i < 3; ++i) q.put(i);

@@ -37,8 +37,10 @@ void wait_event(int, tp::Event e, tp::Queue<std::string> out) {
   out.put(e.wait(30s) ? "set" : "timeout");
 }
 
-void condition_waiter(int, tp::Condition c, tp::Value<int> flag, tp::Queue<int> out) {
+void condition_waiter(int, tp::Condition c, tp::Value<int> flag, tp::Value<int> registered,
+                      tp::Queue<int> out) {
   c.acquire();
+  registered.set(registered.get() + 1);  // under the lock, which only wait() gives up
   const bool ok = c.wait_for([&] { return flag.get() == 1; }, 30s);
   c.release();
   out.put(ok ? 1 : 0);
@@ -51,7 +53,8 @@ class Sync : public tp::testing::StartMethodTest {};
 TEST_P(Sync, ValueAndArrayIncrementsUnderLockSumExactly) {
   tp::Value<int64_t> v(0);
   tp::Array<int64_t> a(4);
-  tp::start_processes(add_under_lock, std::make_tuple(v, a, 500), 4, opts());
+  auto ctx = tp::start_processes(add_under_lock, std::make_tuple(v, a, 500), 4, opts(false));
+  ASSERT_TRUE(ctx.join(120s));
   EXPECT_EQ(v.get(), 2000);
   EXPECT_EQ(a.to_vector(), (std::vector<int64_t>{0, 2000, 4000, 6000}));
 }
@@ -81,9 +84,14 @@ TEST_P(Sync, EventAcrossProcesses) {
 TEST_P(Sync, ConditionNotifyAcrossProcesses) {
   tp::Condition c;
   tp::Value<int> flag(0);
+  tp::Value<int> registered(0, /*lock=*/false);
   tp::Queue<int> out;
-  auto ctx = tp::start_processes(condition_waiter, std::make_tuple(c, flag, out), 2, opts(false));
-  std::this_thread::sleep_for(GetParam() == "spawn" ? 1000ms : 100ms);
+  auto ctx = tp::start_processes(condition_waiter, std::make_tuple(c, flag, registered, out), 2,
+                                 opts(false));
+  // Once both registered, taking the lock means both are inside wait (they give it up only
+  // there), so the notify below reaches waiters, not a predicate checked before waiting.
+  for (int i = 0; i < 60000 && registered.get() < 2; ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(registered.get(), 2) << "the waiters did not start within 60 s";
   c.acquire();
   flag.set(1);
   c.notify_all();
@@ -136,6 +144,7 @@ TEST(Semaphore, CountsAndBound) {
   EXPECT_FALSE(s.acquire(0.1s));
   EXPECT_GE(std::chrono::steady_clock::now() - t0, 90ms);
   auto c = tp::testing::fork_child([s](int) mutable {
+    // Not synchronisation: the acquire below passes either way; this lets it block first.
     std::this_thread::sleep_for(50ms);
     s.release();
     return 0;
@@ -164,7 +173,7 @@ TEST(Barrier, TimeoutAbortAndReset) {
       return 0;
     }
   });
-  for (int i = 0; i < 500 && b.n_waiting() == 0; ++i) std::this_thread::sleep_for(5ms);
+  for (int i = 0; i < 6000 && b.n_waiting() == 0; ++i) std::this_thread::sleep_for(5ms);
   EXPECT_EQ(b.n_waiting(), 1u);
   b.abort();
   EXPECT_EQ(tp::testing::wait_child(c, 5s), 0);
@@ -177,17 +186,16 @@ TEST(Barrier, TimeoutAbortAndReset) {
 TEST(Condition, WaitReleasesARecursiveRLockFully) {
   tp::Condition c;  // RLock
   tp::Value<int> flag(0, false);
+  c.acquire();
+  c.acquire();  // held twice before the child exists: its acquire waits for our wait
   auto child = tp::testing::fork_child([c, flag](int) mutable {
-    std::this_thread::sleep_for(100ms);
-    if (!c.acquire(5s)) return 2;  // would time out if the waiter kept a level
+    if (!c.acquire(30s)) return 2;  // would time out if the waiter kept a level
     flag.set(1);
     c.notify_all();
     c.release();
     return 0;
   });
-  c.acquire();
-  c.acquire();  // held twice
-  EXPECT_TRUE(c.wait_for([&] { return flag.get() == 1; }, 10s));
+  EXPECT_TRUE(c.wait_for([&] { return flag.get() == 1; }, 60s));
   c.release();
   c.release();
   EXPECT_EQ(tp::testing::wait_child(child), 0);
@@ -251,7 +259,7 @@ TEST(Condition, NotifyAllWakesEveryWaiterAndNotifyNWakesN) {
   c.notify(2);
   c.release();
   for (int i = 0; i < 20000 && woken < 2; ++i) std::this_thread::sleep_for(1ms);
-  std::this_thread::sleep_for(300ms);
+  std::this_thread::sleep_for(300ms);  // gives a third, wrongly woken waiter time to show
   EXPECT_EQ(woken, 2);
   c.acquire();
   c.notify_all();

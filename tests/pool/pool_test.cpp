@@ -30,6 +30,12 @@ int sleep_ms(int ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   return ms;
 }
+// Marks started[0] (a shared tensor), then sleeps `ms`: the parent sees the task running.
+int mark_then_sleep(at::Tensor started, int ms) {
+  std::atomic_ref<int32_t>(*started.data_ptr<int32_t>()).store(1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
 int die_on_five(int x) {
   if (x == 5) ::raise(SIGKILL);
   return x;
@@ -146,7 +152,8 @@ TEST_P(PoolTest, ErrorsTimeoutsAndCallbacks) {
                               [&](std::exception_ptr) { errored = true; });
   EXPECT_EQ(r.get(30s), 49);
   EXPECT_THROW(bad.get(30s), tp::TaskError);
-  for (int i = 0; i < 200 && (got == 0 || !errored); ++i) std::this_thread::sleep_for(5ms);
+  // The callbacks run on the manager thread, maybe just after get() returned: up to 30 s.
+  for (int i = 0; i < 6000 && (got == 0 || !errored); ++i) std::this_thread::sleep_for(5ms);
   EXPECT_EQ(got, 49);
   EXPECT_TRUE(errored);
   auto slow = pool.apply_async(sleep_ms, std::make_tuple(500));
@@ -210,12 +217,18 @@ TEST_P(PoolTest, CloseJoinAndTerminate) {
   EXPECT_EQ(r.get(1s), (std::vector<int>{1, 4, 9}));
 
   tp::Pool busy(options(1));
-  auto running = busy.map_async(sleep_ms, std::vector<int>{2000, 2000, 2000}, 1);
-  std::this_thread::sleep_for(200ms);
+  at::Tensor started = at::zeros({1}, at::kInt);
+  tp::share_memory_(started);
+  auto running = busy.apply_async(mark_then_sleep, std::make_tuple(started, 30000));
+  auto queued = busy.map_async(sleep_ms, std::vector<int>{2000, 2000}, 1);
+  for (int i = 0; i < 60000 && started.item<int32_t>() == 0; ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(started.item<int32_t>(), 1) << "the task did not start within 60 s";
   const auto t0 = std::chrono::steady_clock::now();
   busy.terminate();
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  // Kills the busy worker instead of waiting for its 30 s task (generous on a loaded box).
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
   EXPECT_THROW(running.get(5s), tp::ClosedError);
+  EXPECT_THROW(queued.get(5s), tp::ClosedError);
 }
 
 TEST_P(PoolTest, CtxPoolContextsAreDistinctPerWorker) {

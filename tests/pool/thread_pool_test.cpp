@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <set>
 #include <thread>
 
@@ -41,14 +42,15 @@ TEST(ThreadPool, ApplyAsyncCallbacksAndErrors) {
   EXPECT_EQ(r.get(10s), 42);
   EXPECT_TRUE(r.ready());
   EXPECT_TRUE(r.successful());
-  for (int i = 0; i < 100 && called == 0; ++i) std::this_thread::sleep_for(1ms);
+  // The callback runs on the pool thread, maybe just after get() returned: up to 30 s.
+  for (int i = 0; i < 30000 && called == 0; ++i) std::this_thread::sleep_for(1ms);
   EXPECT_EQ(called, 42);
   std::atomic<bool> errored{false};
   auto bad = pool.apply_async([](int) -> int { throw std::out_of_range("no such item"); },
                               std::make_tuple(1), {}, [&](std::exception_ptr) { errored = true; });
   EXPECT_THROW(bad.get(10s), std::out_of_range);
   EXPECT_FALSE(bad.successful());
-  for (int i = 0; i < 100 && !errored; ++i) std::this_thread::sleep_for(1ms);
+  for (int i = 0; i < 30000 && !errored; ++i) std::this_thread::sleep_for(1ms);
   EXPECT_TRUE(errored);
   auto slow = pool.apply_async(
       [](int ms) {
@@ -72,6 +74,36 @@ TEST(ThreadPool, ApplyAsyncCallbacksAndErrors) {
   EXPECT_EQ(it.next(10s), 3);
 }
 
+// map_async and starmap_async take callback and error_callback, as Pool's do (before:
+// ThreadPool's map_async took none and it had no starmap_async).
+TEST(ThreadPool, MapAsyncAndStarmapAsyncCallbacks) {
+  tp::ThreadPool pool(2);
+  std::promise<std::vector<int>> mapped, starred;
+  std::promise<void> failed;
+  auto m = pool.map_async([](int x) { return x * x; }, std::vector<int>{1, 2, 3}, 0,
+                          [&](const std::vector<int>& v) { mapped.set_value(v); });
+  auto s = pool.starmap_async([](int a, int b) { return a + b; },
+                              std::vector<std::tuple<int, int>>{{1, 2}, {3, 4}}, 1,
+                              [&](const std::vector<int>& v) { starred.set_value(v); });
+  auto bad = pool.map_async(
+      [](int x) {
+        if (x == 2) throw std::runtime_error("two");
+        return x;
+      },
+      std::vector<int>{1, 2}, 1, {}, [&](std::exception_ptr) { failed.set_value(); });
+  auto mf = mapped.get_future();
+  auto sf = starred.get_future();
+  auto ff = failed.get_future();
+  ASSERT_EQ(mf.wait_for(30s), std::future_status::ready) << "no map callback";
+  ASSERT_EQ(sf.wait_for(30s), std::future_status::ready) << "no starmap callback";
+  ASSERT_EQ(ff.wait_for(30s), std::future_status::ready) << "no error callback";
+  EXPECT_EQ(mf.get(), (std::vector<int>{1, 4, 9}));
+  EXPECT_EQ(sf.get(), (std::vector<int>{3, 7}));
+  EXPECT_EQ(m.get(10s).size(), 3u);
+  EXPECT_EQ(s.get(10s), (std::vector<int>{3, 7}));
+  EXPECT_THROW(bad.get(10s), std::runtime_error);
+}
+
 TEST(ThreadPool, VoidCallablesAndRepeatedGet) {
   tp::ThreadPool pool(2);
   std::atomic<int> n{0};
@@ -90,16 +122,22 @@ TEST(ThreadPool, CloseJoinTerminate) {
   EXPECT_TRUE(pool.join(10s));
   EXPECT_EQ(r.get(1s), 5);
 
+  // One thread: `running` holds it until released, so `queued` is still queued when
+  // terminate() drops it; terminate() then waits for `running`.
   tp::ThreadPool busy(1);
+  std::promise<void> started, release;
+  auto release_f = release.get_future().share();
   auto running = busy.apply_async(
-      [](int ms) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-        return 1;
+      [&started, release_f](int) {
+        started.set_value();
+        return release_f.wait_for(30s) == std::future_status::ready ? 1 : 0;
       },
-      std::make_tuple(200));
+      std::make_tuple(0));
   auto queued = busy.apply_async([](int x) { return x; }, std::make_tuple(2));
-  std::this_thread::sleep_for(20ms);
-  busy.terminate();
-  EXPECT_EQ(running.get(10s), 1);
-  EXPECT_THROW(queued.get(1s), tp::ClosedError) << "a dropped task fails instead of hanging";
+  ASSERT_EQ(started.get_future().wait_for(30s), std::future_status::ready);
+  auto terminated = std::async(std::launch::async, [&] { busy.terminate(); });
+  EXPECT_THROW(queued.get(10s), tp::ClosedError) << "a dropped task fails instead of hanging";
+  release.set_value();
+  EXPECT_EQ(terminated.wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(running.get(10s), 1) << "terminate() lets a running task finish";
 }

@@ -87,7 +87,8 @@ TEST(Exec, JobGroupEndsWhatItsProgramsStarted) {
   }  // the destructor SIGKILLs what is left of the group
   ::close(p[0]);
   bool gone = false;
-  for (int i = 0; i < 300 && !gone; ++i) {  // the grandchild is init's now: wait until reaped
+  // The grandchild is init's now: wait until reaped (up to 30 s: a loaded machine reaps late).
+  for (int i = 0; i < 3000 && !gone; ++i) {
     gone = ::kill(grandchild, 0) != 0;
     if (!gone) std::this_thread::sleep_for(10ms);
   }

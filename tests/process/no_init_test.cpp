@@ -22,6 +22,8 @@ TEST(NoInit, SpawnAndForkserverExplainWhatIsMissing) {
   }
   torchpar::SpawnOptions o;
   o.start_method = torchpar::StartMethod::kFork;
+  o.join = false;
   auto ctx = torchpar::start_processes(noop, std::tuple<>(), 2, o);
   EXPECT_EQ(ctx.pids().size(), 2u);
+  EXPECT_TRUE(ctx.join(std::chrono::seconds(60)));
 }

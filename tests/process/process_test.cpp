@@ -51,7 +51,10 @@ void check_clean_state(int, int expected_marker, int expected_threads) {
 }
 
 void nested_spawn(int, at::Tensor out) {
-  auto ctx = tp::spawn(write_slot, std::make_tuple(out, std::string("tag")), 2);
+  tp::SpawnOptions o;
+  o.join = false;
+  auto ctx = tp::spawn(write_slot, std::make_tuple(out, std::string("tag")), 2, o);
+  if (!ctx.join(60s)) throw std::runtime_error("the nested children did not end within 60 s");
 }
 
 void throw_for_stderr(int) { throw std::invalid_argument("boom for stderr"); }
@@ -74,7 +77,9 @@ class StartMethods : public tp::testing::StartMethodTest {};
 TEST_P(StartMethods, ChildrenWriteSharedTensor) {
   at::Tensor t = at::zeros({4});
   tp::share_memory_(t);
-  auto ctx = tp::start_processes(write_slot, std::make_tuple(t, std::string("tag")), 4, opts());
+  auto ctx =
+      tp::start_processes(write_slot, std::make_tuple(t, std::string("tag")), 4, opts(false));
+  ASSERT_TRUE(ctx.join(60s));
   EXPECT_TRUE(at::equal(t, at::arange(1, 5, at::kFloat)));
   for (int pid : ctx.pids()) {
     int status = 0;
@@ -103,9 +108,10 @@ TEST_P(StartMethods, ExceptionInOneChildTerminatesTheOthers) {
 }
 
 TEST_P(StartMethods, SigkillIsReportedByName) {
+  auto ctx = tp::start_processes(killed_in_zero, std::tuple<>(), 2, opts(false));
   try {
-    tp::start_processes(killed_in_zero, std::tuple<>(), 2, opts());
-    FAIL() << "no exception";
+    ctx.join(60s);
+    FAIL() << "no exception within 60 s";
   } catch (const tp::ProcessExitedException& e) {
     EXPECT_EQ(e.error_index(), 0);
     EXPECT_EQ(e.exit_code(), -SIGKILL);
@@ -115,9 +121,10 @@ TEST_P(StartMethods, SigkillIsReportedByName) {
 }
 
 TEST_P(StartMethods, NonZeroExitCode) {
+  auto ctx = tp::start_processes(exit_three, std::tuple<>(), 1, opts(false));
   try {
-    tp::start_processes(exit_three, std::tuple<>(), 1, opts());
-    FAIL() << "no exception";
+    ctx.join(60s);
+    FAIL() << "no exception within 60 s";
   } catch (const tp::ProcessExitedException& e) {
     EXPECT_EQ(e.exit_code(), 3);
     EXPECT_EQ(e.signal_name(), "");
@@ -135,14 +142,18 @@ TEST_P(StartMethods, JoinTimeoutWhileRunning) {
 TEST_P(StartMethods, EightProcessesOnTwoCores) {
   at::Tensor t = at::zeros({8});
   tp::share_memory_(t);
-  tp::start_processes(write_slot, std::make_tuple(t, std::string("tag")), 8, opts());
+  auto ctx =
+      tp::start_processes(write_slot, std::make_tuple(t, std::string("tag")), 8, opts(false));
+  ASSERT_TRUE(ctx.join(120s));
   EXPECT_EQ(t.sum().item<float>(), 36.0f);
 }
 
 TEST_P(StartMethods, ChildStateAndThreadBudget) {
   g_marker = 42;
   const int expected_marker = GetParam() == "fork" ? 42 : 0;  // forkserver: a clean exec too
-  tp::start_processes(check_clean_state, std::make_tuple(expected_marker, 1), 1, opts());
+  auto ctx =
+      tp::start_processes(check_clean_state, std::make_tuple(expected_marker, 1), 1, opts(false));
+  EXPECT_TRUE(ctx.join(60s));
   g_marker = 0;
 }
 
@@ -167,7 +178,8 @@ TEST_P(StartMethods, ProcessLifecycle) {
 TEST_P(StartMethods, NestedSpawn) {
   at::Tensor t = at::zeros({2});
   tp::share_memory_(t);
-  tp::start_processes(nested_spawn, std::make_tuple(t), 1, opts());
+  auto ctx = tp::start_processes(nested_spawn, std::make_tuple(t), 1, opts(false));
+  ASSERT_TRUE(ctx.join(120s));
   EXPECT_TRUE(at::equal(t, at::arange(1, 3, at::kFloat)));
 }
 
@@ -303,7 +315,7 @@ TEST(Process, ChildrenDieWithTheirParent) {
   ::kill(mid.pid, SIGKILL);
   EXPECT_EQ(tp::testing::wait_child(mid), -SIGKILL);
   bool gone = false;
-  for (int i = 0; i < 300 && !gone; ++i) {
+  for (int i = 0; i < 3000 && !gone; ++i) {  // up to 30 s: a loaded machine reaps late
     // The grandchild is reparented (to init or a subreaper) and reaped there.
     gone = pid_gone(grandchild);
     if (!gone) {

@@ -1,5 +1,5 @@
 // shm's raw segment type (ShmRegion) on its own: create, open, seals, refusals, and
-// out-of-space as an error rather than a SIGBUS.
+// out-of-space as an error rather than a SIGBUS; map_shared_fd_noexcept in a forked child.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -107,4 +107,21 @@ TEST(ShmRegion, OutOfSpaceIsAnErrorNotASigbus) {
     }
   });
   EXPECT_EQ(tp::testing::wait_child(c, std::chrono::seconds(30)), 0);
+}
+
+// What a spawn or forkserver child does with its error slot fd before anything else: map it
+// without allocating or throwing. Failure is a nullptr, not an exception.
+TEST(MapSharedFdNoexcept, MapsInAForkedChildAndFailsWithNullptr) {
+  ShmRegion r = ShmRegion::create_memfd(4096, "torchpar-test-slot");
+  const int fd = r.fd();
+  auto c = tp::testing::fork_child([fd](int) -> int {
+    void* p = tp::detail::map_shared_fd_noexcept(fd, 4096);
+    if (p == nullptr) return 1;
+    std::strcpy(static_cast<char*>(p), "from the child");
+    return 0;
+  });
+  ASSERT_EQ(tp::testing::wait_child(c, std::chrono::seconds(30)), 0);
+  EXPECT_STREQ(r.data(), "from the child");
+  EXPECT_EQ(tp::detail::map_shared_fd_noexcept(-1, 4096), nullptr);
+  EXPECT_EQ(tp::detail::map_shared_fd_noexcept(fd, 0), nullptr);
 }

@@ -40,7 +40,7 @@ std::vector<RankResult> run_ranks(int n, double timeout, Fn fn, Args... args) {
     const auto left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now());
     if (!p.join(std::max(left, std::chrono::duration<double>(0.01)))) {
       p.kill();
-      p.join();
+      p.join(std::chrono::seconds(30));  // SIGKILLed: bounded, exitcode() tells if it ended
     }
     RankResult r;
     r.exitcode = p.exitcode();

@@ -12,7 +12,9 @@ namespace torchpar::testing {
 
 class StartMethodTest : public ::testing::TestWithParam<std::string> {
  protected:
-  SpawnOptions opts(bool join = true) {
+  /// Spawn options with this suite's start method. Tests join with a timeout themselves
+  /// (`EXPECT_TRUE(ctx.join(60s))`): start_processes' own join has none.
+  SpawnOptions opts(bool join = false) {
     SpawnOptions o;
     o.start_method = start_method_from_string(GetParam());
     o.join = join;

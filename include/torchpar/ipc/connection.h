@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "torchpar/core/fd.h"
+#include "torchpar/core/timeout.h"
 #include "torchpar/serialize/serialize.h"
 
 namespace torchpar {
@@ -29,23 +30,25 @@ class Connection {
   Connection() = default;
   Connection(UniqueFd fd, bool readable, bool writable);
 
-  /// Sends `value`. Tensors are shared by default (the receiver aliases them, as
-  /// torch.multiprocessing does); DumpsOptions{.copy_tensor = true} copies them.
+  /// Sends `value`. Tensors are shared by default: the receiver aliases them, as with
+  /// torch.multiprocessing's Connection (Queue and Pool share too; dumps alone copies, as
+  /// machin's dumps). `{.copy_tensor = true}` copies them.
   template <class T>
   void send(const T& value, DumpsOptions options = {.copy_tensor = false}) {
     send_payload_checked(dumps(value, options));
   }
   /// Receives a value sent with send<T>.
   template <class T>
-  T recv(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+  T recv(Timeout timeout = std::nullopt) {
     return loads<T>(recv_payload_checked(timeout));
   }
   /// Raw bytes (Python's send_bytes / recv_bytes).
   void send_bytes(std::string_view bytes);
-  std::string recv_bytes(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
-  /// True when data (or EOF) is ready within `timeout` (0: just look).
+  std::string recv_bytes(Timeout timeout = std::nullopt);
+  /// True when data (or EOF) is ready within `timeout` (0, the default: just look;
+  /// nullopt: wait without a limit, as Python's poll(None)).
   /// Errors: torchpar::Error on a write-only end (as recv), ClosedError when closed.
-  bool poll(std::chrono::duration<double> timeout = std::chrono::duration<double>(0));
+  bool poll(Timeout timeout = std::chrono::duration<double>(0));
   void close();
   bool closed() const;
   bool readable() const { return readable_; }
@@ -57,7 +60,7 @@ class Connection {
 
  private:
   void send_payload_checked(const Payload& p);
-  Payload recv_payload_checked(std::optional<std::chrono::duration<double>> timeout);
+  Payload recv_payload_checked(Timeout timeout);
   std::shared_ptr<UniqueFd> fd_;
   bool readable_ = false;
   bool writable_ = false;

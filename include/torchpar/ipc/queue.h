@@ -14,8 +14,10 @@ namespace torchpar {
 
 /// Options of a queue.
 struct QueueOptions {
-  /// false (default): tensors are moved to shared memory and the receiver aliases them
-  /// (torch.multiprocessing); true: tensor bytes are copied (machin's copy_tensor).
+  /// false (default): tensors are moved to shared memory and the receiver aliases them;
+  /// true: tensor bytes are copied. The default follows torch.multiprocessing.Queue (and
+  /// machin's SimpleQueue(copy_tensor=False)), as Connection::send and PoolOptions do;
+  /// dumps alone defaults to true (machin's dumps).
   bool copy_tensor = false;
   /// Bytes of the shared ring. Messages above a quarter of it travel in a segment of their own.
   uint64_t capacity_bytes = 4 << 20;
@@ -36,7 +38,6 @@ struct QueueOptions {
 template <class T>
 class Queue {
  public:
-
   /// `maxsize` items at most (0: unbounded, as in Python).
   explicit Queue(uint64_t maxsize = 0, QueueOptions options = {})
       : q_(std::make_shared<detail::ShmQueue>(maxsize, options.capacity_bytes)),
@@ -88,18 +89,36 @@ class Queue {
   }
   std::shared_ptr<detail::ShmQueue> q_;
   bool copy_tensor_ = false;
-
- public:
-  Queue(std::shared_ptr<detail::ShmQueue> q, bool copy_tensor)
-      : q_(std::move(q)), copy_tensor_(copy_tensor) {}
 };
 
-/// An unbounded queue with just put, get, empty and close.
+/// An unbounded queue with Python's SimpleQueue surface and nothing more: put, get, empty
+/// and close. It is a Queue underneath (same shared memory, same wire format), but not a
+/// Queue: qsize, full, the _nowait calls and a maxsize are not offered, as in Python.
+///
+/// Lifetime, safety: as Queue (copies share one queue; pass it to a child as a Process
+/// argument, every start method).
+/// Errors: get throws Empty when `timeout` passes, ClosedError once closed and empty; put
+///         throws Full when `timeout` passes before the ring has room, ClosedError on a
+///         closed queue, torchpar::Error for a value carrying fds.
 /// Source: multiprocessing.SimpleQueue / machin.parallel.queue.SimpleQueue.
 template <class T>
-class SimpleQueue : public Queue<T> {
+class SimpleQueue {
  public:
-  explicit SimpleQueue(QueueOptions options = {}) : Queue<T>(0, options) {}
+  explicit SimpleQueue(QueueOptions options = {}) : q_(0, options) {}
+
+  /// Puts `value` (tensors shared unless options.copy_tensor). Waits only while the ring
+  /// has no room for it, at most `timeout` (then Full).
+  void put(const T& value, Timeout timeout = std::nullopt) { q_.put(value, timeout); }
+  /// The oldest item, waiting up to `timeout` (nullopt: without a limit, as Python's get()).
+  T get(Timeout timeout = std::nullopt) { return q_.get(timeout); }
+  bool empty() const { return q_.empty(); }
+  void close() { q_.close(); }
+
+  void save(detail::OutputArchive& ar) const { q_.save(ar); }
+  void load(detail::InputArchive& ar) { q_.load(ar); }
+
+ private:
+  Queue<T> q_;
 };
 
 /// A Queue whose consumers call task_done() per item and whose join() waits until every

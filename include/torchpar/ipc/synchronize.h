@@ -23,7 +23,6 @@
 
 namespace torchpar {
 
-
 /// Mutual exclusion between processes and threads.
 /// Requires: release() by the holder (unlike Python's Lock, which any thread may release).
 /// Guarantees: acquire returns false only when the timeout passed (timeout 0: a try).
@@ -36,10 +35,6 @@ class Lock {
   /// True when the last successful acquire through this object recovered the lock from a
   /// dead owner.
   bool owner_died() const { return owner_died_; }
-  /// Releases every level the calling holder holds (RLock) and returns how many; with
-  /// acquire_n, what Condition::wait uses.
-  uint32_t release_all();
-  void acquire_n(uint32_t n);
   void save(detail::OutputArchive& ar) const;
   void load(detail::InputArchive& ar);
 
@@ -47,6 +42,13 @@ class Lock {
   explicit Lock(bool recursive);
   std::shared_ptr<detail::SharedPage> page_;
   bool owner_died_ = false;
+
+ private:
+  friend class Condition;
+  /// Releases every level the calling holder holds (RLock) and returns how many; with
+  /// acquire_n, what Condition::wait uses.
+  uint32_t release_all();
+  void acquire_n(uint32_t n);
 };
 
 /// A Lock the holder may acquire again (released as often as acquired). Source:

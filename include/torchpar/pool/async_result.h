@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "torchpar/core/error.h"
+#include "torchpar/core/timeout.h"
 
 namespace torchpar {
 namespace detail {
@@ -54,7 +55,7 @@ struct JobState {
       }
     }
   }
-  bool wait(std::optional<std::chrono::duration<double>> timeout) {
+  bool wait(Timeout timeout) {
     std::unique_lock<std::mutex> lock(mu);
     auto all = [&] { return ndone == chunks.size(); };
     if (!timeout) {
@@ -76,55 +77,70 @@ struct JobState {
 
 }  // namespace detail
 
-/// The result of apply_async / map_async / starmap_async.
+class Pool;
+class ThreadPool;
+
+/// The result of apply_async / map_async / starmap_async. Copies share the result.
+/// Made only by the pools (its constructor is private).
 /// Safety: thread-safe. Source: multiprocessing.pool.AsyncResult.
 template <class R>
 class AsyncResult {
  public:
-  using Decode = std::function<R(detail::JobState&)>;
-  AsyncResult(std::shared_ptr<detail::JobState> job, Decode decode)
-      : job_(std::move(job)), decode_(std::move(decode)) {}
-
-  /// Waits and returns the result. Errors: TimeoutError when `timeout` passes; the task's
-  /// exception (ThreadPool: the original; Pool: TaskError with type and message, or
-  /// WorkerLostError when its worker died).
-  R get(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+  /// Waits and returns the result (a copy: get() may be called again).
+  ///
+  /// Units:   `timeout` wall-clock (nullopt: no limit).
+  /// Errors:  TimeoutError when `timeout` passes (nothing changed; call again); the task's
+  ///          exception (ThreadPool: the original; Pool: TaskError with type and message,
+  ///          or WorkerLostError when its worker died); ClosedError when the pool was
+  ///          terminated first.
+  /// Safety:  thread-safe. Source: multiprocessing.pool.AsyncResult.get.
+  R get(Timeout timeout = std::nullopt) {
     if (!job_->wait(timeout)) throw TimeoutError("AsyncResult::get timed out");
     if (job_->first_error) std::rethrow_exception(job_->first_error);
     return decode_(*job_);
   }
-  /// True when ready within `timeout`.
-  bool wait(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
-    return job_->wait(timeout);
-  }
+  /// True when the result is ready within `timeout` (nullopt: waits without a limit).
+  /// Never throws. Safety: thread-safe. Source: multiprocessing.pool.AsyncResult.wait.
+  bool wait(Timeout timeout = std::nullopt) { return job_->wait(timeout); }
+  /// True when the call has completed. Safety: thread-safe.
+  /// Source: multiprocessing.pool.AsyncResult.ready.
   bool ready() const {
     std::lock_guard<std::mutex> lock(job_->mu);
     return job_->ndone == job_->chunks.size();
   }
+  /// True when the call completed without an exception.
   /// Errors: torchpar::Error when not ready yet (as Python's ValueError).
+  /// Safety: thread-safe. Source: multiprocessing.pool.AsyncResult.successful.
   bool successful() const {
     if (!ready()) throw Error("AsyncResult::successful: the result is not ready");
     return !job_->first_error;
   }
 
  private:
+  friend class Pool;
+  friend class ThreadPool;
+  using Decode = std::function<R(detail::JobState&)>;
+  AsyncResult(std::shared_ptr<detail::JobState> job, Decode decode)
+      : job_(std::move(job)), decode_(std::move(decode)) {}
+
   std::shared_ptr<detail::JobState> job_;
   Decode decode_;
 };
 
 /// Lazy results of imap (in order) or imap_unordered (as they complete).
-/// next() returns nullopt at the end. Safety: one consumer thread.
-/// Source: multiprocessing.pool.IMapIterator.
+/// next() returns nullopt at the end. Made only by the pools (its constructor is private).
+/// Safety: one consumer thread. Source: multiprocessing.pool.IMapIterator.
 template <class T>
 class IMapIterator {
  public:
-  using DecodeOne = std::function<T(std::any&)>;
-  IMapIterator(std::shared_ptr<detail::JobState> job, bool ordered, DecodeOne decode)
-      : job_(std::move(job)), ordered_(ordered), decode_(std::move(decode)) {}
-
-  /// The next result. Errors: TimeoutError after `timeout`; the task's exception when its
-  /// chunk failed (the iterator then goes on with the next chunk).
-  std::optional<T> next(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
+  /// The next result; nullopt after the last.
+  ///
+  /// Units:   `timeout` wall-clock (nullopt: no limit).
+  /// Errors:  TimeoutError after `timeout` (the cursor did not move; call again); the
+  ///          task's exception when its chunk failed (the iterator then goes on with the
+  ///          next chunk).
+  /// Safety:  one consumer thread. Source: multiprocessing.pool.IMapIterator.next.
+  std::optional<T> next(Timeout timeout = std::nullopt) {
     std::unique_lock<std::mutex> lock(job_->mu);
     for (;;) {
       if (current_ && pos_ < current_->values.size()) {
@@ -154,6 +170,12 @@ class IMapIterator {
   }
 
  private:
+  friend class Pool;
+  friend class ThreadPool;
+  using DecodeOne = std::function<T(std::any&)>;
+  IMapIterator(std::shared_ptr<detail::JobState> job, bool ordered, DecodeOne decode)
+      : job_(std::move(job)), ordered_(ordered), decode_(std::move(decode)) {}
+
   std::shared_ptr<detail::JobState> job_;
   bool ordered_;
   DecodeOne decode_;

@@ -246,8 +246,11 @@ struct PoolOptions {
   Initializer init{};             ///< torchpar::initializer(fn, args...)
   uint64_t maxtasksperchild = 0;  ///< a worker is replaced after this many tasks (0: never)
   std::optional<StartMethod> start_method;  ///< default: get_start_method()
-  bool copy_tensor = false;                 ///< task arguments: tensors shared or copied
-  int threads = 1;                          ///< intra-op threads per worker
+  /// Task arguments: tensors shared (false) or copied (true); results are always copied.
+  /// Default false, as torch.multiprocessing.Pool, Queue and Connection::send; machin's
+  /// Pool defaults to is_copy_tensor=True, and so does dumps alone (machin's dumps).
+  bool copy_tensor = false;
+  int threads = 1;  ///< intra-op threads per worker
   /// Workers are daemons: killed (not waited for) when the pool goes. false: the pool's
   /// destructor still terminates them, as Python's context-manager exit does.
   bool daemon = true;
@@ -295,9 +298,13 @@ class Pool {
     return apply_with<V, Tuple>(detail::make_call<Fn, Tuple>(fn), Tuple(std::move(args)),
                                 std::move(callback), std::move(error_callback));
   }
-  /// apply_async(fn, args).get(): blocks until the result is there (no timeout: a dead
-  /// worker fails the task, so it never hangs). Errors: as apply_async and its get().
-  /// Source: multiprocessing.Pool.apply.
+  /// fn(args...) in some worker, waited for: apply_async(fn, args).get().
+  ///
+  /// Units:   no timeout; it still never hangs: a dead worker fails the task.
+  /// Errors:  as apply_async, then what its get() raises (TaskError, WorkerLostError,
+  ///          ClosedError).
+  /// Safety:  thread-safe; not from a callback (it would wait for the manager thread).
+  /// Source:  multiprocessing.Pool.apply.
   template <class Fn, class... Args>
   auto apply(Fn fn, std::tuple<Args...> args) {
     return apply_async(fn, std::move(args)).get();
@@ -320,16 +327,23 @@ class Pool {
         detail::make_call<Fn, Tuple>(fn), items.size(), chunksize,
         [&](size_t i) { return Tuple(items[i]); }, std::move(callback), std::move(error_callback));
   }
-  /// map_async(fn, items, chunksize).get(). Errors: as map_async.
-  /// Source: multiprocessing.Pool.map.
+  /// fn(item) for each item, waited for: map_async(fn, items, chunksize).get().
+  ///
+  /// Units:   chunksize counts items (0: about four chunks a worker); no timeout, and no
+  ///          hang: a dead worker fails its chunk.
+  /// Errors:  as map_async, then the first failed chunk's error (TaskError,
+  ///          WorkerLostError, ClosedError).
+  /// Safety:  thread-safe; not from a callback. Source: multiprocessing.Pool.map.
   template <class Fn, class T>
   auto map(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
     return map_async(fn, items, chunksize).get();
   }
   /// fn(item) for each item; an iterator yielding the results in order as they come.
-  /// Units: chunksize counts items (default 1). Errors: as apply_async, in the calling
-  /// thread; IMapIterator::next raises a failed chunk's error once, then goes on.
-  /// Safety: thread-safe (the iterator: one consumer). Source: multiprocessing.Pool.imap.
+  ///
+  /// Units:   chunksize counts items (default 1); IMapIterator::next's timeout is seconds.
+  /// Errors:  as apply_async, in the calling thread; IMapIterator::next raises a failed
+  ///          chunk's error (TaskError, WorkerLostError, ClosedError) once, then goes on.
+  /// Safety:  thread-safe; the iterator has one consumer. Source: multiprocessing.Pool.imap.
   template <class Fn, class T>
   auto imap(Fn fn, const std::vector<T>& items, size_t chunksize = 1) {
     using Tuple = std::tuple<std::decay_t<T>>;
@@ -337,8 +351,10 @@ class Pool {
         detail::make_call<Fn, Tuple>(fn), items.size(), chunksize,
         [&](size_t i) { return Tuple(items[i]); }, true);
   }
-  /// As imap, but results come in completion order.
-  /// Source: multiprocessing.Pool.imap_unordered.
+  /// fn(item) for each item; an iterator yielding the results in completion order.
+  ///
+  /// Units, Errors, Safety: as imap.
+  /// Source:  multiprocessing.Pool.imap_unordered.
   template <class Fn, class T>
   auto imap_unordered(Fn fn, const std::vector<T>& items, size_t chunksize = 1) {
     using Tuple = std::tuple<std::decay_t<T>>;
@@ -346,8 +362,10 @@ class Pool {
         detail::make_call<Fn, Tuple>(fn), items.size(), chunksize,
         [&](size_t i) { return Tuple(items[i]); }, false);
   }
-  /// fn(a, b, ...) for each tuple; otherwise as map_async (units, errors, callbacks).
-  /// Source: multiprocessing.Pool.starmap_async.
+  /// fn(a, b, ...) for each tuple of `items`; the results, in order, arrive later.
+  ///
+  /// Units, Errors, Callbacks: as map_async.
+  /// Safety:  thread-safe. Source: multiprocessing.Pool.starmap_async.
   template <class Fn, class... Args>
   auto starmap_async(
       Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0,
@@ -359,31 +377,46 @@ class Pool {
         detail::make_call<Fn, Tuple>(fn), items.size(), chunksize,
         [&](size_t i) { return Tuple(items[i]); }, std::move(callback), std::move(error_callback));
   }
-  /// starmap_async(fn, items, chunksize).get(). Source: multiprocessing.Pool.starmap.
+  /// fn(a, b, ...) for each tuple, waited for: starmap_async(fn, items, chunksize).get().
+  ///
+  /// Units, Errors: as map.
+  /// Safety:  thread-safe; not from a callback. Source: multiprocessing.Pool.starmap.
   template <class Fn, class... Args>
   auto starmap(Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0) {
     return starmap_async(fn, items, chunksize).get();
   }
 
-  /// No more tasks; workers exit once the queued ones are done. Safety: thread-safe.
-  /// Source: multiprocessing.Pool.close.
+  /// No more tasks: later calls raise ClosedError; workers exit once the queued tasks are
+  /// done (results still arrive).
+  ///
+  /// Errors:  none. Safety: thread-safe. Source: multiprocessing.Pool.close.
   void close();
-  /// Waits for the workers after close() (true) or until `timeout` (false).
-  /// Errors: torchpar::Error when neither close() nor terminate() was called.
-  /// Safety: one thread at a time, never from a callback. Source: multiprocessing.Pool.join.
-  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
+  /// Waits for the workers to end after close() or terminate().
+  ///
+  /// Units:   `timeout` wall-clock (nullopt: no limit). Returns true when they ended,
+  ///          false when `timeout` passed first (nothing changed; call again).
+  /// Errors:  torchpar::Error when neither close() nor terminate() was called.
+  /// Safety:  one thread at a time, never from a callback. Source: multiprocessing.Pool.join.
+  bool join(Timeout timeout = std::nullopt);
   /// Kills the workers now (SIGKILL, before anything else: a stopped or wedged worker
   /// cannot block it); unfinished results fail with ClosedError. Returns once the manager
-  /// thread ended; every wait inside is bounded. Never throws.
-  /// Safety: one thread at a time, never from a callback. Source: multiprocessing.Pool.terminate.
+  /// thread ended; every wait inside is bounded.
+  ///
+  /// Errors:  never throws. Safety: one thread at a time, never from a callback.
+  /// Source:  multiprocessing.Pool.terminate.
   void terminate();
-  /// The number of worker slots (PoolOptions::processes).
+  /// The number of worker slots (PoolOptions::processes). Safety: thread-safe.
   size_t size() const;
   /// pids of the current workers (they change as workers are replaced; -1: a slot being
   /// refilled). Safety: thread-safe.
   std::vector<int> pids() const;
 
- protected:
+ private:
+  // The engine below is private: CtxPool (a friend, deriving privately) is its only other
+  // user; nothing here is part of the public API.
+  template <class Ctx>
+  friend class CtxPool;
+
   /// CtxPool: worker i's context comes from `worker_context(i)`.
   Pool(PoolOptions options, detail::WorkerContextFn worker_context);
 
@@ -469,13 +502,17 @@ class CtxPool : private Pool {
       : CtxPool(std::make_shared<std::vector<Ctx>>(std::move(worker_contexts)),
                 std::move(options)) {}
 
+  /// close, join, terminate, size, pids: as Pool's (machin's CtxPool has them too).
   using Pool::close;
   using Pool::join;
   using Pool::pids;
   using Pool::size;
   using Pool::terminate;
 
-  /// fn(Ctx&, args...) in some worker. Source: Pool::apply_async.
+  /// fn(Ctx&, args...) in some worker, with that worker's context; the result comes later.
+  ///
+  /// Units, Errors, Callbacks, Safety: as Pool::apply_async.
+  /// Source:  machin.parallel.pool.CtxPool.apply_async.
   template <class Fn, class... Args>
   auto apply_async(Fn fn, std::tuple<Args...> args,
                    Callback<detail::result_of_t<Fn, Ctx, Args...>> callback = {},
@@ -485,11 +522,17 @@ class CtxPool : private Pool {
     return apply_with<V, Tuple>(ctx_call<Fn, Tuple>(fn), Tuple(std::move(args)),
                                 std::move(callback), std::move(error_callback));
   }
+  /// fn(Ctx&, args...) in some worker, waited for: apply_async(fn, args).get().
+  ///
+  /// Units, Errors, Safety: as Pool::apply. Source: machin.parallel.pool.CtxPool.apply.
   template <class Fn, class... Args>
   auto apply(Fn fn, std::tuple<Args...> args) {
     return apply_async(fn, std::move(args)).get();
   }
-  /// fn(Ctx&, item) for each item, results in order. Source: Pool::map_async.
+  /// fn(Ctx&, item) for each item; the results, in order, arrive later.
+  ///
+  /// Units, Errors, Callbacks, Safety: as Pool::map_async.
+  /// Source:  machin.parallel.pool.CtxPool.map_async.
   template <class Fn, class T>
   auto map_async(Fn fn, const std::vector<T>& items, size_t chunksize = 0,
                  Callback<std::vector<detail::result_of_t<Fn, Ctx, T>>> callback = {},
@@ -500,11 +543,16 @@ class CtxPool : private Pool {
         ctx_call<Fn, Tuple>(fn), items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); },
         std::move(callback), std::move(error_callback));
   }
+  /// fn(Ctx&, item) for each item, waited for: map_async(fn, items, chunksize).get().
+  ///
+  /// Units, Errors, Safety: as Pool::map. Source: machin.parallel.pool.CtxPool.map.
   template <class Fn, class T>
   auto map(Fn fn, const std::vector<T>& items, size_t chunksize = 0) {
     return map_async(fn, items, chunksize).get();
   }
-  /// fn(Ctx&, item) for each item, lazily in order. Source: Pool::imap.
+  /// fn(Ctx&, item) for each item; an iterator yielding the results in order.
+  ///
+  /// Units, Errors, Safety: as Pool::imap. Source: machin.parallel.pool.CtxPool.imap.
   template <class Fn, class T>
   auto imap(Fn fn, const std::vector<T>& items, size_t chunksize = 1) {
     using Tuple = std::tuple<std::decay_t<T>>;
@@ -512,7 +560,10 @@ class CtxPool : private Pool {
         ctx_call<Fn, Tuple>(fn), items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); },
         true);
   }
-  /// As imap, in completion order. Source: Pool::imap_unordered.
+  /// fn(Ctx&, item) for each item; an iterator yielding the results in completion order.
+  ///
+  /// Units, Errors, Safety: as Pool::imap.
+  /// Source:  machin.parallel.pool.CtxPool.imap_unordered.
   template <class Fn, class T>
   auto imap_unordered(Fn fn, const std::vector<T>& items, size_t chunksize = 1) {
     using Tuple = std::tuple<std::decay_t<T>>;
@@ -520,7 +571,10 @@ class CtxPool : private Pool {
         ctx_call<Fn, Tuple>(fn), items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); },
         false);
   }
-  /// fn(Ctx&, a, b, ...) for each tuple. Source: Pool::starmap_async.
+  /// fn(Ctx&, a, b, ...) for each tuple; the results, in order, arrive later.
+  ///
+  /// Units, Errors, Callbacks, Safety: as Pool::map_async.
+  /// Source:  machin.parallel.pool.CtxPool.starmap_async.
   template <class Fn, class... Args>
   auto starmap_async(Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0,
                      Callback<std::vector<detail::result_of_t<Fn, Ctx, Args...>>> callback = {},
@@ -531,6 +585,9 @@ class CtxPool : private Pool {
         ctx_call<Fn, Tuple>(fn), items.size(), chunksize, [&](size_t i) { return Tuple(items[i]); },
         std::move(callback), std::move(error_callback));
   }
+  /// fn(Ctx&, a, b, ...) for each tuple, waited for: starmap_async(...).get().
+  ///
+  /// Units, Errors, Safety: as Pool::map. Source: machin.parallel.pool.CtxPool.starmap.
   template <class Fn, class... Args>
   auto starmap(Fn fn, const std::vector<std::tuple<Args...>>& items, size_t chunksize = 0) {
     return starmap_async(fn, items, chunksize).get();

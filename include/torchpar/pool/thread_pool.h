@@ -24,7 +24,7 @@ class ThreadPoolCore {
   void submit(std::function<void()> task, std::function<void()> cancel);
   size_t size() const { return threads_.size(); }
   void close();
-  bool join(std::optional<std::chrono::duration<double>> timeout);
+  bool join(Timeout timeout);
   void terminate();
 
  private:
@@ -40,10 +40,15 @@ class ThreadPoolCore {
 };
 }  // namespace detail
 
-/// Lifetime: the destructor terminates (drops queued tasks, waits for running ones), as
-/// Python's context-manager exit does. Safety: thread-safe.
+/// The Pool API on threads of this process: any callable (captures included), arguments
+/// and results by value, nothing serialized, tensors never copied.
+///
+/// Lifetime: copies share one pool; the last copy's destructor terminates it (drops queued
+/// tasks, waits for running ones), as Python's context-manager exit does.
+/// Safety: submitting and close() are thread-safe; join/terminate: see each.
 /// Errors: submitting after close()/terminate() throws ClosedError; task exceptions come
 /// back from AsyncResult::get / IMapIterator::next as themselves.
+/// Units: timeouts are wall-clock seconds (Timeout); chunksize counts items.
 /// Source: multiprocessing.pool.ThreadPool / machin.parallel.pool.ThreadPool.
 class ThreadPool {
  public:
@@ -52,6 +57,16 @@ class ThreadPool {
       : core_(std::make_shared<detail::ThreadPoolCore>(
             threads == 0 ? std::max(1u, std::thread::hardware_concurrency()) : threads)) {}
 
+  /// fn(args...) on a pool thread; the result arrives later. `fn` and `args` are copied
+  /// into the task.
+  ///
+  /// Units:   the returned AsyncResult's timeouts are seconds.
+  /// Errors:  ClosedError after close()/terminate(), in the calling thread. get() then
+  ///          rethrows the task's own exception, or ClosedError when terminate() dropped it.
+  /// Callbacks: `callback(result)` or `error_callback(error)` runs once, on the pool thread
+  ///          that ran the task (or in this call when already done); it must not block or
+  ///          call join()/terminate().
+  /// Safety:  thread-safe. Source: multiprocessing.pool.ThreadPool.apply_async.
   template <class Fn, class... Args>
   auto apply_async(Fn fn, std::tuple<Args...> args,
                    std::function<void(const detail::result_of_t<Fn, Args...>&)> callback = {},
@@ -79,49 +94,115 @@ class ThreadPool {
     return result;
   }
 
+  /// fn(args...) on a pool thread, waited for: apply_async(fn, args).get().
+  ///
+  /// Units:   no timeout. Errors: as apply_async, then the task's own exception.
+  /// Safety:  thread-safe; not from a task or callback of this pool (it may wait for a
+  ///          thread it occupies). Source: multiprocessing.pool.ThreadPool.apply.
   template <class Fn, class... Args>
   auto apply(Fn fn, std::tuple<Args...> args) {
     return apply_async(fn, std::move(args)).get();
   }
 
+  /// fn(item) for each item, in chunks of `chunksize` items (0: about four chunks a
+  /// thread); the results, in order, arrive later as one vector.
+  ///
+  /// Units:   chunksize counts items; AsyncResult timeouts are seconds.
+  /// Errors:  as apply_async; get() rethrows the first failed chunk's exception (the other
+  ///          chunks still run). Callbacks: as apply_async, with the whole vector.
+  /// Safety:  thread-safe. Source: multiprocessing.pool.ThreadPool.map_async.
   template <class Fn, class T>
-  auto map_async(Fn fn, std::vector<T> items, size_t chunksize = 0) {
+  auto map_async(Fn fn, std::vector<T> items, size_t chunksize = 0,
+                 std::function<void(const std::vector<detail::result_of_t<Fn, T>>&)> callback = {},
+                 std::function<void(std::exception_ptr)> error_callback = {}) {
     using R = detail::result_of_t<Fn, T>;
     auto job = run_chunks(fn, std::move(items), chunksize);
-    return AsyncResult<std::vector<R>>(job, [](detail::JobState& j) {
+    AsyncResult<std::vector<R>> result(job, [](detail::JobState& j) {
       std::vector<R> out;  // copies: get() may be called again
       for (auto& c : j.chunks)
         for (auto& v : c.values) out.push_back(std::any_cast<R>(v));
       return out;
     });
+    detail::attach_callbacks<std::vector<R>>(job, result, std::move(callback),
+                                             std::move(error_callback));
+    return result;
   }
+  /// fn(item) for each item, waited for: map_async(fn, items, chunksize).get().
+  ///
+  /// Units, Errors: as map_async. Safety: as apply.
+  /// Source:  multiprocessing.pool.ThreadPool.map.
   template <class Fn, class T>
   auto map(Fn fn, std::vector<T> items, size_t chunksize = 0) {
     return map_async(fn, std::move(items), chunksize).get();
   }
+  /// fn(item) for each item; an iterator yielding the results in order as they come.
+  ///
+  /// Units:   chunksize counts items (default 1); IMapIterator::next's timeout is seconds.
+  /// Errors:  as apply_async; IMapIterator::next rethrows a failed chunk's exception once,
+  ///          then goes on.
+  /// Safety:  thread-safe; the iterator has one consumer.
+  /// Source:  multiprocessing.pool.ThreadPool.imap.
   template <class Fn, class T>
   auto imap(Fn fn, std::vector<T> items, size_t chunksize = 1) {
     using R = detail::result_of_t<Fn, T>;
     return IMapIterator<R>(run_chunks(fn, std::move(items), chunksize), true,
                            [](std::any& v) { return std::any_cast<R>(std::move(v)); });
   }
+  /// fn(item) for each item; an iterator yielding the results in completion order.
+  ///
+  /// Units, Errors, Safety: as imap.
+  /// Source:  multiprocessing.pool.ThreadPool.imap_unordered.
   template <class Fn, class T>
   auto imap_unordered(Fn fn, std::vector<T> items, size_t chunksize = 1) {
     using R = detail::result_of_t<Fn, T>;
     return IMapIterator<R>(run_chunks(fn, std::move(items), chunksize), false,
                            [](std::any& v) { return std::any_cast<R>(std::move(v)); });
   }
+  /// fn(a, b, ...) for each tuple of `items`; the results, in order, arrive later.
+  ///
+  /// Units, Errors, Callbacks, Safety: as map_async.
+  /// Source:  multiprocessing.pool.ThreadPool.starmap_async.
+  template <class Fn, class... Args>
+  auto starmap_async(
+      Fn fn, std::vector<std::tuple<Args...>> items, size_t chunksize = 0,
+      std::function<void(const std::vector<detail::result_of_t<Fn, Args...>>&)> callback = {},
+      std::function<void(std::exception_ptr)> error_callback = {}) {
+    auto call = [fn](std::tuple<Args...>& t) { return std::apply(fn, t); };
+    return map_async(call, std::move(items), chunksize, std::move(callback),
+                     std::move(error_callback));
+  }
+  /// fn(a, b, ...) for each tuple, waited for: starmap_async(fn, items, chunksize).get().
+  ///
+  /// Units, Errors: as map_async. Safety: as apply.
+  /// Source:  multiprocessing.pool.ThreadPool.starmap.
   template <class Fn, class... Args>
   auto starmap(Fn fn, std::vector<std::tuple<Args...>> items, size_t chunksize = 0) {
-    auto call = [fn](std::tuple<Args...>& t) { return std::apply(fn, t); };
-    return map(call, std::move(items), chunksize);
+    return starmap_async(fn, std::move(items), chunksize).get();
   }
 
+  /// No more tasks: later calls raise ClosedError; queued tasks still run.
+  ///
+  /// Errors:  none. Safety: thread-safe. Source: multiprocessing.pool.ThreadPool.close.
   void close() { core_->close(); }
-  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt) {
-    return core_->join(timeout);
-  }
+  /// Waits until the queue is empty and no task runs, then joins the threads (after
+  /// close() or terminate()).
+  ///
+  /// Units:   `timeout` wall-clock (nullopt: no limit). Returns true when done, false when
+  ///          `timeout` passed first (nothing changed; call again).
+  /// Errors:  torchpar::Error when neither close() nor terminate() was called.
+  /// Safety:  one thread at a time (with terminate and the last copy's destructor); never
+  ///          from a task or callback of this pool (it would wait for its own thread).
+  /// Source:  multiprocessing.pool.ThreadPool.join.
+  bool join(Timeout timeout = std::nullopt) { return core_->join(timeout); }
+  /// Drops the queued tasks (their results fail with ClosedError; their error callbacks
+  /// run in this thread) and waits for the running ones: a thread cannot be killed, so a
+  /// task that never returns blocks it.
+  ///
+  /// Errors:  never throws. Safety: one thread at a time (with join and the last copy's
+  ///          destructor); from a task it does not wait for that task's own thread.
+  /// Source:  multiprocessing.pool.ThreadPool.terminate.
   void terminate() { core_->terminate(); }
+  /// The number of threads. Safety: thread-safe.
   size_t size() const { return core_->size(); }
 
  private:

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "torchpar/core/timeout.h"
+
 namespace torchpar {
 
 /// How to start a program.
@@ -48,16 +50,16 @@ struct ExecOptions {
 /// Safety:  thread-safe; only async-signal-safe calls run between fork and exec.
 pid_t exec_program(const std::vector<std::string>& argv, const ExecOptions& options = {});
 
-/// Waits for `pid` (a child of this process) at most `timeout` (nullopt: forever).
-/// Returns the raw wait status, or nullopt on timeout (the child is left running).
+/// Waits for `pid` (a child of this process) at most `timeout` (nullopt: forever; 0: look
+/// once). Returns the raw wait status, or nullopt on timeout (the child is left running).
 /// Errors: torchpar::Error when `pid` is not a child of ours.
-std::optional<int> wait_program(pid_t pid, std::optional<std::chrono::duration<double>> timeout);
+std::optional<int> wait_program(pid_t pid, Timeout timeout);
 
 /// Starts a program, waits for it and returns its exit code as a shell would report it
 /// (128 + signal number when killed). On timeout the program is SIGKILLed, reaped and
-/// TimeoutError is thrown.
-int run_program(const std::vector<std::string>& argv, const ExecOptions& options,
-                std::chrono::duration<double> timeout);
+/// TimeoutError is thrown; nullopt waits without a limit (the timeout has no default, so
+/// that a caller chooses one).
+int run_program(const std::vector<std::string>& argv, const ExecOptions& options, Timeout timeout);
 
 /// The exit code a shell would report for a wait status: the code, or 128 + signal.
 int exit_code_of(int wait_status);

@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "torchpar/core/timeout.h"
 #include "torchpar/process/start_method.h"
 #include "torchpar/serialize/serialize.h"
 
@@ -120,6 +121,8 @@ namespace detail {
 /// A fd that becomes readable when `p` exits (its pidfd, or the forkserver's status
 /// channel); -1 if none. For ProcessContext::join's poll.
 int process_wait_fd(const Process& p);
+/// A Process running `spec` (start_processes builds fn(i, args...) as a spec).
+Process make_process(ProcessOptions options, LaunchSpec spec);
 }  // namespace detail
 
 /// A child process running `target(args...)`.
@@ -145,7 +148,6 @@ class Process {
       : Process(std::move(options),
                 detail::make_launch_spec(std::forward<Fn>(target), std::forward<Args>(args)...)) {}
 
-  Process(ProcessOptions options, detail::LaunchSpec spec);
   Process(Process&&) noexcept;
   Process& operator=(Process&&) noexcept;
   ~Process();
@@ -153,7 +155,7 @@ class Process {
   /// Starts the child. Errors: see the class.
   void start();
   /// Waits for the child to exit; true when it did (then it is reaped), false on timeout.
-  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
+  bool join(Timeout timeout = std::nullopt);
   bool is_alive();
   /// Python's exitcode: nullopt while running (or not started), the exit code, or minus the
   /// signal number that killed it.
@@ -170,8 +172,14 @@ class Process {
 
  private:
   friend int detail::process_wait_fd(const Process& p);
+  friend Process detail::make_process(ProcessOptions options, detail::LaunchSpec spec);
+  Process(ProcessOptions options, detail::LaunchSpec spec);
   void finish() noexcept;  // kill a daemon, then join: what the destructor does
   std::unique_ptr<detail::ProcessImpl> impl_;
 };
+
+inline Process detail::make_process(ProcessOptions options, LaunchSpec spec) {
+  return Process(std::move(options), std::move(spec));
+}
 
 }  // namespace torchpar

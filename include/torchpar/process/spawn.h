@@ -36,7 +36,7 @@ class ProcessContext {
   /// reaped, and this throws ProcessRaisedException (the child threw: its index, pid,
   /// exception type and message) or ProcessExitedException (non-zero exit code or a
   /// signal, named as e.g. "SIGKILL").
-  bool join(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
+  bool join(Timeout timeout = std::nullopt);
   std::vector<int> pids() const;
   std::vector<Process>& processes() { return processes_; }
 
@@ -61,8 +61,8 @@ ProcessContext start_processes(Fn fn, std::tuple<Args...> args, int nprocs,
     po.start_method = options.start_method;
     po.threads = options.threads;
     po.name = "SpawnProcess-" + std::to_string(i);
-    procs.emplace_back(
-        po, std::apply([&](auto&... a) { return detail::make_launch_spec(fn, i, a...); }, args));
+    procs.push_back(detail::make_process(
+        po, std::apply([&](auto&... a) { return detail::make_launch_spec(fn, i, a...); }, args)));
   }
   ProcessContext ctx(std::move(procs));
   for (auto& p : ctx.processes()) p.start();

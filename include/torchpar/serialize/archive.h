@@ -35,6 +35,10 @@ struct DumpsOptions {
   /// false: only shared-memory handles travel; a tensor not yet shared is moved to shared
   /// memory first (in place, as torch.multiprocessing's queues do) and the receiver
   /// aliases the sender's memory.
+  /// Default true, as machin.parallel.pickle.dumps(copy_tensor=True): a payload is
+  /// self-contained unless asked otherwise. The channels default to false instead, as
+  /// torch.multiprocessing shares tensors: QueueOptions, Connection::send, PoolOptions and
+  /// Process arguments (always shared).
   bool copy_tensor = true;
   /// Shared mode, file_descriptor strategy: put the segments' fds into the payload (for a
   /// Unix socket). false: the payload is bytes only and the receiver reopens each segment

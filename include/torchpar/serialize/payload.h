@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "torchpar/core/fd.h"
+#include "torchpar/core/timeout.h"
 
 namespace torchpar {
 
@@ -24,11 +25,11 @@ struct Payload {
 void send_payload(int sock, const Payload& payload);
 
 /// Reads one payload written by send_payload. The whole frame must arrive within `timeout`
-/// (none: wait forever; negative counts as 0). Memory grows with the bytes actually
-/// received, never with what a header claims.
+/// (seconds, fractions allowed; nullopt: wait forever; negative counts as 0). Memory grows
+/// with the bytes actually received, never with what a header claims.
 /// Errors: TimeoutError; ClosedError when the peer closed before a whole frame;
 ///         SerializationError for a malformed frame; SystemError for socket errors.
 /// Safety: one reader per socket at a time.
-Payload recv_payload(int sock, std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+Payload recv_payload(int sock, Timeout timeout = std::nullopt);
 
 }  // namespace torchpar

@@ -26,8 +26,10 @@ namespace torchpar {
 
 /// Serializes `value` into a Payload.
 ///
-/// Units:   tensor bytes travel in the payload (copy_tensor=true) or stay in shared memory
-///          (false: the payload holds one fd per distinct segment, or segment names).
+/// Units:   tensor bytes travel in the payload (copy_tensor=true, the default, as machin's
+///          dumps) or stay in shared memory (false: the payload holds one fd per distinct
+///          segment, or segment names). Queue, Connection::send and Pool default to false
+///          (torch.multiprocessing); see DumpsOptions::copy_tensor.
 /// Errors:  ShmError when a tensor must be moved to shared memory and cannot;
 ///          c10::Error for a non-CPU or non-strided tensor.
 /// Safety:  thread-safe for distinct values.
