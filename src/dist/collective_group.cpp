@@ -1,9 +1,9 @@
 #include <fmt/format.h>
 
-#include "backend.h"
+#include "dist/backend/backend.h"
+#include "dist/work.h"
 #include "torchpar/core/error.h"
 #include "torchpar/dist/collective_group.h"
-#include "work.h"
 
 namespace torchpar {
 

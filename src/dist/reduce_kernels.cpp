@@ -1,4 +1,4 @@
-#include "reduce_kernels.h"
+#include "dist/reduce_kernels.h"
 
 #include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>

@@ -1,4 +1,4 @@
-#include "store.h"
+#include "dist/store.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

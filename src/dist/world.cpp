@@ -20,9 +20,9 @@
 #include <sstream>
 
 #include "core/liveness.h"
-#include "gloo_backend.h"
-#include "shm_backend.h"
-#include "store.h"
+#include "dist/backend/gloo/backend.h"
+#include "dist/backend/shm/backend.h"
+#include "dist/store.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
@@ -384,11 +384,23 @@ struct World::Impl {
     for (int r : ranks) info.push_back(members[static_cast<size_t>(r)]);
     const std::string gname = fmt::format("group [{}] #{} (rank {} of {}, {})", join(ranks), n, rel,
                                           ranks.size(), to_string(backend));
-    auto gloo = detail::make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("gloo", gstore),
-                                          rel, ranks, t, gname, device, info, host);
+    auto gloo = detail::create_gloo_backend(
+        {.store = c10::make_intrusive<c10d::PrefixStore>("gloo", gstore),
+         .rank = rel,
+         .world_ranks = ranks,
+         .timeout = t,
+         .name = gname,
+         .device = device,
+         .members = info,
+         .my_host = host});
     if (backend == Backend::Gloo) return CollectiveGroup(gloo);
-    return CollectiveGroup(detail::make_shm_backend(
-        c10::make_intrusive<c10d::PrefixStore>("shm", gstore), rel, ranks, t, gname, gloo));
+    return CollectiveGroup(
+        detail::create_shm_backend({.store = c10::make_intrusive<c10d::PrefixStore>("shm", gstore),
+                                    .rank = rel,
+                                    .world_ranks = ranks,
+                                    .timeout = t,
+                                    .name = gname,
+                                    .p2p = gloo}));
   }
 
   CollectiveGroup& get_default_group() {
@@ -409,10 +421,15 @@ struct World::Impl {
     auto pg_store = c10::make_intrusive<c10d::PrefixStore>("default_pg", store);
     std::vector<int> all;
     for (int r = 0; r < world_size; ++r) all.push_back(r);
-    auto gloo = detail::make_gloo_backend(
-        c10::make_intrusive<c10d::PrefixStore>("0", pg_store), rank, all, opts.timeout,
-        fmt::format("default group (rank {} of {}, gloo)", rank, world_size), device, members,
-        host);
+    auto gloo = detail::create_gloo_backend(
+        {.store = c10::make_intrusive<c10d::PrefixStore>("0", pg_store),
+         .rank = rank,
+         .world_ranks = all,
+         .timeout = opts.timeout,
+         .name = fmt::format("default group (rank {} of {}, gloo)", rank, world_size),
+         .device = device,
+         .members = members,
+         .my_host = host});
     const std::string key = "store_based_barrier_key:1";
     pg_store->add(key, 1);
     if (!detail::store_wait_count(*pg_store, key, world_size, deadline_after(opts.timeout))) {

@@ -1,4 +1,4 @@
-#include "gloo_backend.h"
+#include "dist/backend/gloo/backend.h"
 
 #include <fmt/format.h>
 #include <thread>
@@ -6,7 +6,7 @@
 
 #include "core/liveness.h"
 #include "torchpar/core/error.h"
-#include "work.h"
+#include "dist/work.h"
 
 namespace torchpar::detail {
 namespace {
@@ -50,13 +50,12 @@ class C10dWork : public Work::Impl {
 
 class GlooBackend final : public GroupBackend, public std::enable_shared_from_this<GlooBackend> {
  public:
-  GlooBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, std::vector<int> ranks,
-              std::chrono::duration<double> timeout, std::string name, const GlooDeviceSpec& device,
-              std::vector<MemberInfo> members, std::string host)
-      : GroupBackend(rank, std::move(ranks), timeout, std::move(name)),
-        members_(std::move(members)),
-        host_(std::move(host)) {
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+  explicit GlooBackend(const GlooBackendOptions& o)
+      : GroupBackend(o.rank, o.world_ranks, o.timeout, o.name),
+        members_(o.members),
+        host_(o.my_host) {
+    const auto& device = o.device;
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(o.timeout);
     auto opts = c10d::ProcessGroupGloo::Options::create(ms);
     try {
       if (!device.interface.empty()) {
@@ -67,10 +66,10 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
         opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
       }
       opts->threads = 2;
-      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size(), opts);
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(o.store, o.rank, size(), opts);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("{}: cannot connect the gloo group within {:.1f} s: {}", this->name(),
-                              timeout.count(), message_of(e)));
+      throw Error(fmt::format("{}: cannot connect the gloo group within {:.1f} s: {}", name(),
+                              o.timeout.count(), message_of(e)));
     }
   }
 
@@ -258,15 +257,8 @@ void set_gloo_sequence_number(GroupBackend& backend) {
   static_cast<GlooBackend&>(backend).set_sequence_number();
 }
 
-std::shared_ptr<GroupBackend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
-                                                int rank, std::vector<int> world_ranks,
-                                                std::chrono::duration<double> timeout,
-                                                std::string name, const GlooDeviceSpec& device,
-                                                std::vector<MemberInfo> members,
-                                                std::string my_host) {
-  return std::make_shared<GlooBackend>(store, rank, std::move(world_ranks), timeout,
-                                       std::move(name), device, std::move(members),
-                                       std::move(my_host));
+std::shared_ptr<GroupBackend> create_gloo_backend(const GlooBackendOptions& options) {
+  return std::make_shared<GlooBackend>(options);
 }
 
 }  // namespace torchpar::detail

@@ -1,4 +1,4 @@
-#include "shm_backend.h"
+#include "dist/backend/shm/backend.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -20,13 +20,13 @@
 #include "core/cpu_relax.h"
 #include "core/futex.h"
 #include "core/liveness.h"
-#include "reduce_kernels.h"
+#include "dist/reduce_kernels.h"
 #include "shm/cleaner.h"
-#include "store.h"
+#include "dist/store.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
-#include "work.h"
+#include "dist/work.h"
 
 namespace torchpar::detail {
 namespace {
@@ -151,11 +151,9 @@ static_assert(sizeof(Header) <= 4096);
 
 class ShmBackend final : public GroupBackend {
  public:
-  ShmBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, std::vector<int> world_ranks,
-             std::chrono::duration<double> timeout, std::string name,
-             std::shared_ptr<GroupBackend> p2p)
-      : GroupBackend(rank, std::move(world_ranks), timeout, std::move(name)), p2p_(std::move(p2p)) {
-    attach(store);
+  explicit ShmBackend(const ShmBackendOptions& o)
+      : GroupBackend(o.rank, o.world_ranks, o.timeout, o.name), p2p_(o.p2p) {
+    attach(o.store);
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     spin_ = static_cast<unsigned>(size()) <= cores;
   }
@@ -715,13 +713,8 @@ size_t shm_slot_bytes() {
   return 256 << 10;
 }
 
-std::shared_ptr<GroupBackend> make_shm_backend(const c10::intrusive_ptr<c10d::Store>& store,
-                                               int rank, std::vector<int> world_ranks,
-                                               std::chrono::duration<double> timeout,
-                                               std::string name,
-                                               std::shared_ptr<GroupBackend> p2p) {
-  return std::make_shared<ShmBackend>(store, rank, std::move(world_ranks), timeout, std::move(name),
-                                      std::move(p2p));
+std::shared_ptr<GroupBackend> create_shm_backend(const ShmBackendOptions& options) {
+  return std::make_shared<ShmBackend>(options);
 }
 
 }  // namespace torchpar::detail

@@ -1,6 +1,9 @@
 #pragma once
-// The interface every collective backend implements. CollectiveGroup validates arguments
-// (ranks in range, list lengths, CPU tensors) and hands contiguous tensors to it.
+// The interface every collective backend implements (gloo's transport/ layout: this header
+// at the family's root, one folder per backend with the same file names, backend/gloo/ and
+// backend/shm/, each exposing an options struct and a create_*_backend factory).
+// CollectiveGroup validates arguments (ranks in range, list lengths, CPU tensors) and hands
+// contiguous tensors to it.
 
 #include <ATen/ATen.h>
 
@@ -19,6 +22,15 @@ inline const char* message_of(const std::exception& e) {
   if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
   return e.what();
 }
+
+/// A member of a group as the World knows it: for naming the rank that went away.
+struct MemberInfo {
+  /// The member's process id in its own pid namespace; 0 when unknown.
+  int pid = 0;
+  /// The member's host key (World's host_key(): host name, boot id, pid namespace, /dev/shm);
+  /// pids are comparable only between members with equal keys.
+  std::string host;
+};
 
 class GroupBackend {
  public:
@@ -60,7 +72,5 @@ class GroupBackend {
   std::chrono::duration<double> timeout_;
   std::string name_;
 };
-
-struct GroupSpec;  // defined in world internals
 
 }  // namespace torchpar::detail
