@@ -5,8 +5,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "core/liveness.h"
-#include "torchpar/core/error.h"
 #include "dist/work.h"
+#include "torchpar/core/error.h"
 
 namespace torchpar::detail {
 namespace {

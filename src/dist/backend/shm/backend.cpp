@@ -21,12 +21,12 @@
 #include "core/futex.h"
 #include "core/liveness.h"
 #include "dist/reduce_kernels.h"
-#include "shm/cleaner.h"
 #include "dist/store.h"
+#include "dist/work.h"
+#include "shm/cleaner.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
-#include "dist/work.h"
 
 namespace torchpar::detail {
 namespace {
