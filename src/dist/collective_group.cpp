@@ -1,6 +1,8 @@
 #include <fmt/format.h>
 
 #include "dist/backend/backend.h"
+#include "dist/group_executor.h"
+#include "dist/reduce_kernels.h"
 #include "dist/work.h"
 #include "torchpar/core/error.h"
 #include "torchpar/dist/collective_group.h"
@@ -113,14 +115,43 @@ void check_rank(int r, int size, const char* where, const char* what) {
   }
 }
 
+/// AVG's division, for every backend (they combine AVG like SUM): `t` is contiguous.
+void divide_for_average(const at::Tensor& t, ReduceOp op, int size) {
+  if (op != ReduceOp::AVG || size == 1) return;
+  detail::reduce_divide(t.data_ptr(), static_cast<size_t>(t.numel()), t.scalar_type(), size);
+}
+
+void check_send(const at::Tensor& tensor, int dst, int size, int rank) {
+  check_tensor(tensor, "send", "tensor");
+  check_rank(dst, size, "send", "dst");
+  if (dst == rank) throw Error("CollectiveGroup::send: dst is this rank");
+}
+
+void check_recv(const at::Tensor& tensor, std::optional<int> src, int size, int rank) {
+  check_tensor(tensor, "recv", "tensor");
+  if (src) {
+    check_rank(*src, size, "recv", "src");
+    if (*src == rank) throw Error("CollectiveGroup::recv: src is this rank");
+  }
+}
+
 }  // namespace
 
+/// The group's state, shared by copies of a CollectiveGroup: its backend and its one
+/// executor (which decides sync vs async for every backend).
+struct CollectiveGroup::Impl {
+  explicit Impl(std::shared_ptr<detail::GroupBackend> b)
+      : backend(std::move(b)), executor(backend) {}
+  std::shared_ptr<detail::GroupBackend> backend;
+  detail::GroupExecutor executor;
+};
+
 CollectiveGroup::CollectiveGroup(std::shared_ptr<detail::GroupBackend> backend)
-    : backend_(std::move(backend)) {}
+    : impl_(backend ? std::make_shared<Impl>(std::move(backend)) : nullptr) {}
 
 detail::GroupBackend& CollectiveGroup::be() const {
-  if (!backend_) throw ClosedError("CollectiveGroup: the group was destroyed or never created");
-  return *backend_;
+  if (!impl_) throw ClosedError("CollectiveGroup: the group was destroyed or never created");
+  return *impl_->backend;
 }
 
 int CollectiveGroup::rank() const { return be().rank(); }
@@ -128,7 +159,14 @@ int CollectiveGroup::size() const { return be().size(); }
 const std::vector<int>& CollectiveGroup::ranks() const { return be().world_ranks(); }
 Backend CollectiveGroup::backend() const { return be().kind(); }
 
-Work CollectiveGroup::finish(Work w, CopyBacks back, bool async_op) {
+std::chrono::duration<double> CollectiveGroup::call_timeout(Timeout timeout) const {
+  return timeout.value_or(be().timeout());
+}
+
+Work CollectiveGroup::run(bool async_op, CopyBacks back,
+                          std::function<void(detail::GroupBackend&)> op) {
+  be();  // throws ClosedError once destroyed
+  Work w(impl_->executor.submit(async_op, std::move(op)));
   if (!back.empty()) {
     w.impl_->add_then([back = std::move(back)] {
       for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
@@ -140,9 +178,14 @@ Work CollectiveGroup::finish(Work w, CopyBacks back, bool async_op) {
 
 Work CollectiveGroup::all_reduce(at::Tensor tensor, ReduceOp op, bool async_op) {
   check_tensor(tensor, "all_reduce", "tensor");
+  detail::check_reducible(tensor.scalar_type(), op, "CollectiveGroup::all_reduce");
   CopyBacks back;
   auto t = contig(tensor, &back);
-  return finish(be().all_reduce(t, op, async_op), std::move(back), async_op);
+  const detail::ReduceCallOptions o{.op = op, .timeout = call_timeout(std::nullopt)};
+  return run(async_op, std::move(back), [t, o](detail::GroupBackend& be) {
+    be.all_reduce(t, o);
+    divide_for_average(t, o.op, be.size());
+  });
 }
 
 Work CollectiveGroup::all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor,
@@ -151,7 +194,11 @@ Work CollectiveGroup::all_gather(std::vector<at::Tensor> tensor_list, at::Tensor
   check_list(tensor_list, tensor, size(), "all_gather", "tensor_list");
   CopyBacks back;
   auto out = contig_list(tensor_list, &back);
-  return finish(be().all_gather(out, contig(tensor, nullptr), async_op), std::move(back), async_op);
+  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
+  return run(async_op, std::move(back),
+             [out = std::move(out), in = contig(tensor, nullptr), o](detail::GroupBackend& be) {
+               be.all_gather(out, in, o);
+             });
 }
 
 Work CollectiveGroup::broadcast(at::Tensor tensor, int src, bool async_op) {
@@ -159,17 +206,24 @@ Work CollectiveGroup::broadcast(at::Tensor tensor, int src, bool async_op) {
   check_rank(src, size(), "broadcast", "src");
   CopyBacks back;
   auto t = contig(tensor, &back);
-  return finish(be().broadcast(t, src, async_op), std::move(back), async_op);
+  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
+  return run(async_op, std::move(back),
+             [t, src, o](detail::GroupBackend& be) { be.broadcast(t, src, o); });
 }
 
 Work CollectiveGroup::reduce(at::Tensor tensor, int dst, ReduceOp op, bool async_op) {
   check_tensor(tensor, "reduce", "tensor");
   check_rank(dst, size(), "reduce", "dst");
+  detail::check_reducible(tensor.scalar_type(), op, "CollectiveGroup::reduce");
   CopyBacks back;
   auto t = contig(tensor, &back);
   // Only dst's tensor changes; other ranks reduce from a copy so theirs stay as they were.
   if (rank() != dst) t = t.clone();
-  return finish(be().reduce(t, dst, op, async_op), std::move(back), async_op);
+  const detail::ReduceCallOptions o{.op = op, .timeout = call_timeout(std::nullopt)};
+  return run(async_op, std::move(back), [t, dst, o](detail::GroupBackend& be) {
+    be.reduce(t, dst, o);
+    if (be.rank() == dst) divide_for_average(t, o.op, be.size());
+  });
 }
 
 Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_list, int dst,
@@ -186,8 +240,10 @@ Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_l
   } else {
     out.assign(static_cast<size_t>(size()), at::Tensor());
   }
-  return finish(be().gather(contig(tensor, nullptr), out, dst, async_op), std::move(back),
-                async_op);
+  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
+  return run(async_op, std::move(back),
+             [in = contig(tensor, nullptr), out = std::move(out), dst,
+              o](detail::GroupBackend& be) { be.gather(in, out, dst, o); });
 }
 
 Work CollectiveGroup::scatter(at::Tensor tensor, std::vector<at::Tensor> scatter_list, int src,
@@ -203,17 +259,25 @@ Work CollectiveGroup::scatter(at::Tensor tensor, std::vector<at::Tensor> scatter
   }
   CopyBacks back;
   auto t = contig(tensor, &back);
-  return finish(be().scatter(t, in, src, async_op), std::move(back), async_op);
+  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
+  return run(async_op, std::move(back), [t, in = std::move(in), src, o](detail::GroupBackend& be) {
+    be.scatter(t, in, src, o);
+  });
 }
 
 Work CollectiveGroup::reduce_scatter(at::Tensor output, std::vector<at::Tensor> input_list,
                                      ReduceOp op, bool async_op) {
   check_tensor(output, "reduce_scatter", "output");
   check_list(input_list, output, size(), "reduce_scatter", "input_list");
+  detail::check_reducible(output.scalar_type(), op, "CollectiveGroup::reduce_scatter");
   CopyBacks back;
   auto t = contig(output, &back);
-  return finish(be().reduce_scatter(t, contig_list(input_list, nullptr), op, async_op),
-                std::move(back), async_op);
+  const detail::ReduceCallOptions o{.op = op, .timeout = call_timeout(std::nullopt)};
+  return run(async_op, std::move(back),
+             [t, in = contig_list(input_list, nullptr), o](detail::GroupBackend& be) {
+               be.reduce_scatter(t, in, o);
+               divide_for_average(t, o.op, be.size());
+             });
 }
 
 Work CollectiveGroup::all_to_all(std::vector<at::Tensor> output_list,
@@ -224,41 +288,55 @@ Work CollectiveGroup::all_to_all(std::vector<at::Tensor> output_list,
   check_list(output_list, input_list[0], size(), "all_to_all", "output_list");
   CopyBacks back;
   auto out = contig_list(output_list, &back);
-  return finish(be().all_to_all(out, contig_list(input_list, nullptr), async_op), std::move(back),
-                async_op);
+  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
+  return run(async_op, std::move(back),
+             [out = std::move(out), in = contig_list(input_list, nullptr),
+              o](detail::GroupBackend& be) { be.all_to_all(out, in, o); });
 }
 
 Work CollectiveGroup::barrier(bool async_op) {
-  return finish(be().barrier(async_op), {}, async_op);
+  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
+  return run(async_op, {}, [o](detail::GroupBackend& be) { be.barrier(o); });
 }
 
-void CollectiveGroup::send(at::Tensor tensor, int dst, int tag) { isend(tensor, dst, tag).wait(); }
+void CollectiveGroup::send(at::Tensor tensor, int dst, int tag) {
+  check_send(tensor, dst, size(), rank());
+  be().send(contig(tensor, nullptr), dst, tag, {.timeout = call_timeout(std::nullopt)});
+}
 
 int CollectiveGroup::recv(at::Tensor tensor, std::optional<int> src, int tag) {
-  return irecv(tensor, src, tag).wait();
+  check_recv(tensor, src, size(), rank());
+  CopyBacks back;
+  auto t = contig(tensor, &back);
+  const int sender = be().recv(t, src, tag, {.timeout = call_timeout(std::nullopt)});
+  for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
+  return sender;
 }
 
 Work CollectiveGroup::isend(at::Tensor tensor, int dst, int tag) {
-  check_tensor(tensor, "send", "tensor");
-  check_rank(dst, size(), "send", "dst");
-  if (dst == rank()) throw Error("CollectiveGroup::send: dst is this rank");
+  check_send(tensor, dst, size(), rank());
   return be().isend(contig(tensor, nullptr), dst, tag);
 }
 
 Work CollectiveGroup::irecv(at::Tensor tensor, std::optional<int> src, int tag) {
-  check_tensor(tensor, "recv", "tensor");
-  if (src) {
-    check_rank(*src, size(), "recv", "src");
-    if (*src == rank()) throw Error("CollectiveGroup::recv: src is this rank");
-  }
+  check_recv(tensor, src, size(), rank());
   CopyBacks back;
   auto t = contig(tensor, &back);
-  return finish(be().irecv(t, src, tag), std::move(back), true);
+  Work w = be().irecv(t, src, tag);
+  if (!back.empty()) {
+    w.impl_->add_then([back = std::move(back)] {
+      for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
+    });
+  }
+  return w;
 }
 
 void CollectiveGroup::destroy() {
-  if (backend_) backend_->destroy();
-  backend_.reset();
+  if (impl_) {
+    impl_->executor.stop();
+    impl_->backend->destroy();
+  }
+  impl_.reset();
 }
 
 }  // namespace torchpar

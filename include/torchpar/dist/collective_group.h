@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -122,15 +123,20 @@ class CollectiveGroup {
   /// Work::wait returns the sender (machin: irecv from any source).
   Work irecv(at::Tensor tensor, std::optional<int> src = std::nullopt, int tag = 0);
 
-  /// Releases the group's connections and shared memory; later calls throw ClosedError.
+  /// Lets the group's pending asynchronous operations finish, then releases its connections
+  /// and shared memory; later calls throw ClosedError.
   void destroy();
-  bool valid() const { return static_cast<bool>(backend_); }
+  bool valid() const { return static_cast<bool>(impl_); }
+
+  struct Impl;
 
  private:
   using CopyBacks = std::vector<std::pair<at::Tensor, at::Tensor>>;  // (caller's, stand-in)
-  static Work finish(Work w, CopyBacks back, bool async_op);
+  /// Hands `op` to the group's executor: inline when synchronous and nothing is pending.
+  Work run(bool async_op, CopyBacks back, std::function<void(detail::GroupBackend&)> op);
+  std::chrono::duration<double> call_timeout(Timeout timeout) const;
   detail::GroupBackend& be() const;
-  std::shared_ptr<detail::GroupBackend> backend_;
+  std::shared_ptr<Impl> impl_;
 };
 
 }  // namespace torchpar

@@ -30,9 +30,9 @@ using C10dWorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 class GlooBackend;
 
-/// A c10d Work; errors are re-thrown as torchpar errors naming the group and, when it can
-/// tell, the rank that went away. It owns its backend: the group may be destroyed while the
-/// work is pending, and the error path still reads the backend's members.
+/// A pending isend/irecv; errors are re-thrown as torchpar errors naming the group and, when
+/// it can tell, the rank that went away. It owns its backend: the group may be destroyed
+/// while the work is pending, and the error path still reads the backend's members.
 class C10dWork : public Work::Impl {
  public:
   C10dWork(C10dWorkPtr w, std::shared_ptr<const GlooBackend> group, std::string what, bool recv)
@@ -78,113 +78,133 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
   /// As torch.distributed does once a group exists: rank 0 sets, the others read it.
   void set_sequence_number() { pg().setSequenceNumberForGroup(); }
 
-  Work all_reduce(at::Tensor t, ReduceOp op, bool) override {
+  // Each collective hands the work to ProcessGroupGloo (its own threads run it) and waits
+  // for it with the call's timeout. Gloo's own limit (the group's timeout) still applies.
+
+  void all_reduce(const at::Tensor& t, const ReduceCallOptions& o) override {
     std::vector<at::Tensor> v{t};
-    c10d::AllreduceOptions o;
-    o.reduceOp = to_c10d(op);
-    auto w = wrap(call("all_reduce", [&] { return pg().allreduce(v, o); }), "all_reduce");
-    if (op == ReduceOp::AVG) w->add_then([t, n = size()] { t.div_(n); });
-    return Work(w);
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(o.op);
+    run("all_reduce", o.timeout, [&] { return pg().allreduce(v, opts); });
   }
 
-  Work all_gather(std::vector<at::Tensor> out, at::Tensor in, bool) override {
-    std::vector<std::vector<at::Tensor>> o{std::move(out)};
-    std::vector<at::Tensor> i{in};
-    return Work(wrap(call("all_gather", [&] { return pg().allgather(o, i); }), "all_gather"));
+  void all_gather(const std::vector<at::Tensor>& out, const at::Tensor& in,
+                  const CallOptions& o) override {
+    std::vector<std::vector<at::Tensor>> outs{out};
+    std::vector<at::Tensor> ins{in};
+    run("all_gather", o.timeout, [&] { return pg().allgather(outs, ins); });
   }
 
-  Work broadcast(at::Tensor t, int src, bool) override {
+  void broadcast(const at::Tensor& t, int src, const CallOptions& o) override {
     std::vector<at::Tensor> v{t};
-    c10d::BroadcastOptions o;
-    o.rootRank = src;
-    return Work(wrap(call("broadcast", [&] { return pg().broadcast(v, o); }), "broadcast"));
+    c10d::BroadcastOptions opts;
+    opts.rootRank = src;
+    run("broadcast", o.timeout, [&] { return pg().broadcast(v, opts); });
   }
 
-  Work reduce(at::Tensor t, int dst, ReduceOp op, bool) override {
+  void reduce(const at::Tensor& t, int dst, const ReduceCallOptions& o) override {
     std::vector<at::Tensor> v{t};
-    c10d::ReduceOptions o;
-    o.reduceOp = to_c10d(op);
-    o.rootRank = dst;
-    auto w = wrap(call("reduce", [&] { return pg().reduce(v, o); }), "reduce");
-    if (op == ReduceOp::AVG && rank() == dst) w->add_then([t, n = size()] { t.div_(n); });
-    return Work(w);
+    c10d::ReduceOptions opts;
+    opts.reduceOp = to_c10d(o.op);
+    opts.rootRank = dst;
+    run("reduce", o.timeout, [&] { return pg().reduce(v, opts); });
   }
 
-  Work gather(at::Tensor in, std::vector<at::Tensor> out, int dst, bool) override {
-    std::vector<std::vector<at::Tensor>> o;
-    if (rank() == dst) o.push_back(std::move(out));
-    std::vector<at::Tensor> i{in};
-    c10d::GatherOptions opt;
-    opt.rootRank = dst;
-    return Work(wrap(call("gather", [&] { return pg().gather(o, i, opt); }), "gather"));
+  void gather(const at::Tensor& in, const std::vector<at::Tensor>& out, int dst,
+              const CallOptions& o) override {
+    std::vector<std::vector<at::Tensor>> outs;
+    if (rank() == dst) outs.push_back(out);
+    std::vector<at::Tensor> ins{in};
+    c10d::GatherOptions opts;
+    opts.rootRank = dst;
+    run("gather", o.timeout, [&] { return pg().gather(outs, ins, opts); });
   }
 
-  Work scatter(at::Tensor out, std::vector<at::Tensor> in, int src, bool) override {
-    std::vector<at::Tensor> o{out};
-    std::vector<std::vector<at::Tensor>> i;
-    if (rank() == src) i.push_back(std::move(in));
-    c10d::ScatterOptions opt;
-    opt.rootRank = src;
-    return Work(wrap(call("scatter", [&] { return pg().scatter(o, i, opt); }), "scatter"));
+  void scatter(const at::Tensor& out, const std::vector<at::Tensor>& in, int src,
+               const CallOptions& o) override {
+    std::vector<at::Tensor> outs{out};
+    std::vector<std::vector<at::Tensor>> ins;
+    if (rank() == src) ins.push_back(in);
+    c10d::ScatterOptions opts;
+    opts.rootRank = src;
+    run("scatter", o.timeout, [&] { return pg().scatter(outs, ins, opts); });
   }
 
   // Gloo (LibTorch 1.13) has no reduce_scatter: all_reduce the concatenation, keep our part.
-  Work reduce_scatter(at::Tensor out, std::vector<at::Tensor> in, ReduceOp op, bool) override {
+  void reduce_scatter(const at::Tensor& out, const std::vector<at::Tensor>& in,
+                      const ReduceCallOptions& o) override {
     std::vector<at::Tensor> flat;
-    for (auto& t : in) flat.push_back(t.reshape({-1}));
+    for (const auto& t : in) flat.push_back(t.reshape({-1}));
     std::vector<at::Tensor> v{at::cat(flat)};
-    c10d::AllreduceOptions o;
-    o.reduceOp = to_c10d(op);
-    auto w = wrap(call("reduce_scatter", [&] { return pg().allreduce(v, o); }), "reduce_scatter");
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(o.op);
+    run("reduce_scatter", o.timeout, [&] { return pg().allreduce(v, opts); });
     const int64_t n = out.numel();
-    w->add_then([out, all = v[0], n, r = rank(), avg = op == ReduceOp::AVG, P = size()] {
-      out.view({-1}).copy_(all.narrow(0, r * n, n));
-      if (avg) out.div_(P);
-    });
-    return Work(w);
+    out.view({-1}).copy_(v[0].narrow(0, rank() * n, n));
   }
 
-  Work all_to_all(std::vector<at::Tensor> out, std::vector<at::Tensor> in, bool) override {
+  void all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
+                  const CallOptions& o) override {
     std::vector<at::Tensor> flat;
     std::vector<int64_t> in_splits, out_splits;
-    for (auto& t : in) {
+    for (const auto& t : in) {
       flat.push_back(t.reshape({-1}));
       in_splits.push_back(t.numel());
     }
     int64_t total = 0;
-    for (auto& t : out) {
+    for (const auto& t : out) {
       out_splits.push_back(t.numel());
       total += t.numel();
     }
     at::Tensor src = at::cat(flat);
     at::Tensor dst = at::empty({total}, src.options());
-    auto w = wrap(
-        call("all_to_all", [&] { return pg().alltoall_base(dst, src, out_splits, in_splits); }),
-        "all_to_all");
-    w->add_then([out, dst, src] {
-      int64_t off = 0;
-      for (auto& t : out) {
-        t.view({-1}).copy_(dst.narrow(0, off, t.numel()));
-        off += t.numel();
-      }
-    });
-    return Work(w);
+    run("all_to_all", o.timeout,
+        [&] { return pg().alltoall_base(dst, src, out_splits, in_splits); });
+    int64_t off = 0;
+    for (const auto& t : out) {
+      t.view({-1}).copy_(dst.narrow(0, off, t.numel()));
+      off += t.numel();
+    }
   }
 
-  Work barrier(bool) override {
-    return Work(wrap(call("barrier", [&] { return pg().barrier(); }), "barrier"));
+  void barrier(const CallOptions& o) override {
+    run("barrier", o.timeout, [&] { return pg().barrier(); });
   }
 
-  Work isend(at::Tensor t, int dst, int tag) override {
+  Work isend(const at::Tensor& t, int dst, int tag) override {
     std::vector<at::Tensor> v{t};
-    return Work(wrap(call("send", [&] { return pg().send(v, dst, tag); }), "send"));
+    auto w = call("send", [&] { return pg().send(v, dst, tag); });
+    return Work(std::make_shared<C10dWork>(std::move(w), shared_from_this(), "send", false));
   }
 
-  Work irecv(at::Tensor t, std::optional<int> src, int tag) override {
+  Work irecv(const at::Tensor& t, std::optional<int> src, int tag) override {
     std::vector<at::Tensor> v{t};
     auto w =
         call("recv", [&] { return src ? pg().recv(v, *src, tag) : pg().recvAnysource(v, tag); });
     return Work(std::make_shared<C10dWork>(std::move(w), shared_from_this(), "recv", true));
+  }
+
+  /// Waits for `w` until `deadline`: false when it passed first (the work goes on);
+  /// rethrows Gloo's failure as RankLostError naming the group, the operation and, when it
+  /// can tell, the member of this host whose process is gone.
+  bool wait(const C10dWorkPtr& w, const Deadline& deadline, const std::string& what) const {
+    std::chrono::milliseconds ms{0};  // c10d's kNoTimeout
+    if (deadline) {
+      ms = std::max(
+          std::chrono::milliseconds(1),
+          std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - SteadyClock::now()));
+    }
+    try {
+      w->wait(ms);
+      return true;
+    } catch (const std::exception& e) {
+      if (deadline && !w->isCompleted() && SteadyClock::now() >= *deadline) return false;
+      // Give a dying peer's process a moment to be reaped, then name it.
+      int first = -1;
+      std::string lost = lost_ranks_after_grace(&first);
+      throw RankLostError(first, fmt::format("{}: gloo {} failed{}: {}", name(), what,
+                                             lost.empty() ? "" : " (" + lost + ")", message_of(e)));
+    }
   }
 
   /// "rank 1 (pid 123) is gone" for members on this host whose process ended.
@@ -218,8 +238,31 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     }
   }
 
-  std::shared_ptr<C10dWork> wrap(C10dWorkPtr w, const char* what) {
-    return std::make_shared<C10dWork>(std::move(w), shared_from_this(), what, false);
+  /// Runs one collective synchronously: TimeoutError after `timeout` (RankLostError when a
+  /// member of this host is gone by then). The timed-out work goes on inside Gloo until
+  /// Gloo's own limit; the group is not usable after it.
+  template <class F>
+  void run(const char* what, std::chrono::duration<double> timeout, F&& f) {
+    const Deadline deadline = deadline_after(timeout);
+    if (wait(call(what, std::forward<F>(f)), deadline, what)) return;
+    int first = -1;
+    const std::string lost = lost_ranks(&first);
+    if (!lost.empty()) {
+      throw RankLostError(first, fmt::format("{}: gloo {} did not finish within {:.1f} s ({})",
+                                             name(), what, timeout.count(), lost));
+    }
+    throw TimeoutError(
+        fmt::format("{}: gloo {} did not finish within {:.1f} s", name(), what, timeout.count()));
+  }
+
+  /// lost_ranks, asked again for up to 200 ms while it finds nobody.
+  std::string lost_ranks_after_grace(int* first) const {
+    std::string lost = lost_ranks(first);
+    for (int i = 0; i < 10 && lost.empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      lost = lost_ranks(first);
+    }
+    return lost;
   }
 
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
@@ -227,29 +270,7 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
   std::string host_;
 };
 
-bool C10dWork::wait_until(const Deadline& deadline) {
-  std::chrono::milliseconds ms{0};  // c10d's kNoTimeout
-  if (deadline) {
-    ms = std::max(
-        std::chrono::milliseconds(1),
-        std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - SteadyClock::now()));
-  }
-  try {
-    w_->wait(ms);
-    return true;
-  } catch (const std::exception& e) {
-    if (deadline && !w_->isCompleted() && SteadyClock::now() >= *deadline) return false;
-    // Give a dying peer's process a moment to be reaped, then name it.
-    int first = -1;
-    std::string lost = group_->lost_ranks(&first);
-    for (int i = 0; i < 10 && lost.empty(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      lost = group_->lost_ranks(&first);
-    }
-    throw RankLostError(first, fmt::format("{}: gloo {} failed{}: {}", group_->name(), what_,
-                                           lost.empty() ? "" : " (" + lost + ")", message_of(e)));
-  }
-}
+bool C10dWork::wait_until(const Deadline& deadline) { return group_->wait(w_, deadline, what_); }
 
 }  // namespace
 

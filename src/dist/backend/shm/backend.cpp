@@ -13,7 +13,6 @@
 #endif
 #include <climits>
 #include <cstring>
-#include <deque>
 #include <fstream>
 #include <thread>
 
@@ -163,7 +162,6 @@ class ShmBackend final : public GroupBackend {
   Backend kind() const override { return Backend::Shm; }
 
   void destroy() override {
-    stop_worker();
     if (base_) {
       ::munmap(base_, total_);
       base_ = nullptr;
@@ -176,134 +174,113 @@ class ShmBackend final : public GroupBackend {
 
   // ---- collectives ------------------------------------------------------------------
 
-  Work all_reduce(at::Tensor t, ReduceOp op, bool async_op) override {
-    check_reducible(t.scalar_type(), op, "CollectiveGroup::all_reduce");
-    return submit(async_op, [this, t, op] {
-      begin(OpCode::kAllReduce, t, -1, op);
-      const size_t es = t.element_size();
-      const size_t n = t.numel();
-      char* data = static_cast<char*>(t.data_ptr());
-      if (size() == 1) return;  // the sum (and mean) of one tensor is itself
-      if (n * es <= std::min(kSmallBytes, slot_)) {
-        small_reduce(data, n, t.scalar_type(), op, /*to_all=*/true, -1);
-        if (op == ReduceOp::AVG) reduce_divide(data, n, t.scalar_type(), size());
-      } else {
-        chunked_reduce(data, n, t.scalar_type(), op, /*to_all=*/true, -1);  // divides for AVG
-      }
-    });
+  void all_reduce(const at::Tensor& t, const ReduceCallOptions& o) override {
+    begin(OpCode::kAllReduce, t, -1, o.op, o.timeout);
+    const size_t es = t.element_size();
+    const size_t n = t.numel();
+    char* data = static_cast<char*>(t.data_ptr());
+    if (size() == 1) return;  // the sum (and the product, min, max) of one tensor is itself
+    if (n * es <= std::min(kSmallBytes, slot_)) {
+      small_reduce(data, n, t.scalar_type(), o.op, /*to_all=*/true, -1);
+    } else {
+      chunked_reduce(data, n, t.scalar_type(), o.op, /*to_all=*/true, -1);
+    }
   }
 
-  Work reduce(at::Tensor t, int dst, ReduceOp op, bool async_op) override {
-    check_reducible(t.scalar_type(), op, "CollectiveGroup::reduce");
-    return submit(async_op, [this, t, dst, op] {
-      begin(OpCode::kReduce, t, dst, op);
-      const size_t es = t.element_size();
-      const size_t n = t.numel();
-      char* data = static_cast<char*>(t.data_ptr());
-      if (size() == 1) return;
-      if (n * es <= std::min(kSmallBytes, slot_)) {
-        small_reduce(data, n, t.scalar_type(), op, false, dst);
-        if (op == ReduceOp::AVG && rank() == dst) reduce_divide(data, n, t.scalar_type(), size());
-      } else {
-        chunked_reduce(data, n, t.scalar_type(), op, false, dst);  // divides for AVG
-      }
-    });
+  void reduce(const at::Tensor& t, int dst, const ReduceCallOptions& o) override {
+    begin(OpCode::kReduce, t, dst, o.op, o.timeout);
+    const size_t es = t.element_size();
+    const size_t n = t.numel();
+    char* data = static_cast<char*>(t.data_ptr());
+    if (size() == 1) return;
+    if (n * es <= std::min(kSmallBytes, slot_)) {
+      small_reduce(data, n, t.scalar_type(), o.op, false, dst);
+    } else {
+      chunked_reduce(data, n, t.scalar_type(), o.op, false, dst);
+    }
   }
 
-  Work broadcast(at::Tensor t, int src, bool async_op) override {
-    return submit(async_op, [this, t, src] {
-      begin(OpCode::kBroadcast, t, src, ReduceOp::SUM);
-      char* data = static_cast<char*>(t.data_ptr());
-      const size_t bytes = t.nbytes();
-      const bool stream = bytes >= kStreamBytes;
-      for_chunks(bytes, slot_, [&](size_t off, size_t len) {
-        if (rank() == src) std::memcpy(my_slot(), data + off, len);
-        arrive_and_wait();
-        if (rank() != src) copy_out(data + off, slot(src), len, stream);
-      });
-      if (stream) stream_fence();
-    });
-  }
-
-  Work all_gather(std::vector<at::Tensor> out, at::Tensor in, bool async_op) override {
-    return submit(async_op, [this, out, in] {
-      begin(OpCode::kAllGather, in, -1, ReduceOp::SUM);
-      gather_impl(in, out, /*to_all=*/true, -1);
-    });
-  }
-
-  Work gather(at::Tensor in, std::vector<at::Tensor> out, int dst, bool async_op) override {
-    return submit(async_op, [this, in, out, dst] {
-      begin(OpCode::kGather, in, dst, ReduceOp::SUM);
-      gather_impl(in, out, false, dst);
-    });
-  }
-
-  Work scatter(at::Tensor out, std::vector<at::Tensor> in, int src, bool async_op) override {
-    return submit(async_op, [this, out, in, src] {
-      begin(OpCode::kScatter, out, src, ReduceOp::SUM);
-      const size_t bytes = out.nbytes();
-      const size_t piece = piece_bytes(out.element_size());
-      char* dst = static_cast<char*>(out.data_ptr());
-      for_chunks(bytes, piece, [&](size_t off, size_t len) {
-        if (rank() == src) {
-          for (int q = 0; q < size(); ++q) {
-            std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off,
-                        len);
-          }
-        }
-        arrive_and_wait();
-        std::memcpy(dst + off, slot(src) + rank() * piece, len);
-      });
-    });
-  }
-
-  Work reduce_scatter(at::Tensor out, std::vector<at::Tensor> in, ReduceOp op,
-                      bool async_op) override {
-    check_reducible(out.scalar_type(), op, "CollectiveGroup::reduce_scatter");
-    return submit(async_op, [this, out, in, op] {
-      begin(OpCode::kReduceScatter, out, -1, op);
-      const size_t es = out.element_size();
-      const size_t piece = piece_bytes(es);
-      char* dst = static_cast<char*>(out.data_ptr());
-      for_chunks(out.nbytes(), piece, [&](size_t off, size_t len) {
-        for (int q = 0; q < size(); ++q) {
-          std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
-        }
-        arrive_and_wait();
-        combine_all(dst + off, rank() * piece, len / es, out.scalar_type(), op);
-      });
-      if (op == ReduceOp::AVG) reduce_divide(dst, out.numel(), out.scalar_type(), size());
-    });
-  }
-
-  Work all_to_all(std::vector<at::Tensor> out, std::vector<at::Tensor> in, bool async_op) override {
-    return submit(async_op, [this, out, in] {
-      begin(OpCode::kAllToAll, in[0], -1, ReduceOp::SUM);
-      const size_t piece = piece_bytes(in[0].element_size());
-      for_chunks(in[0].nbytes(), piece, [&](size_t off, size_t len) {
-        for (int q = 0; q < size(); ++q) {
-          std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
-        }
-        arrive_and_wait();
-        for (int q = 0; q < size(); ++q) {
-          std::memcpy(static_cast<char*>(out[q].data_ptr()) + off, slot(q) + rank() * piece, len);
-        }
-      });
-    });
-  }
-
-  Work barrier(bool async_op) override {
-    return submit(async_op, [this] {
-      begin_meta(OpCode::kBarrier, -1, 0, -1, ReduceOp::SUM);
+  void broadcast(const at::Tensor& t, int src, const CallOptions& o) override {
+    begin(OpCode::kBroadcast, t, src, ReduceOp::SUM, o.timeout);
+    char* data = static_cast<char*>(t.data_ptr());
+    const size_t bytes = t.nbytes();
+    const bool stream = bytes >= kStreamBytes;
+    for_chunks(bytes, slot_, [&](size_t off, size_t len) {
+      if (rank() == src) std::memcpy(my_slot(), data + off, len);
       arrive_and_wait();
-      check_meta();
+      if (rank() != src) copy_out(data + off, slot(src), len, stream);
+    });
+    if (stream) stream_fence();
+  }
+
+  void all_gather(const std::vector<at::Tensor>& out, const at::Tensor& in,
+                  const CallOptions& o) override {
+    begin(OpCode::kAllGather, in, -1, ReduceOp::SUM, o.timeout);
+    gather_impl(in, out, /*to_all=*/true, -1);
+  }
+
+  void gather(const at::Tensor& in, const std::vector<at::Tensor>& out, int dst,
+              const CallOptions& o) override {
+    begin(OpCode::kGather, in, dst, ReduceOp::SUM, o.timeout);
+    gather_impl(in, out, false, dst);
+  }
+
+  void scatter(const at::Tensor& out, const std::vector<at::Tensor>& in, int src,
+               const CallOptions& o) override {
+    begin(OpCode::kScatter, out, src, ReduceOp::SUM, o.timeout);
+    const size_t bytes = out.nbytes();
+    const size_t piece = piece_bytes(out.element_size());
+    char* dst = static_cast<char*>(out.data_ptr());
+    for_chunks(bytes, piece, [&](size_t off, size_t len) {
+      if (rank() == src) {
+        for (int q = 0; q < size(); ++q) {
+          std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
+        }
+      }
+      arrive_and_wait();
+      std::memcpy(dst + off, slot(src) + rank() * piece, len);
     });
   }
 
-  Work isend(at::Tensor t, int dst, int tag) override { return p2p_->isend(t, dst, tag); }
-  Work irecv(at::Tensor t, std::optional<int> src, int tag) override {
-    return p2p_->irecv(t, src, tag);
+  void reduce_scatter(const at::Tensor& out, const std::vector<at::Tensor>& in,
+                      const ReduceCallOptions& o) override {
+    begin(OpCode::kReduceScatter, out, -1, o.op, o.timeout);
+    const size_t es = out.element_size();
+    const size_t piece = piece_bytes(es);
+    char* dst = static_cast<char*>(out.data_ptr());
+    for_chunks(out.nbytes(), piece, [&](size_t off, size_t len) {
+      for (int q = 0; q < size(); ++q) {
+        std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
+      }
+      arrive_and_wait();
+      combine_all(dst + off, rank() * piece, len / es, out.scalar_type(), o.op);
+    });
+  }
+
+  void all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
+                  const CallOptions& o) override {
+    begin(OpCode::kAllToAll, in[0], -1, ReduceOp::SUM, o.timeout);
+    const size_t piece = piece_bytes(in[0].element_size());
+    for_chunks(in[0].nbytes(), piece, [&](size_t off, size_t len) {
+      for (int q = 0; q < size(); ++q) {
+        std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
+      }
+      arrive_and_wait();
+      for (int q = 0; q < size(); ++q) {
+        std::memcpy(static_cast<char*>(out[q].data_ptr()) + off, slot(q) + rank() * piece, len);
+      }
+    });
+  }
+
+  void barrier(const CallOptions& o) override {
+    begin_meta(OpCode::kBarrier, -1, 0, -1, ReduceOp::SUM, o.timeout);
+    arrive_and_wait();
+    check_meta();
+  }
+
+  Work isend(const at::Tensor& t, int dst, int tag) override { return p2p().isend(t, dst, tag); }
+  Work irecv(const at::Tensor& t, std::optional<int> src, int tag) override {
+    return p2p().irecv(t, src, tag);
   }
 
  private:
@@ -415,16 +392,19 @@ class ShmBackend final : public GroupBackend {
 
   // ---- steps ---------------------------------------------------------------------------
 
-  void begin(OpCode op, const at::Tensor& t, int root, ReduceOp rop) {
-    begin_meta(op, static_cast<int32_t>(t.scalar_type()), t.numel(), root, rop);
+  void begin(OpCode op, const at::Tensor& t, int root, ReduceOp rop,
+             std::chrono::duration<double> timeout) {
+    begin_meta(op, static_cast<int32_t>(t.scalar_type()), t.numel(), root, rop, timeout);
   }
 
-  void begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, ReduceOp rop) {
+  void begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, ReduceOp rop,
+                  std::chrono::duration<double> timeout) {
     if (!base_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
     throw_if_aborted();
     cur_ =
         OpMeta{static_cast<int32_t>(op), dtype, numel, root, static_cast<int32_t>(rop), ++calls_};
-    deadline_ = SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(timeout());
+    call_timeout_ = timeout;
+    deadline_ = SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(timeout);
     meta_pending_ = true;
   }
 
@@ -479,7 +459,7 @@ class ShmBackend final : public GroupBackend {
         fail(q,
              fmt::format("{}: rank {} (pid {}) did not reach {} call #{} within {:.1f} s", name(),
                          q, ctl_[q].pid, op_name(static_cast<OpCode>(cur_.op)), cur_.call,
-                         timeout().count()),
+                         call_timeout_.count()),
              /*timeout=*/true);
       }
       if (now - last_check > std::chrono::milliseconds(50)) {
@@ -568,9 +548,9 @@ class ShmBackend final : public GroupBackend {
   /// Reduce-scatter + all-gather, one slot-sized chunk at a time. Step 1: every rank
   /// publishes the pieces of the chunk the others reduce (never its own piece). Step 2: each
   /// rank reduces its own piece from its tensor and the others' slots into its slot of the
-  /// other set (divided by the group size for AVG). Then every rank copies the reduced pieces
-  /// out. Per chunk of C bytes a rank moves about 4C bytes instead of the 5.5C of publishing
-  /// the whole chunk, and the reduction reads its own operand straight from the tensor.
+  /// other set. Then every rank copies the reduced pieces out. Per chunk of C bytes a rank moves
+  /// about 4C bytes instead of the 5.5C of publishing the whole chunk, and the reduction reads its
+  /// own operand straight from the tensor.
   void chunked_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
                       int dst) {
     const size_t es = c10::elementSize(dtype);
@@ -593,7 +573,6 @@ class ShmBackend final : public GroupBackend {
       };
       reduce_combine(out, operand(0), operand(1), len, dtype, op);
       for (size_t q = 2; q < P; ++q) reduce_combine(out, out, operand(q), len, dtype, op);
-      if (op == ReduceOp::AVG) reduce_divide(out, len, dtype, size());
       arrive_and_wait();
       if (to_all || rank() == dst) {
         for (size_t r = 0; r < P; ++r) {
@@ -619,64 +598,9 @@ class ShmBackend final : public GroupBackend {
     if (stream) stream_fence();
   }
 
-  // ---- ordering and async ----------------------------------------------------------------
-
-  Work submit(bool async_op, std::function<void()> fn) {
-    if (!base_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
-    auto w = std::make_shared<PromiseWork>();
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      if (!async_op && queue_.empty() && !busy_) {
-        busy_ = true;
-        lk.unlock();
-        try {
-          fn();
-          w->set_value();
-        } catch (...) {
-          w->set_error(std::current_exception());
-        }
-        lk.lock();
-        busy_ = false;
-        cv_.notify_all();
-        return Work(w);
-      }
-      if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
-      queue_.push_back([fn = std::move(fn), w] {
-        try {
-          fn();
-          w->set_value();
-        } catch (...) {
-          w->set_error(std::current_exception());
-        }
-      });
-      cv_.notify_all();
-    }
-    return Work(w);
-  }
-
-  void worker_loop() {
-    std::unique_lock<std::mutex> lk(mu_);
-    for (;;) {
-      cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && !busy_); });
-      if (queue_.empty() && stop_) return;
-      auto fn = std::move(queue_.front());
-      queue_.pop_front();
-      busy_ = true;
-      lk.unlock();
-      fn();
-      lk.lock();
-      busy_ = false;
-      cv_.notify_all();
-    }
-  }
-
-  void stop_worker() {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (worker_.joinable()) worker_.join();
+  GroupBackend& p2p() const {
+    if (!p2p_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
+    return *p2p_;
   }
 
   std::shared_ptr<GroupBackend> p2p_;
@@ -690,14 +614,8 @@ class ShmBackend final : public GroupBackend {
   OpMeta cur_{};
   bool meta_pending_ = false;
   bool spin_ = true;
+  std::chrono::duration<double> call_timeout_{0};  // of the current operation
   SteadyClock::time_point deadline_{};
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool busy_ = false;
-  bool stop_ = false;
-  std::thread worker_;
 };
 
 }  // namespace
