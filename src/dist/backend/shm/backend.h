@@ -1,13 +1,11 @@
 #pragma once
 // The shared-memory collective backend: every rank of the group maps one segment.
 //
-// Layout: a header page, one 256-byte control block per rank (arrival counter, pid, the
-// metadata of its current operation, double-buffered), then 2 x size() data slots of
-// slot_bytes each (slot (set, rank)). An operation is a sequence of steps; in step k a
-// rank writes only its own slot of set k%2, then arrives (bumps its counter to k) and
-// waits for every rank's counter to reach k, then reads any slot of set k%2. Arriving at
-// k+1 means having finished reading set k%2... so set k%2 is free again at step k+2: one
-// barrier per step, no second "done reading" barrier.
+// Files: segment_layout.h (the segment: header, control blocks, slots, and the step
+// protocol), step_barrier.{h,cpp} (arrive/wait with deadline and liveness, the one abort),
+// algorithms.cpp (the nine collectives over the slots), backend.cpp (the segment's creation
+// through shm/'s ShmRegion, the rendezvous through the group's store, per-operation
+// bookkeeping, the factory).
 //
 // all_reduce: small messages in one step (each rank reduces all slots, in rank order so every
 // rank gets the same bits); large ones per chunk in two steps: reduce-scatter (rank r
@@ -26,6 +24,9 @@
 #include <vector>
 
 #include "dist/backend/backend.h"
+#include "dist/backend/shm/segment_layout.h"
+#include "dist/backend/shm/step_barrier.h"
+#include "shm/segment.h"
 
 namespace torchpar::detail {
 
@@ -58,4 +59,92 @@ struct ShmBackendOptions {
 /// the segment cannot be opened (ranks on different hosts) or has another geometry.
 std::shared_ptr<GroupBackend> create_shm_backend(const ShmBackendOptions& options);
 
+namespace shm_backend {
+
+/// The shm backend of one rank (see the file comment). Lifetime: the constructor maps the
+/// segment (rank 0 creates it) and returns once every rank attached, the name unlinked;
+/// destroy() (or the destructor) unmaps it and destroys the p2p group. Safety: one
+/// operation at a time (CollectiveGroup's executor guarantees it).
+class ShmBackend final : public GroupBackend {
+ public:
+  explicit ShmBackend(const ShmBackendOptions& o);
+  ~ShmBackend() override;
+
+  Backend kind() const override { return Backend::Shm; }
+  void destroy() override;
+
+  // algorithms.cpp
+  void all_reduce(const at::Tensor& t, const ReduceCallOptions& o) override;
+  void all_gather(const std::vector<at::Tensor>& out, const at::Tensor& in,
+                  const CallOptions& o) override;
+  void broadcast(const at::Tensor& t, int src, const CallOptions& o) override;
+  void reduce(const at::Tensor& t, int dst, const ReduceCallOptions& o) override;
+  void gather(const at::Tensor& in, const std::vector<at::Tensor>& out, int dst,
+              const CallOptions& o) override;
+  void scatter(const at::Tensor& out, const std::vector<at::Tensor>& in, int src,
+               const CallOptions& o) override;
+  void reduce_scatter(const at::Tensor& out, const std::vector<at::Tensor>& in,
+                      const ReduceCallOptions& o) override;
+  void all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
+                  const CallOptions& o) override;
+  void barrier(const CallOptions& o) override;
+
+  Work isend(const at::Tensor& t, int dst, int tag) override;
+  Work irecv(const at::Tensor& t, std::optional<int> src, int tag) override;
+
+ private:
+  // ---- backend.cpp: segment and steps
+  void attach(const c10::intrusive_ptr<c10d::Store>& store);
+  GroupBackend& p2p() const;
+  void begin(OpCode op, const at::Tensor& t, int root, ReduceOp rop,
+             std::chrono::duration<double> timeout);
+  void begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, ReduceOp rop,
+                  std::chrono::duration<double> timeout);
+  /// Arrive at the next step and wait for every rank to arrive there too; the first step
+  /// of an operation also checks that every rank runs the same one.
+  void arrive_and_wait() {
+    const uint32_t next = step_ + 1;
+    if (meta_pending_) ctl_[rank()].meta[next & 1] = cur_;
+    step_ = next;
+    barrier_.arrive_and_wait(next, wait_);
+    if (meta_pending_) {
+      meta_pending_ = false;
+      check_meta();
+    }
+  }
+  /// Throws torchpar::Error on every rank (and aborts the segment) when the ranks' metadata
+  /// of the current step differ.
+  void check_meta();
+
+  char* slot_of(uint32_t set, int q) const {
+    return data_ + (static_cast<size_t>(set) * size() + q) * slot_;
+  }
+  /// This rank's slot for the step it is about to arrive at.
+  char* my_slot() const { return slot_of((step_ + 1) & 1, rank()); }
+  /// Rank q's slot of the step every rank arrived at.
+  char* slot(int q) const { return slot_of(step_ & 1, q); }
+  size_t piece_bytes(size_t es) const { return slot_ / size() / es * es; }
+
+  // ---- algorithms.cpp
+  void combine_all(char* dst, size_t byte_off, size_t n, at::ScalarType dtype, ReduceOp op);
+  void small_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all, int dst);
+  void chunked_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
+                      int dst);
+  void gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all, int dst);
+
+  std::shared_ptr<GroupBackend> p2p_;
+  ShmRegion region_;  // the mapping; empty once destroyed
+  SegmentLayout layout_;
+  char* data_ = nullptr;
+  RankCtl* ctl_ = nullptr;
+  StepBarrier barrier_;
+  size_t slot_ = 0;
+  uint32_t step_ = 0;
+  uint64_t calls_ = 0;
+  OpMeta cur_{};
+  bool meta_pending_ = false;
+  StepWait wait_;  // the current operation's limit
+};
+
+}  // namespace shm_backend
 }  // namespace torchpar::detail
