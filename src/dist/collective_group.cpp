@@ -11,11 +11,11 @@ namespace torchpar {
 
 std::string to_string(Backend backend) {
   switch (backend) {
-    case Backend::Auto:
+    case Backend::kAuto:
       return "auto";
-    case Backend::Gloo:
+    case Backend::kGloo:
       return "gloo";
-    case Backend::Shm:
+    case Backend::kShm:
       return "shm";
   }
   return "?";
@@ -23,24 +23,24 @@ std::string to_string(Backend backend) {
 
 std::string to_string(ReduceOp op) {
   switch (op) {
-    case ReduceOp::SUM:
+    case ReduceOp::kSum:
       return "SUM";
-    case ReduceOp::PRODUCT:
+    case ReduceOp::kProduct:
       return "PRODUCT";
-    case ReduceOp::MIN:
+    case ReduceOp::kMin:
       return "MIN";
-    case ReduceOp::MAX:
+    case ReduceOp::kMax:
       return "MAX";
-    case ReduceOp::AVG:
+    case ReduceOp::kAvg:
       return "AVG";
   }
   return "?";
 }
 
 Backend backend_from_string(const std::string& name) {
-  if (name == "auto") return Backend::Auto;
-  if (name == "gloo") return Backend::Gloo;
-  if (name == "shm") return Backend::Shm;
+  if (name == "auto") return Backend::kAuto;
+  if (name == "gloo") return Backend::kGloo;
+  if (name == "shm") return Backend::kShm;
   throw Error(fmt::format("unknown collective backend '{}': expected auto, gloo or shm", name));
 }
 
@@ -117,7 +117,7 @@ void check_rank(int r, int size, const char* where, const char* what) {
 
 /// AVG's division, for every backend (they combine AVG like SUM): `t` is contiguous.
 void divide_for_average(const at::Tensor& t, ReduceOp op, int size) {
-  if (op != ReduceOp::AVG || size == 1) return;
+  if (op != ReduceOp::kAvg || size == 1) return;
   detail::reduce_divide(t.data_ptr(), static_cast<size_t>(t.numel()), t.scalar_type(), size);
 }
 
@@ -176,58 +176,58 @@ Work CollectiveGroup::run(bool async_op, CopyBacks back,
   return w;
 }
 
-Work CollectiveGroup::all_reduce(at::Tensor tensor, ReduceOp op, bool async_op) {
+Work CollectiveGroup::all_reduce(at::Tensor tensor, const ReduceOptions& options) {
   check_tensor(tensor, "all_reduce", "tensor");
-  detail::check_reducible(tensor.scalar_type(), op, "CollectiveGroup::all_reduce");
+  detail::check_reducible(tensor.scalar_type(), options.op, "CollectiveGroup::all_reduce");
   CopyBacks back;
   auto t = contig(tensor, &back);
-  const detail::ReduceCallOptions o{.op = op, .timeout = call_timeout(std::nullopt)};
-  return run(async_op, std::move(back), [t, o](detail::GroupBackend& be) {
+  const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back), [t, o](detail::GroupBackend& be) {
     be.all_reduce(t, o);
     divide_for_average(t, o.op, be.size());
   });
 }
 
 Work CollectiveGroup::all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor,
-                                 bool async_op) {
+                                 const CollectiveOptions& options) {
   check_tensor(tensor, "all_gather", "tensor");
   check_list(tensor_list, tensor, size(), "all_gather", "tensor_list");
   CopyBacks back;
   auto out = contig_list(tensor_list, &back);
-  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
-  return run(async_op, std::move(back),
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
              [out = std::move(out), in = contig(tensor, nullptr), o](detail::GroupBackend& be) {
                be.all_gather(out, in, o);
              });
 }
 
-Work CollectiveGroup::broadcast(at::Tensor tensor, int src, bool async_op) {
+Work CollectiveGroup::broadcast(at::Tensor tensor, int src, const CollectiveOptions& options) {
   check_tensor(tensor, "broadcast", "tensor");
   check_rank(src, size(), "broadcast", "src");
   CopyBacks back;
   auto t = contig(tensor, &back);
-  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
-  return run(async_op, std::move(back),
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
              [t, src, o](detail::GroupBackend& be) { be.broadcast(t, src, o); });
 }
 
-Work CollectiveGroup::reduce(at::Tensor tensor, int dst, ReduceOp op, bool async_op) {
+Work CollectiveGroup::reduce(at::Tensor tensor, int dst, const ReduceOptions& options) {
   check_tensor(tensor, "reduce", "tensor");
   check_rank(dst, size(), "reduce", "dst");
-  detail::check_reducible(tensor.scalar_type(), op, "CollectiveGroup::reduce");
+  detail::check_reducible(tensor.scalar_type(), options.op, "CollectiveGroup::reduce");
   CopyBacks back;
   auto t = contig(tensor, &back);
   // Only dst's tensor changes; other ranks reduce from a copy so theirs stay as they were.
   if (rank() != dst) t = t.clone();
-  const detail::ReduceCallOptions o{.op = op, .timeout = call_timeout(std::nullopt)};
-  return run(async_op, std::move(back), [t, dst, o](detail::GroupBackend& be) {
+  const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back), [t, dst, o](detail::GroupBackend& be) {
     be.reduce(t, dst, o);
     if (be.rank() == dst) divide_for_average(t, o.op, be.size());
   });
 }
 
 Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_list, int dst,
-                             bool async_op) {
+                             const CollectiveOptions& options) {
   check_tensor(tensor, "gather", "tensor");
   check_rank(dst, size(), "gather", "dst");
   CopyBacks back;
@@ -240,14 +240,14 @@ Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_l
   } else {
     out.assign(static_cast<size_t>(size()), at::Tensor());
   }
-  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
-  return run(async_op, std::move(back),
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
              [in = contig(tensor, nullptr), out = std::move(out), dst,
               o](detail::GroupBackend& be) { be.gather(in, out, dst, o); });
 }
 
 Work CollectiveGroup::scatter(at::Tensor tensor, std::vector<at::Tensor> scatter_list, int src,
-                              bool async_op) {
+                              const CollectiveOptions& options) {
   check_tensor(tensor, "scatter", "tensor");
   check_rank(src, size(), "scatter", "src");
   std::vector<at::Tensor> in;
@@ -259,21 +259,21 @@ Work CollectiveGroup::scatter(at::Tensor tensor, std::vector<at::Tensor> scatter
   }
   CopyBacks back;
   auto t = contig(tensor, &back);
-  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
-  return run(async_op, std::move(back), [t, in = std::move(in), src, o](detail::GroupBackend& be) {
-    be.scatter(t, in, src, o);
-  });
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(
+      options.async_op, std::move(back),
+      [t, in = std::move(in), src, o](detail::GroupBackend& be) { be.scatter(t, in, src, o); });
 }
 
 Work CollectiveGroup::reduce_scatter(at::Tensor output, std::vector<at::Tensor> input_list,
-                                     ReduceOp op, bool async_op) {
+                                     const ReduceOptions& options) {
   check_tensor(output, "reduce_scatter", "output");
   check_list(input_list, output, size(), "reduce_scatter", "input_list");
-  detail::check_reducible(output.scalar_type(), op, "CollectiveGroup::reduce_scatter");
+  detail::check_reducible(output.scalar_type(), options.op, "CollectiveGroup::reduce_scatter");
   CopyBacks back;
   auto t = contig(output, &back);
-  const detail::ReduceCallOptions o{.op = op, .timeout = call_timeout(std::nullopt)};
-  return run(async_op, std::move(back),
+  const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
              [t, in = contig_list(input_list, nullptr), o](detail::GroupBackend& be) {
                be.reduce_scatter(t, in, o);
                divide_for_average(t, o.op, be.size());
@@ -281,22 +281,23 @@ Work CollectiveGroup::reduce_scatter(at::Tensor output, std::vector<at::Tensor> 
 }
 
 Work CollectiveGroup::all_to_all(std::vector<at::Tensor> output_list,
-                                 std::vector<at::Tensor> input_list, bool async_op) {
+                                 std::vector<at::Tensor> input_list,
+                                 const CollectiveOptions& options) {
   if (input_list.empty()) throw Error("CollectiveGroup::all_to_all: input_list is empty");
   check_tensor(input_list[0], "all_to_all", "input_list");
   check_list(input_list, input_list[0], size(), "all_to_all", "input_list");
   check_list(output_list, input_list[0], size(), "all_to_all", "output_list");
   CopyBacks back;
   auto out = contig_list(output_list, &back);
-  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
-  return run(async_op, std::move(back),
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
              [out = std::move(out), in = contig_list(input_list, nullptr),
               o](detail::GroupBackend& be) { be.all_to_all(out, in, o); });
 }
 
-Work CollectiveGroup::barrier(bool async_op) {
-  const detail::CallOptions o{.timeout = call_timeout(std::nullopt)};
-  return run(async_op, {}, [o](detail::GroupBackend& be) { be.barrier(o); });
+Work CollectiveGroup::barrier(const CollectiveOptions& options) {
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, {}, [o](detail::GroupBackend& be) { be.barrier(o); });
 }
 
 void CollectiveGroup::send(at::Tensor tensor, int dst, int tag) {

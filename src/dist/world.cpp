@@ -356,7 +356,7 @@ struct World::Impl {
     const auto t_ms = ms(t);
 
     // Which backend: every member publishes its host; shm only when all are on one host.
-    if (backend != Backend::Gloo) {
+    if (backend != Backend::kGloo) {
       gstore->set(fmt::format("host/{}", rel), bytes_of(host));
       bool one_host = true;
       for (size_t q = 0; q < ranks.size(); ++q) {
@@ -372,13 +372,13 @@ struct World::Impl {
         }
         if (string_of(gstore->get(hk)) != host) one_host = false;
       }
-      if (!one_host && backend == Backend::Shm) {
+      if (!one_host && backend == Backend::kShm) {
         throw Error(
             fmt::format("World::create_collective_group: backend shm needs every rank "
                         "of [{}] on one host; use gloo or auto",
                         join(ranks)));
       }
-      backend = one_host ? Backend::Shm : Backend::Gloo;
+      backend = one_host ? Backend::kShm : Backend::kGloo;
     }
     std::vector<detail::MemberInfo> info;
     for (int r : ranks) info.push_back(members[static_cast<size_t>(r)]);
@@ -393,7 +393,7 @@ struct World::Impl {
          .device = device,
          .members = info,
          .my_host = host});
-    if (backend == Backend::Gloo) return CollectiveGroup(gloo);
+    if (backend == Backend::kGloo) return CollectiveGroup(gloo);
     return CollectiveGroup(
         detail::create_shm_backend({.store = c10::make_intrusive<c10d::PrefixStore>("shm", gstore),
                                     .rank = rel,
@@ -410,7 +410,7 @@ struct World::Impl {
       if (destroyed) throw ClosedError("World: destroyed");
     }
     if (!opts.python_compatible) {
-      auto grp = make_group({}, Backend::Gloo, std::nullopt);
+      auto grp = make_group({}, Backend::kGloo, std::nullopt);
       std::lock_guard<std::mutex> g(mu);
       default_group = std::move(grp);
       return *default_group;

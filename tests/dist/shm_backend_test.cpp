@@ -72,15 +72,15 @@ at::Tensor stacked(at::ScalarType dt) {
 at::Tensor reference(ReduceOp op, at::ScalarType dt) {
   const auto s = stacked(dt).to(at::kDouble);
   switch (op) {
-    case ReduceOp::SUM:
+    case ReduceOp::kSum:
       return at::sum(s, 0).to(dt);
-    case ReduceOp::PRODUCT:
+    case ReduceOp::kProduct:
       return at::prod(s, 0).to(dt);
-    case ReduceOp::MIN:
+    case ReduceOp::kMin:
       return at::amin(s, 0).to(dt);
-    case ReduceOp::MAX:
+    case ReduceOp::kMax:
       return at::amax(s, 0).to(dt);
-    case ReduceOp::AVG:
+    case ReduceOp::kAvg:
       return (at::sum(s, 0) / kRanks).to(dt);
   }
   return {};
@@ -90,23 +90,23 @@ class ReduceKernels : public ::testing::TestWithParam<at::ScalarType> {};
 
 TEST_P(ReduceKernels, EveryOpMatchesATen) {
   const auto dt = GetParam();
-  for (auto op : {ReduceOp::SUM, ReduceOp::PRODUCT, ReduceOp::MIN, ReduceOp::MAX}) {
+  for (auto op : {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin, ReduceOp::kMax}) {
     EXPECT_NO_THROW(tp::detail::check_reducible(dt, op, "test"));
     EXPECT_TRUE(at::equal(combine_all(op, dt), reference(op, dt)))
         << tp::to_string(op) << " on " << c10::toString(dt);
   }
   if (at::isFloatingType(dt)) {
     // AVG: the kernel combines like SUM, reduce_divide divides by the group size.
-    EXPECT_NO_THROW(tp::detail::check_reducible(dt, ReduceOp::AVG, "test"));
-    auto d = combine_all(ReduceOp::AVG, dt);
-    EXPECT_TRUE(at::equal(d, reference(ReduceOp::SUM, dt))) << "AVG combines like SUM";
+    EXPECT_NO_THROW(tp::detail::check_reducible(dt, ReduceOp::kAvg, "test"));
+    auto d = combine_all(ReduceOp::kAvg, dt);
+    EXPECT_TRUE(at::equal(d, reference(ReduceOp::kSum, dt))) << "AVG combines like SUM";
     tp::detail::reduce_divide(d.data_ptr(), kNumel, dt, kRanks);
     const double tol = (dt == at::kHalf || dt == at::kBFloat16) ? 1e-2 : 1e-6;
     EXPECT_TRUE(
-        at::allclose(d.to(at::kDouble), reference(ReduceOp::AVG, dt).to(at::kDouble), tol, tol))
+        at::allclose(d.to(at::kDouble), reference(ReduceOp::kAvg, dt).to(at::kDouble), tol, tol))
         << "AVG on " << c10::toString(dt);
   } else {
-    EXPECT_THROW(tp::detail::check_reducible(dt, ReduceOp::AVG, "test"), tp::Error)
+    EXPECT_THROW(tp::detail::check_reducible(dt, ReduceOp::kAvg, "test"), tp::Error)
         << "AVG on " << c10::toString(dt);
   }
 }
@@ -134,17 +134,17 @@ TEST(ReduceKernels, BoolIsOrForSumMaxAndForProductMin) {
     }
     return d;
   };
-  EXPECT_TRUE(at::equal(run(ReduceOp::SUM), any));
-  EXPECT_TRUE(at::equal(run(ReduceOp::MAX), any));
-  EXPECT_TRUE(at::equal(run(ReduceOp::PRODUCT), all));
-  EXPECT_TRUE(at::equal(run(ReduceOp::MIN), all));
+  EXPECT_TRUE(at::equal(run(ReduceOp::kSum), any));
+  EXPECT_TRUE(at::equal(run(ReduceOp::kMax), any));
+  EXPECT_TRUE(at::equal(run(ReduceOp::kProduct), all));
+  EXPECT_TRUE(at::equal(run(ReduceOp::kMin), all));
   EXPECT_FALSE(at::equal(any, all));  // the data tells the two apart
-  EXPECT_THROW(tp::detail::check_reducible(at::kBool, ReduceOp::AVG, "test"), tp::Error);
+  EXPECT_THROW(tp::detail::check_reducible(at::kBool, ReduceOp::kAvg, "test"), tp::Error);
 }
 
 TEST(ReduceKernels, ComplexIsRefused) {
   try {
-    tp::detail::check_reducible(at::kComplexFloat, ReduceOp::SUM, "CollectiveGroup::all_reduce");
+    tp::detail::check_reducible(at::kComplexFloat, ReduceOp::kSum, "CollectiveGroup::all_reduce");
     FAIL() << "complex accepted";
   } catch (const tp::Error& e) {
     EXPECT_NE(std::string(e.what()).find("complex"), std::string::npos) << e.what();

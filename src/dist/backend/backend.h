@@ -44,7 +44,7 @@ struct CallOptions {
 struct ReduceCallOptions {
   /// The element-wise operation. The backend combines AVG like SUM: CollectiveGroup divides
   /// by the group size afterwards, once for every backend.
-  ReduceOp op = ReduceOp::SUM;
+  ReduceOp op = ReduceOp::kSum;
   /// Seconds the call may take on this rank before it throws TimeoutError.
   std::chrono::duration<double> timeout{0};
 };

@@ -182,7 +182,7 @@ void ddp_worker(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tens
         },
         [&] {
           pack(true);
-          group.all_reduce(bucket, ReduceOp::AVG);
+          group.all_reduce(bucket, {.op = ReduceOp::kAvg});
           unpack(true);
         });
     if (rank == 0) {

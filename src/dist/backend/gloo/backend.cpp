@@ -13,14 +13,14 @@ namespace {
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
-    case ReduceOp::SUM:
-    case ReduceOp::AVG:
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
       return c10d::ReduceOp::SUM;
-    case ReduceOp::PRODUCT:
+    case ReduceOp::kProduct:
       return c10d::ReduceOp::PRODUCT;
-    case ReduceOp::MIN:
+    case ReduceOp::kMin:
       return c10d::ReduceOp::MIN;
-    case ReduceOp::MAX:
+    case ReduceOp::kMax:
       return c10d::ReduceOp::MAX;
   }
   return c10d::ReduceOp::SUM;
@@ -73,7 +73,7 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     }
   }
 
-  Backend kind() const override { return Backend::Gloo; }
+  Backend kind() const override { return Backend::kGloo; }
   void destroy() override { pg_.reset(); }
   /// As torch.distributed does once a group exists: rank 0 sets, the others read it.
   void set_sequence_number() { pg().setSequenceNumberForGroup(); }

@@ -100,7 +100,7 @@ void ShmBackend::reduce(const at::Tensor& t, int dst, const ReduceCallOptions& o
 }
 
 void ShmBackend::broadcast(const at::Tensor& t, int src, const CallOptions& o) {
-  begin(OpCode::kBroadcast, t, src, ReduceOp::SUM, o.timeout);
+  begin(OpCode::kBroadcast, t, src, ReduceOp::kSum, o.timeout);
   char* data = static_cast<char*>(t.data_ptr());
   const size_t bytes = t.nbytes();
   const bool stream = bytes >= kStreamBytes;
@@ -114,19 +114,19 @@ void ShmBackend::broadcast(const at::Tensor& t, int src, const CallOptions& o) {
 
 void ShmBackend::all_gather(const std::vector<at::Tensor>& out, const at::Tensor& in,
                             const CallOptions& o) {
-  begin(OpCode::kAllGather, in, -1, ReduceOp::SUM, o.timeout);
+  begin(OpCode::kAllGather, in, -1, ReduceOp::kSum, o.timeout);
   gather_impl(in, out, /*to_all=*/true, -1);
 }
 
 void ShmBackend::gather(const at::Tensor& in, const std::vector<at::Tensor>& out, int dst,
                         const CallOptions& o) {
-  begin(OpCode::kGather, in, dst, ReduceOp::SUM, o.timeout);
+  begin(OpCode::kGather, in, dst, ReduceOp::kSum, o.timeout);
   gather_impl(in, out, false, dst);
 }
 
 void ShmBackend::scatter(const at::Tensor& out, const std::vector<at::Tensor>& in, int src,
                          const CallOptions& o) {
-  begin(OpCode::kScatter, out, src, ReduceOp::SUM, o.timeout);
+  begin(OpCode::kScatter, out, src, ReduceOp::kSum, o.timeout);
   const size_t bytes = out.nbytes();
   const size_t piece = piece_bytes(out.element_size());
   char* dst = static_cast<char*>(out.data_ptr());
@@ -158,7 +158,7 @@ void ShmBackend::reduce_scatter(const at::Tensor& out, const std::vector<at::Ten
 
 void ShmBackend::all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
                             const CallOptions& o) {
-  begin(OpCode::kAllToAll, in[0], -1, ReduceOp::SUM, o.timeout);
+  begin(OpCode::kAllToAll, in[0], -1, ReduceOp::kSum, o.timeout);
   const size_t piece = piece_bytes(in[0].element_size());
   for_chunks(in[0].nbytes(), piece, [&](size_t off, size_t len) {
     for (int q = 0; q < size(); ++q) {
@@ -172,7 +172,7 @@ void ShmBackend::all_to_all(const std::vector<at::Tensor>& out, const std::vecto
 }
 
 void ShmBackend::barrier(const CallOptions& o) {
-  begin_meta(OpCode::kBarrier, -1, 0, -1, ReduceOp::SUM, o.timeout);
+  begin_meta(OpCode::kBarrier, -1, 0, -1, ReduceOp::kSum, o.timeout);
   arrive_and_wait();
   check_meta();
 }

@@ -70,7 +70,7 @@ class ShmBackend final : public GroupBackend {
   explicit ShmBackend(const ShmBackendOptions& o);
   ~ShmBackend() override;
 
-  Backend kind() const override { return Backend::Shm; }
+  Backend kind() const override { return Backend::kShm; }
   void destroy() override;
 
   // algorithms.cpp
