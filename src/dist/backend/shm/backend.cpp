@@ -86,9 +86,7 @@ void ShmBackend::attach(const c10::intrusive_ptr<c10d::Store>& store) {
     layout_.init_header(region_.data());
     store->set("shm_name", std::vector<uint8_t>(shm_name.begin(), shm_name.end()));
   } else {
-    try {
-      store->wait({"shm_name"}, ms);
-    } catch (const std::exception&) {
+    if (store_wait_keys(*store, {"shm_name"}, SteadyClock::now() + ms) >= 0) {
       throw TimeoutError(
           fmt::format("{}: rank 0 did not publish the shared-memory segment within {:.1f} s",
                       name(), timeout().count()));
@@ -112,10 +110,9 @@ void ShmBackend::attach(const c10::intrusive_ptr<c10d::Store>& store) {
   ctl_ = SegmentLayout::ctl(region_.data());
   ctl_[rank()].pid = static_cast<int32_t>(::getpid());
   // Every rank attached -> unlink the name: the memory goes with the last mapping.
-  store->add("attached", 1);
   bool all_attached = false;
   try {
-    all_attached = store_wait_count(*store, "attached", P, SteadyClock::now() + ms);
+    all_attached = store_barrier(*store, "attached", P, SteadyClock::now() + ms);
   } catch (...) {
     if (rank() == 0) ::shm_unlink(shm_name.c_str());
     throw;
