@@ -190,9 +190,9 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
   bool wait(const C10dWorkPtr& w, const Deadline& deadline, const std::string& what) const {
     std::chrono::milliseconds ms{0};  // c10d's kNoTimeout
     if (deadline) {
-      ms = std::max(
-          std::chrono::milliseconds(1),
-          std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - SteadyClock::now()));
+      // Rounded up: a wait that timed out has reached the deadline (checked below).
+      ms = std::max(std::chrono::milliseconds(1),
+                    std::chrono::ceil<std::chrono::milliseconds>(*deadline - SteadyClock::now()));
     }
     try {
       w->wait(ms);
