@@ -9,7 +9,7 @@
 
 namespace torchpar::detail {
 
-/// dst[i] = a[i] op b[i] for i < n (dst may alias a). AVG combines like SUM.
+/// dst[i] = a[i] op b[i] for i < n (dst may alias a). kAvg combines like kSum.
 void reduce_combine(void* dst, const void* a, const void* b, size_t n, at::ScalarType dtype,
                     ReduceOp op);
 /// dst[i] /= divisor (AVG's last step, which CollectiveGroup takes for every backend;

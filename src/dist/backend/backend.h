@@ -42,7 +42,7 @@ struct CallOptions {
 
 /// Options of one reducing call (all_reduce, reduce, reduce_scatter).
 struct ReduceCallOptions {
-  /// The element-wise operation. The backend combines AVG like SUM: CollectiveGroup divides
+  /// The element-wise operation. The backend combines kAvg like kSum: CollectiveGroup divides
   /// by the group size afterwards, once for every backend.
   ReduceOp op = ReduceOp::kSum;
   /// Seconds the call may take on this rank before it throws TimeoutError.
