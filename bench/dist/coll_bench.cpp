@@ -112,7 +112,7 @@ void run_torchpar(const Args& a, const std::string& system, int rank, int port) 
   options.timeout = std::chrono::seconds(120);
   tp::World world(options);
   auto g = world.create_collective_group(
-      {}, system == "torchpar-shm" ? tp::Backend::Shm : tp::Backend::Gloo);
+      {}, system == "torchpar-shm" ? tp::Backend::kShm : tp::Backend::kGloo);
   measure(
       a, system, rank,
       [&](const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out) {

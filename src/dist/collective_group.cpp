@@ -1,19 +1,21 @@
 #include <fmt/format.h>
 
-#include "backend.h"
+#include "dist/backend/backend.h"
+#include "dist/group_executor.h"
+#include "dist/reduce_kernels.h"
+#include "dist/work.h"
 #include "torchpar/core/error.h"
 #include "torchpar/dist/collective_group.h"
-#include "work.h"
 
 namespace torchpar {
 
 std::string to_string(Backend backend) {
   switch (backend) {
-    case Backend::Auto:
+    case Backend::kAuto:
       return "auto";
-    case Backend::Gloo:
+    case Backend::kGloo:
       return "gloo";
-    case Backend::Shm:
+    case Backend::kShm:
       return "shm";
   }
   return "?";
@@ -21,24 +23,24 @@ std::string to_string(Backend backend) {
 
 std::string to_string(ReduceOp op) {
   switch (op) {
-    case ReduceOp::SUM:
+    case ReduceOp::kSum:
       return "SUM";
-    case ReduceOp::PRODUCT:
+    case ReduceOp::kProduct:
       return "PRODUCT";
-    case ReduceOp::MIN:
+    case ReduceOp::kMin:
       return "MIN";
-    case ReduceOp::MAX:
+    case ReduceOp::kMax:
       return "MAX";
-    case ReduceOp::AVG:
+    case ReduceOp::kAvg:
       return "AVG";
   }
   return "?";
 }
 
 Backend backend_from_string(const std::string& name) {
-  if (name == "auto") return Backend::Auto;
-  if (name == "gloo") return Backend::Gloo;
-  if (name == "shm") return Backend::Shm;
+  if (name == "auto") return Backend::kAuto;
+  if (name == "gloo") return Backend::kGloo;
+  if (name == "shm") return Backend::kShm;
   throw Error(fmt::format("unknown collective backend '{}': expected auto, gloo or shm", name));
 }
 
@@ -113,14 +115,43 @@ void check_rank(int r, int size, const char* where, const char* what) {
   }
 }
 
+/// AVG's division, for every backend (they combine AVG like SUM): `t` is contiguous.
+void divide_for_average(const at::Tensor& t, ReduceOp op, int size) {
+  if (op != ReduceOp::kAvg || size == 1) return;
+  detail::reduce_divide(t.data_ptr(), static_cast<size_t>(t.numel()), t.scalar_type(), size);
+}
+
+void check_send(const at::Tensor& tensor, int dst, int size, int rank) {
+  check_tensor(tensor, "send", "tensor");
+  check_rank(dst, size, "send", "dst");
+  if (dst == rank) throw Error("CollectiveGroup::send: dst is this rank");
+}
+
+void check_recv(const at::Tensor& tensor, std::optional<int> src, int size, int rank) {
+  check_tensor(tensor, "recv", "tensor");
+  if (src) {
+    check_rank(*src, size, "recv", "src");
+    if (*src == rank) throw Error("CollectiveGroup::recv: src is this rank");
+  }
+}
+
 }  // namespace
 
+/// The group's state, shared by copies of a CollectiveGroup: its backend and its one
+/// executor (which decides sync vs async for every backend).
+struct CollectiveGroup::Impl {
+  explicit Impl(std::shared_ptr<detail::GroupBackend> b)
+      : backend(std::move(b)), executor(backend) {}
+  std::shared_ptr<detail::GroupBackend> backend;
+  detail::GroupExecutor executor;
+};
+
 CollectiveGroup::CollectiveGroup(std::shared_ptr<detail::GroupBackend> backend)
-    : backend_(std::move(backend)) {}
+    : impl_(backend ? std::make_shared<Impl>(std::move(backend)) : nullptr) {}
 
 detail::GroupBackend& CollectiveGroup::be() const {
-  if (!backend_) throw ClosedError("CollectiveGroup: the group was destroyed or never created");
-  return *backend_;
+  if (!impl_) throw ClosedError("CollectiveGroup: the group was destroyed or never created");
+  return *impl_->backend;
 }
 
 int CollectiveGroup::rank() const { return be().rank(); }
@@ -128,7 +159,14 @@ int CollectiveGroup::size() const { return be().size(); }
 const std::vector<int>& CollectiveGroup::ranks() const { return be().world_ranks(); }
 Backend CollectiveGroup::backend() const { return be().kind(); }
 
-Work CollectiveGroup::finish(Work w, CopyBacks back, bool async_op) {
+std::chrono::duration<double> CollectiveGroup::call_timeout(Timeout timeout) const {
+  return timeout.value_or(be().timeout());
+}
+
+Work CollectiveGroup::run(bool async_op, CopyBacks back,
+                          std::function<void(detail::GroupBackend&)> op) {
+  be();  // throws ClosedError once destroyed
+  Work w(impl_->executor.submit(async_op, std::move(op)));
   if (!back.empty()) {
     w.impl_->add_then([back = std::move(back)] {
       for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
@@ -138,42 +176,58 @@ Work CollectiveGroup::finish(Work w, CopyBacks back, bool async_op) {
   return w;
 }
 
-Work CollectiveGroup::all_reduce(at::Tensor tensor, ReduceOp op, bool async_op) {
+Work CollectiveGroup::all_reduce(at::Tensor tensor, const ReduceOptions& options) {
   check_tensor(tensor, "all_reduce", "tensor");
+  detail::check_reducible(tensor.scalar_type(), options.op, "CollectiveGroup::all_reduce");
   CopyBacks back;
   auto t = contig(tensor, &back);
-  return finish(be().all_reduce(t, op, async_op), std::move(back), async_op);
+  const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back), [t, o](detail::GroupBackend& be) {
+    be.all_reduce(t, o);
+    divide_for_average(t, o.op, be.size());
+  });
 }
 
 Work CollectiveGroup::all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor,
-                                 bool async_op) {
+                                 const CollectiveOptions& options) {
   check_tensor(tensor, "all_gather", "tensor");
   check_list(tensor_list, tensor, size(), "all_gather", "tensor_list");
   CopyBacks back;
   auto out = contig_list(tensor_list, &back);
-  return finish(be().all_gather(out, contig(tensor, nullptr), async_op), std::move(back), async_op);
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
+             [out = std::move(out), in = contig(tensor, nullptr), o](detail::GroupBackend& be) {
+               be.all_gather(out, in, o);
+             });
 }
 
-Work CollectiveGroup::broadcast(at::Tensor tensor, int src, bool async_op) {
+Work CollectiveGroup::broadcast(at::Tensor tensor, int src, const CollectiveOptions& options) {
   check_tensor(tensor, "broadcast", "tensor");
   check_rank(src, size(), "broadcast", "src");
   CopyBacks back;
   auto t = contig(tensor, &back);
-  return finish(be().broadcast(t, src, async_op), std::move(back), async_op);
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
+             [t, src, o](detail::GroupBackend& be) { be.broadcast(t, src, o); });
 }
 
-Work CollectiveGroup::reduce(at::Tensor tensor, int dst, ReduceOp op, bool async_op) {
+Work CollectiveGroup::reduce(at::Tensor tensor, int dst, const ReduceOptions& options) {
   check_tensor(tensor, "reduce", "tensor");
   check_rank(dst, size(), "reduce", "dst");
+  detail::check_reducible(tensor.scalar_type(), options.op, "CollectiveGroup::reduce");
   CopyBacks back;
   auto t = contig(tensor, &back);
   // Only dst's tensor changes; other ranks reduce from a copy so theirs stay as they were.
   if (rank() != dst) t = t.clone();
-  return finish(be().reduce(t, dst, op, async_op), std::move(back), async_op);
+  const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back), [t, dst, o](detail::GroupBackend& be) {
+    be.reduce(t, dst, o);
+    if (be.rank() == dst) divide_for_average(t, o.op, be.size());
+  });
 }
 
 Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_list, int dst,
-                             bool async_op) {
+                             const CollectiveOptions& options) {
   check_tensor(tensor, "gather", "tensor");
   check_rank(dst, size(), "gather", "dst");
   CopyBacks back;
@@ -186,12 +240,14 @@ Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_l
   } else {
     out.assign(static_cast<size_t>(size()), at::Tensor());
   }
-  return finish(be().gather(contig(tensor, nullptr), out, dst, async_op), std::move(back),
-                async_op);
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
+             [in = contig(tensor, nullptr), out = std::move(out), dst,
+              o](detail::GroupBackend& be) { be.gather(in, out, dst, o); });
 }
 
 Work CollectiveGroup::scatter(at::Tensor tensor, std::vector<at::Tensor> scatter_list, int src,
-                              bool async_op) {
+                              const CollectiveOptions& options) {
   check_tensor(tensor, "scatter", "tensor");
   check_rank(src, size(), "scatter", "src");
   std::vector<at::Tensor> in;
@@ -203,62 +259,85 @@ Work CollectiveGroup::scatter(at::Tensor tensor, std::vector<at::Tensor> scatter
   }
   CopyBacks back;
   auto t = contig(tensor, &back);
-  return finish(be().scatter(t, in, src, async_op), std::move(back), async_op);
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(
+      options.async_op, std::move(back),
+      [t, in = std::move(in), src, o](detail::GroupBackend& be) { be.scatter(t, in, src, o); });
 }
 
 Work CollectiveGroup::reduce_scatter(at::Tensor output, std::vector<at::Tensor> input_list,
-                                     ReduceOp op, bool async_op) {
+                                     const ReduceOptions& options) {
   check_tensor(output, "reduce_scatter", "output");
   check_list(input_list, output, size(), "reduce_scatter", "input_list");
+  detail::check_reducible(output.scalar_type(), options.op, "CollectiveGroup::reduce_scatter");
   CopyBacks back;
   auto t = contig(output, &back);
-  return finish(be().reduce_scatter(t, contig_list(input_list, nullptr), op, async_op),
-                std::move(back), async_op);
+  const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
+             [t, in = contig_list(input_list, nullptr), o](detail::GroupBackend& be) {
+               be.reduce_scatter(t, in, o);
+               divide_for_average(t, o.op, be.size());
+             });
 }
 
 Work CollectiveGroup::all_to_all(std::vector<at::Tensor> output_list,
-                                 std::vector<at::Tensor> input_list, bool async_op) {
+                                 std::vector<at::Tensor> input_list,
+                                 const CollectiveOptions& options) {
   if (input_list.empty()) throw Error("CollectiveGroup::all_to_all: input_list is empty");
   check_tensor(input_list[0], "all_to_all", "input_list");
   check_list(input_list, input_list[0], size(), "all_to_all", "input_list");
   check_list(output_list, input_list[0], size(), "all_to_all", "output_list");
   CopyBacks back;
   auto out = contig_list(output_list, &back);
-  return finish(be().all_to_all(out, contig_list(input_list, nullptr), async_op), std::move(back),
-                async_op);
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, std::move(back),
+             [out = std::move(out), in = contig_list(input_list, nullptr),
+              o](detail::GroupBackend& be) { be.all_to_all(out, in, o); });
 }
 
-Work CollectiveGroup::barrier(bool async_op) {
-  return finish(be().barrier(async_op), {}, async_op);
+Work CollectiveGroup::barrier(const CollectiveOptions& options) {
+  const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
+  return run(options.async_op, {}, [o](detail::GroupBackend& be) { be.barrier(o); });
 }
 
-void CollectiveGroup::send(at::Tensor tensor, int dst, int tag) { isend(tensor, dst, tag).wait(); }
+void CollectiveGroup::send(at::Tensor tensor, int dst, int tag) {
+  check_send(tensor, dst, size(), rank());
+  be().send(contig(tensor, nullptr), dst, tag, {.timeout = call_timeout(std::nullopt)});
+}
 
 int CollectiveGroup::recv(at::Tensor tensor, std::optional<int> src, int tag) {
-  return irecv(tensor, src, tag).wait();
+  check_recv(tensor, src, size(), rank());
+  CopyBacks back;
+  auto t = contig(tensor, &back);
+  const int sender = be().recv(t, src, tag, {.timeout = call_timeout(std::nullopt)});
+  for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
+  return sender;
 }
 
 Work CollectiveGroup::isend(at::Tensor tensor, int dst, int tag) {
-  check_tensor(tensor, "send", "tensor");
-  check_rank(dst, size(), "send", "dst");
-  if (dst == rank()) throw Error("CollectiveGroup::send: dst is this rank");
+  check_send(tensor, dst, size(), rank());
   return be().isend(contig(tensor, nullptr), dst, tag);
 }
 
 Work CollectiveGroup::irecv(at::Tensor tensor, std::optional<int> src, int tag) {
-  check_tensor(tensor, "recv", "tensor");
-  if (src) {
-    check_rank(*src, size(), "recv", "src");
-    if (*src == rank()) throw Error("CollectiveGroup::recv: src is this rank");
-  }
+  check_recv(tensor, src, size(), rank());
   CopyBacks back;
   auto t = contig(tensor, &back);
-  return finish(be().irecv(t, src, tag), std::move(back), true);
+  Work w = be().irecv(t, src, tag);
+  if (!back.empty()) {
+    w.impl_->add_then([back = std::move(back)] {
+      for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
+    });
+  }
+  return w;
 }
 
 void CollectiveGroup::destroy() {
-  if (backend_) backend_->destroy();
-  backend_.reset();
+  if (impl_) {
+    impl_->executor.stop();
+    impl_->backend->destroy();
+  }
+  impl_.reset();
 }
 
 }  // namespace torchpar

@@ -1,4 +1,4 @@
-#include "reduce_kernels.h"
+#include "dist/reduce_kernels.h"
 
 #include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>
@@ -15,24 +15,24 @@ namespace {
 template <class T>
 void combine_typed(T* d, const T* a, const T* b, size_t n, ReduceOp op) {
   switch (op) {
-    case ReduceOp::SUM:
-    case ReduceOp::AVG:
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
       for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(a[i] + b[i]);
       break;
-    case ReduceOp::PRODUCT:
+    case ReduceOp::kProduct:
       for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(a[i] * b[i]);
       break;
-    case ReduceOp::MIN:
+    case ReduceOp::kMin:
       for (size_t i = 0; i < n; ++i) d[i] = b[i] < a[i] ? b[i] : a[i];
       break;
-    case ReduceOp::MAX:
+    case ReduceOp::kMax:
       for (size_t i = 0; i < n; ++i) d[i] = a[i] < b[i] ? b[i] : a[i];
       break;
   }
 }
 
 void combine_bool(bool* d, const bool* a, const bool* b, size_t n, ReduceOp op) {
-  const bool any = op == ReduceOp::SUM || op == ReduceOp::MAX;  // OR; PRODUCT/MIN: AND
+  const bool any = op == ReduceOp::kSum || op == ReduceOp::kMax;  // OR; PRODUCT/MIN: AND
   for (size_t i = 0; i < n; ++i) d[i] = any ? (a[i] || b[i]) : (a[i] && b[i]);
 }
 
@@ -42,7 +42,7 @@ void check_reducible(at::ScalarType dtype, ReduceOp op, const char* where) {
   if (at::isComplexType(dtype)) {
     throw Error(fmt::format("{}: complex dtype {} is not supported", where, c10::toString(dtype)));
   }
-  if (op == ReduceOp::AVG && !at::isFloatingType(dtype)) {
+  if (op == ReduceOp::kAvg && !at::isFloatingType(dtype)) {
     throw Error(fmt::format("{}: ReduceOp AVG needs a floating dtype, got {}", where,
                             c10::toString(dtype)));
   }

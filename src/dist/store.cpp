@@ -1,4 +1,4 @@
-#include "store.h"
+#include "dist/store.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "torchpar/core/error.h"
@@ -585,6 +586,29 @@ bool store_wait_count(c10d::Store& store, const std::string& key, int64_t count,
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   return true;
+}
+
+bool store_barrier(c10d::Store& store, const std::string& key, int64_t count,
+                   Clock::time_point deadline, const std::function<bool()>& keep_waiting) {
+  store.add(key, 1);
+  return store_wait_count(store, key, count, deadline, keep_waiting);
+}
+
+int store_wait_keys(c10d::Store& store, const std::vector<std::string>& keys,
+                    Clock::time_point deadline) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto left =
+        std::max(std::chrono::milliseconds(1),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    try {
+      store.wait({keys[i]}, left);
+    } catch (const RankLostError&) {
+      throw;
+    } catch (const std::exception&) {  // c10d stores time out with c10::Error
+      return static_cast<int>(i);
+    }
+  }
+  return -1;
 }
 
 }  // namespace torchpar::detail

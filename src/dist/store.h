@@ -125,4 +125,23 @@ bool store_wait_count(c10d::Store& store, const std::string& key, int64_t count,
                       std::chrono::steady_clock::time_point deadline,
                       const std::function<bool()>& keep_waiting = nullptr);
 
+/// One round of a store barrier: this rank arrives (adds 1 to the counter `key`), then
+/// waits with store_wait_count until `count` ranks arrived. Every barrier of the dist layer
+/// (a group's shm attach, the python_compatible default group, the World's leave) is one.
+/// Returns and errors as store_wait_count.
+bool store_barrier(c10d::Store& store, const std::string& key, int64_t count,
+                   std::chrono::steady_clock::time_point deadline,
+                   const std::function<bool()>& keep_waiting = nullptr);
+
+/// Waits until every key of `keys` is set, all within one `deadline` (the store's own
+/// blocking wait, key by key, each for what is left of the time).
+/// Returns: -1 when every key is set; else the index of the first key still missing at
+/// the deadline. Errors: RankLostError when the store's host is gone.
+int store_wait_keys(c10d::Store& store, const std::vector<std::string>& keys,
+                    std::chrono::steady_clock::time_point deadline);
+
+/// Store values are bytes: these spell a string as one and back.
+inline std::vector<uint8_t> store_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+inline std::string store_string(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
+
 }  // namespace torchpar::detail

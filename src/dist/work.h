@@ -1,6 +1,6 @@
 #pragma once
-// Implementations of Work: a completed one, a promise fulfilled by a thread (shm backend),
-// and a wrapper of a c10d ProcessGroup::Work (gloo backend).
+// Implementations of Work: a promise fulfilled by the group's executor (completed already
+// when the call ran inline); the gloo backend wraps c10d's Work for isend/irecv.
 
 #include <condition_variable>
 #include <exception>
@@ -19,8 +19,7 @@ struct Work::Impl {
   virtual bool done() = 0;
   virtual int source() { return -1; }
 
-  /// Run once, in the first successful wait (copy-backs of non-contiguous tensors, AVG's
-  /// division, unpacking of emulated operations).
+  /// Run once, in the first successful wait (copy-backs of non-contiguous tensors).
   void add_then(std::function<void()> fn) { then_.push_back(std::move(fn)); }
   void run_then_once() {
     std::lock_guard<std::mutex> g(then_mu_);

@@ -22,11 +22,11 @@ namespace {
 // Kept together so that a change of the group's signatures touches these lines only.
 
 Work start_average(CollectiveGroup& group, const at::Tensor& flat) {
-  return group.all_reduce(flat, ReduceOp::AVG, /*async_op=*/true);
+  return group.all_reduce(flat, {.op = ReduceOp::kAvg, .async_op = true});
 }
 
 Work start_broadcast_from_rank0(CollectiveGroup& group, const at::Tensor& flat) {
-  return group.broadcast(flat, /*src=*/0, /*async_op=*/true);
+  return group.broadcast(flat, /*src=*/0, {.async_op = true});
 }
 
 void all_gather(CollectiveGroup& group, std::vector<at::Tensor> out, const at::Tensor& in) {

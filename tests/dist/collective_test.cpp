@@ -1,7 +1,8 @@
 // CollectiveGroup on gloo and shm with 2, 3 and 4 ranks: every operation, several dtypes and
 // sizes (1 element to 16 MiB), contiguous and strided tensors, async handles, point-to-point
-// with any-source receives; ranks that disagree, a rank SIGKILLed before an all_reduce, bad
-// World configurations. Each rank checks its results against values it computes locally.
+// with any-source receives; ranks that disagree, a rank SIGKILLed before an all_reduce, a
+// per-call timeout shorter than the group's, bad World configurations. Each rank checks its
+// results against values it computes locally.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -60,25 +61,25 @@ void check_ops(tp::CollectiveGroup& g, at::ScalarType dt, int64_t n, bool full) 
   // all_reduce: every op, contiguous
   {
     auto t = make(me, n, dt);
-    g.all_reduce(t, tp::ReduceOp::SUM);
+    g.all_reduce(t, {.op = tp::ReduceOp::kSum});
     expect_equal(t, all.sum(0, false, dt), "all_reduce SUM " + tag);
   }
   {
     auto t = make(me, n, dt);
-    g.all_reduce(t, tp::ReduceOp::MAX);
+    g.all_reduce(t, {.op = tp::ReduceOp::kMax});
     expect_equal(t, std::get<0>(all.max(0)), "all_reduce MAX " + tag);
     t = make(me, n, dt);
-    g.all_reduce(t, tp::ReduceOp::MIN);
+    g.all_reduce(t, {.op = tp::ReduceOp::kMin});
     expect_equal(t, std::get<0>(all.min(0)), "all_reduce MIN " + tag);
   }
   if (full && dt != at::kHalf && dt != at::kBFloat16) {  // no local prod for these
     auto t = make(me, n, dt);
-    g.all_reduce(t, tp::ReduceOp::PRODUCT);
+    g.all_reduce(t, {.op = tp::ReduceOp::kProduct});
     expect_equal(t, all.prod(0, false, dt), "all_reduce PRODUCT " + tag);
   }
   if (at::isFloatingType(dt)) {
     auto t = make(me, n, dt);
-    g.all_reduce(t, tp::ReduceOp::AVG);
+    g.all_reduce(t, {.op = tp::ReduceOp::kAvg});
     auto want = all.sum(0, false, dt) / P;
     RCHECK(at::allclose(t, want), "all_reduce AVG {}", tag);
   }
@@ -87,7 +88,7 @@ void check_ops(tp::CollectiveGroup& g, at::ScalarType dt, int64_t n, bool full) 
     auto base = at::full({n, 2}, -1, dt);
     auto t = base.select(1, 0);
     t.copy_(make(me, n, dt));
-    g.all_reduce(t, tp::ReduceOp::SUM);
+    g.all_reduce(t, {.op = tp::ReduceOp::kSum});
     expect_equal(base.select(1, 0), all.sum(0, false, dt), "strided all_reduce " + tag);
     expect_equal(base.select(1, 1), at::full({n}, -1, dt), "strided neighbours " + tag);
   }
@@ -109,7 +110,7 @@ void check_ops(tp::CollectiveGroup& g, at::ScalarType dt, int64_t n, bool full) 
   {
     const int dst = 1 % P;
     auto t = make(me, n, dt);
-    g.reduce(t, dst, tp::ReduceOp::SUM);
+    g.reduce(t, dst, {.op = tp::ReduceOp::kSum});
     expect_equal(t, me == dst ? all.sum(0, false, dt) : make(me, n, dt), "reduce " + tag);
   }
   // gather to rank 0
@@ -138,7 +139,7 @@ void check_ops(tp::CollectiveGroup& g, at::ScalarType dt, int64_t n, bool full) 
     std::vector<at::Tensor> in;
     for (int q = 0; q < P; ++q) in.push_back(make(me * P + q, n, dt));
     auto t = at::zeros({n}, dt);
-    g.reduce_scatter(t, in, tp::ReduceOp::SUM);
+    g.reduce_scatter(t, in, {.op = tp::ReduceOp::kSum});
     expect_equal(t, stack_of(P, n, dt, me, P).sum(0, false, dt), "reduce_scatter " + tag);
   }
   // all_to_all: out[q] = rank q's piece for me = make(q*P + me)
@@ -156,7 +157,7 @@ void check_ops(tp::CollectiveGroup& g, at::ScalarType dt, int64_t n, bool full) 
 void ops_rank(int rank, int world, int port, std::string backend) {
   auto w = make_world(rank, world, port);
   auto g = w.create_collective_group({}, tp::backend_from_string(backend));
-  const auto want = backend == "gloo" ? tp::Backend::Gloo : tp::Backend::Shm;
+  const auto want = backend == "gloo" ? tp::Backend::kGloo : tp::Backend::kShm;
   RCHECK(g.backend() == want, "backend {} resolved to {}", backend, tp::to_string(g.backend()));
   RCHECK(g.rank() == rank && g.size() == world, "group rank/size");
   for (auto dt : {at::kFloat, at::kDouble, at::kInt, at::kLong}) {
@@ -164,23 +165,23 @@ void ops_rank(int rank, int world, int port, std::string backend) {
   }
   // 16 MiB of float32: the chunked paths
   check_ops(g, at::kFloat, 4 << 20, false);
-  if (want == tp::Backend::Shm) {
+  if (want == tp::Backend::kShm) {
     for (auto dt : {at::kHalf, at::kBFloat16, at::kShort, at::kChar}) check_ops(g, dt, 333, true);
     // bool: SUM is OR, PRODUCT is AND
     auto t = at::full({5}, rank == 0, at::kBool);
-    g.all_reduce(t, tp::ReduceOp::SUM);
+    g.all_reduce(t, {.op = tp::ReduceOp::kSum});
     RCHECK(t.all().item<bool>(), "bool OR");
     t = at::full({5}, rank == 0, at::kBool);
-    g.all_reduce(t, tp::ReduceOp::PRODUCT);
+    g.all_reduce(t, {.op = tp::ReduceOp::kProduct});
     RCHECK(!t.any().item<bool>() || world == 1, "bool AND");
   }
   // async handles
   {
     auto t = at::ones({1000});
     auto b = at::full({10}, rank, at::kLong);
-    auto w1 = g.all_reduce(t, tp::ReduceOp::SUM, true);
-    auto w2 = g.broadcast(b, 0, true);
-    auto w3 = g.barrier(true);
+    auto w1 = g.all_reduce(t, {.op = tp::ReduceOp::kSum, .async_op = true});
+    auto w2 = g.broadcast(b, 0, {.async_op = true});
+    auto w3 = g.barrier({.async_op = true});
     RCHECK(w1.wait(30.0s) == -1, "async all_reduce source");
     w2.wait();
     w3.wait();
@@ -237,8 +238,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, CollectiveOps,
 
 void agree_rank(int rank, int world, int port) {
   auto w = make_world(rank, world, port);
-  auto shm = w.create_collective_group({}, tp::Backend::Shm);
-  auto gloo = w.create_collective_group({}, tp::Backend::Gloo);
+  auto shm = w.create_collective_group({}, tp::Backend::kShm);
+  auto gloo = w.create_collective_group({}, tp::Backend::kGloo);
   at::manual_seed(1234 + rank);
   auto ints = at::randint(-1000000, 1000000, {300000}, at::kLong);
   auto floats = at::randn({300000});
@@ -265,7 +266,7 @@ TEST(Collective, ShmAndGlooAgree) {
 
 void mismatch_rank(int rank, int world, int port) {
   auto w = make_world(rank, world, port, 20);
-  auto g = w.create_collective_group({}, tp::Backend::Shm);
+  auto g = w.create_collective_group({}, tp::Backend::kShm);
   auto t = rank == 0 ? at::ones({10}, at::kFloat) : at::ones({10}, at::kDouble);
   try {
     g.all_reduce(t);
@@ -317,6 +318,36 @@ TEST(Collective, KilledRankMakesOthersRaiseNamingIt) {
   }
 }
 
+// ---- a per-call timeout shorter than the group's ----------------------------------------------
+
+void per_call_timeout_rank(int rank, int world, int port, std::string backend) {
+  auto w = make_world(rank, world, port, 60);
+  auto signal = w.create_collective_group({}, tp::Backend::kGloo, 30.0s);
+  auto g = w.create_collective_group({}, tp::backend_from_string(backend), 30.0s);
+  if (rank == 0) {  // rank 1 never calls all_reduce
+    auto t = at::ones({16});
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      g.all_reduce(t, {.timeout = 0.5s});
+      throw std::runtime_error("all_reduce without its peer did not time out");
+    } catch (const tp::TimeoutError& e) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const std::string msg = e.what();
+      RCHECK(s < 10, "the 0.5 s call timeout fired after {:.1f} s (group timeout 30 s)", s);
+      RCHECK(msg.find("within 0.5 s") != std::string::npos, "the error does not name 0.5 s: {}",
+             msg);
+    }
+  }
+  signal.barrier();  // rank 1 waits here while rank 0 times out
+}
+
+TEST(Collective, PerCallTimeoutOverridesTheGroupTimeout) {
+  for (std::string backend : {"shm", "gloo"}) {
+    auto res = run_ranks(2, 90, &per_call_timeout_rank, 2, free_port(), backend);
+    for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << backend << ": " << r.error;
+  }
+}
+
 // ---- a group destroyed while its work is pending ----------------------------------------------
 
 /// Frees and reuses heap chunks of many sizes, filled with 0xff: memory of a destroyed object
@@ -333,8 +364,8 @@ void scribble_heap() {
 
 void pending_work_rank(int rank, int world, int port) {
   auto w = make_world(rank, world, port, 30);
-  auto signal = w.create_collective_group({}, tp::Backend::Gloo, 20.0s);
-  auto g = w.create_collective_group({}, tp::Backend::Gloo, 20.0s);
+  auto signal = w.create_collective_group({}, tp::Backend::kGloo, 20.0s);
+  auto g = w.create_collective_group({}, tp::Backend::kGloo, 20.0s);
   if (rank == 0) {
     signal.barrier();  // rank 1 destroyed its group with a recv pending
     ::raise(SIGKILL);  // which makes that recv fail
@@ -370,7 +401,7 @@ void subgroup_rank(int rank, int world, int port) {
   auto w = make_world(rank, world, port);
   // ranks {2, 0} in that order: world rank 2 is group rank 0
   if (rank == 0 || rank == 2) {
-    auto g = w.create_collective_group({2, 0}, tp::Backend::Auto);
+    auto g = w.create_collective_group({2, 0}, tp::Backend::kAuto);
     RCHECK(g.rank() == (rank == 2 ? 0 : 1), "group-relative rank");
     auto t = at::full({4}, rank, at::kInt);
     g.broadcast(t, 0);

@@ -115,7 +115,7 @@ void loopback_rank(int rank, int world, int port) {
              "the store listens on {} (hex), not on loopback only", a);
     }
   }
-  auto g = w.create_collective_group({}, tp::Backend::Gloo);
+  auto g = w.create_collective_group({}, tp::Backend::kGloo);
   auto t = at::ones({4});
   g.all_reduce(t);
   RCHECK(t[0].item<float>() == world, "all_reduce");
@@ -130,7 +130,7 @@ TEST(RendezvousSecurity, StoreListensOnLoopbackForOneHostJob) {
 
 void quick_rank(int rank, int world, int port) {
   auto w = make_world(rank, world, port, 5);
-  auto g = w.create_collective_group({}, tp::Backend::Gloo);
+  auto g = w.create_collective_group({}, tp::Backend::kGloo);
   auto t = at::ones({4});
   g.all_reduce(t);
   RCHECK(t[0].item<float>() == world, "all_reduce");

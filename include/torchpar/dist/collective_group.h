@@ -2,9 +2,10 @@
 /// CollectiveGroup and Work: collective communication among ranks of a World
 /// (torch.distributed's collectives, as machin.parallel.distributed.CollectiveGroup).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,25 +16,50 @@
 
 namespace torchpar {
 
-/// Element-wise reductions (torch.distributed.ReduceOp). AVG needs a floating dtype.
-enum class ReduceOp { SUM, PRODUCT, MIN, MAX, AVG };
+/// Element-wise reductions (torch.distributed.ReduceOp: SUM, PRODUCT, MIN, MAX, AVG).
+/// kAvg is kSum divided by the group size and needs a floating dtype. On bool tensors
+/// (shm backend) kSum and kMax mean OR, kProduct and kMin mean AND.
+enum class ReduceOp { kSum, kProduct, kMin, kMax, kAvg };
 
 /// Where a group's collectives run.
-///   Gloo: LibTorch's c10d ProcessGroupGloo over TCP; works across hosts.
-///   Shm:  torchpar's shared-memory backend; every rank of the group on one host.
-///   Auto: Shm when all ranks of the group are on one host, else Gloo.
-enum class Backend { Auto, Gloo, Shm };
+///   kGloo: LibTorch's c10d ProcessGroupGloo over TCP; works across hosts.
+///   kShm:  torchpar's shared-memory backend; every rank of the group on one host.
+///   kAuto: kShm when all ranks of the group are on one host, else kGloo.
+enum class Backend { kAuto, kGloo, kShm };
 
 /// "auto", "gloo", "shm".
 std::string to_string(Backend backend);
+/// "SUM", "PRODUCT", "MIN", "MAX", "AVG" (torch.distributed's names).
 std::string to_string(ReduceOp op);
 /// Parses "auto" | "gloo" | "shm"; throws torchpar::Error naming the bad value.
 Backend backend_from_string(const std::string& name);
 
+/// Options of all_reduce, reduce and reduce_scatter (as gloo's AllreduceOptions):
+/// `g.all_reduce(t, {.op = ReduceOp::kAvg, .async_op = true})`.
+struct ReduceOptions {
+  /// The element-wise operation.
+  ReduceOp op = ReduceOp::kSum;
+  /// This call's limit on this rank, in seconds; nullopt: the group's timeout (given to
+  /// World::create_collective_group). It overrides the group's, shorter or longer.
+  Timeout timeout = std::nullopt;
+  /// false: the call returns once the operation finished (the returned Work is completed).
+  /// true: it returns at once; the tensors must not be touched until Work::wait returned.
+  bool async_op = false;
+};
+
+/// Options of the collectives that do not reduce: `g.broadcast(t, 0, {.async_op = true})`.
+struct CollectiveOptions {
+  /// This call's limit on this rank, in seconds; nullopt: the group's timeout.
+  Timeout timeout = std::nullopt;
+  /// false: returns once finished; true: returns at once with a pending Work.
+  bool async_op = false;
+};
+
 /// Handle of a collective or point-to-point operation (torch.distributed Work / request).
 ///
 /// Results are in the tensors once wait() returned. Safety: one Work may be waited on from
-/// several threads; it is not shared across processes.
+/// several threads; it is not shared across processes. Lifetime: a pending Work owns what
+/// its operation needs (the group's backend too): the group may be destroyed first.
 class Work {
  public:
   struct Impl;
@@ -43,8 +69,11 @@ class Work {
 
   /// Blocks until the operation finished. Returns the (group-relative) rank a recv/irecv
   /// got its tensor from, -1 for every other operation.
-  /// Throws TimeoutError when `timeout` (seconds) passes first (the operation goes on);
-  /// torchpar::Error (RankLostError when a rank died) when the operation failed.
+  /// Units:  `timeout` in seconds; nullopt waits for as long as the operation may take
+  ///         (its own timeout ends it).
+  /// Errors: TimeoutError when `timeout` passes first (the operation goes on; wait again);
+  ///         the operation's error otherwise: TimeoutError naming the rank and the call's
+  ///         timeout, RankLostError when a rank died, torchpar::Error.
   int wait(Timeout timeout = std::nullopt);
   /// True once the operation finished (successfully or not).
   bool is_completed() const;
@@ -63,19 +92,26 @@ class GroupBackend;
 ///
 /// Ranks: every `src`, `dst` and list index is a rank *relative to the group* (0 ..
 /// size()-1, in the order of the ranks given to World::create_collective_group).
-/// Tensors: CPU at::Tensor of any shape; contiguous or not (non-contiguous ones go through
+/// Shapes: CPU at::Tensor of any shape; contiguous or not (non-contiguous ones go through
 /// a contiguous copy). Every rank passes the same dtype and number of elements (per list
 /// element) for an operation; a mismatch across ranks raises torchpar::Error on every rank
 /// (the shm backend checks it; Gloo may report it as a size error).
 /// Dtypes: gloo supports float16/32/64, int8, uint8, int32, int64 (and bool for
-/// broadcast/all_gather); shm supports every real dtype, bool and bfloat16. PRODUCT/MIN/MAX
-/// on bool mean AND/AND/OR. AVG throws for integer dtypes.
-/// async_op: false (default) returns a completed Work; true returns at once, the tensors
-/// must not be touched until Work::wait returned.
-/// Safety: a group is used by one thread at a time; operations are ordered as issued.
+/// broadcast/all_gather); shm supports every real dtype, bool and bfloat16. Reductions
+/// refuse complex dtypes, and kAvg integer dtypes (torchpar::Error, before anything runs).
+/// Options: every collective takes ReduceOptions or CollectiveOptions: `async_op` (default
+/// false: returns a completed Work; true: returns at once, the tensors must not be touched
+/// until Work::wait returned) and `timeout` (default: the group's).
+/// Units: timeouts in seconds (std::chrono durations convert).
 /// Errors: a rank that dies or stops calling raises RankLostError / TimeoutError on the
-/// others within the group timeout, naming the rank — never a hang. After a failure the
-/// group is broken: later calls throw at once.
+/// others within the call's timeout, naming the rank (and the timeout) — never a hang.
+/// Synchronous calls throw; asynchronous ones hand the error to Work::wait. After a
+/// failure the group is broken: later calls throw at once. docs/errors.md has the states.
+/// Safety: a group is used by one thread at a time; operations run in the order they are
+/// issued (one executor per group: a synchronous call runs on the caller's thread when
+/// nothing is pending, asynchronous ones on the group's thread).
+/// Lifetime: copies share the group; the last copy (or destroy()) lets pending
+/// asynchronous operations finish and releases connections and shared memory.
 /// Source: torch.distributed.{all_reduce, ...}, machin.parallel.distributed.CollectiveGroup.
 class CollectiveGroup {
  public:
@@ -87,50 +123,91 @@ class CollectiveGroup {
   int size() const;
   /// World ranks of the members, in group order.
   const std::vector<int>& ranks() const;
-  /// The backend in use (never Auto).
+  /// The backend in use (never kAuto).
   Backend backend() const;
 
-  /// tensor = op(tensor of every rank), in place on every rank.
-  Work all_reduce(at::Tensor tensor, ReduceOp op = ReduceOp::SUM, bool async_op = false);
-  /// tensor_list[r] = tensor of rank r; tensor_list has size() tensors like `tensor`.
-  Work all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor, bool async_op = false);
+  /// tensor = options.op(tensor of every rank), in place on every rank.
+  ///
+  /// Shapes:  any; same dtype and numel on every rank.
+  /// Errors:  torchpar::Error for a complex dtype or kAvg on an integer dtype.
+  /// Source:  torch.distributed.all_reduce.
+  ///
+  ///   g.all_reduce(grad, {.op = torchpar::ReduceOp::kAvg});
+  Work all_reduce(at::Tensor tensor, const ReduceOptions& options = {});
+  /// tensor_list[r] = tensor of rank r.
+  ///
+  /// Shapes:  tensor_list has size() tensors of tensor's dtype and numel (any shapes).
+  /// Source:  torch.distributed.all_gather.
+  Work all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor,
+                  const CollectiveOptions& options = {});
   /// tensor = tensor of rank `src`.
-  Work broadcast(at::Tensor tensor, int src, bool async_op = false);
-  /// On `dst`: tensor = op(tensor of every rank); other ranks' tensors are left unchanged.
-  Work reduce(at::Tensor tensor, int dst, ReduceOp op = ReduceOp::SUM, bool async_op = false);
-  /// On `dst`: gather_list[r] = tensor of rank r (gather_list is empty on other ranks).
+  ///
+  /// Source:  torch.distributed.broadcast.
+  Work broadcast(at::Tensor tensor, int src, const CollectiveOptions& options = {});
+  /// On `dst`: tensor = options.op(tensor of every rank); other ranks' tensors are left
+  /// unchanged.
+  ///
+  /// Errors:  as all_reduce.
+  /// Source:  torch.distributed.reduce.
+  Work reduce(at::Tensor tensor, int dst, const ReduceOptions& options = {});
+  /// On `dst`: gather_list[r] = tensor of rank r.
+  ///
+  /// Shapes:  gather_list has size() tensors like `tensor` on dst, and is empty elsewhere.
+  /// Source:  torch.distributed.gather.
   Work gather(at::Tensor tensor, std::vector<at::Tensor> gather_list, int dst,
-              bool async_op = false);
-  /// tensor = scatter_list[this rank] of rank `src` (scatter_list empty on other ranks).
+              const CollectiveOptions& options = {});
+  /// tensor = scatter_list[this rank] of rank `src`.
+  ///
+  /// Shapes:  scatter_list has size() tensors like `tensor` on src, and is empty elsewhere.
+  /// Source:  torch.distributed.scatter.
   Work scatter(at::Tensor tensor, std::vector<at::Tensor> scatter_list, int src,
-               bool async_op = false);
-  /// output = op over ranks r of input_list[this rank] of rank r.
+               const CollectiveOptions& options = {});
+  /// output = options.op over ranks r of input_list[this rank] of rank r.
+  ///
+  /// Shapes:  input_list has size() tensors of output's dtype and numel.
+  /// Errors:  as all_reduce.
+  /// Source:  torch.distributed.reduce_scatter.
   Work reduce_scatter(at::Tensor output, std::vector<at::Tensor> input_list,
-                      ReduceOp op = ReduceOp::SUM, bool async_op = false);
+                      const ReduceOptions& options = {});
   /// output_list[r] = input_list[this rank] of rank r.
+  ///
+  /// Shapes:  both lists have size() tensors of one dtype and numel (shm: equal numel).
+  /// Source:  torch.distributed.all_to_all.
   Work all_to_all(std::vector<at::Tensor> output_list, std::vector<at::Tensor> input_list,
-                  bool async_op = false);
+                  const CollectiveOptions& options = {});
   /// Returns once every rank of the group entered barrier.
-  Work barrier(bool async_op = false);
+  ///
+  /// Source:  torch.distributed.barrier.
+  Work barrier(const CollectiveOptions& options = {});
 
-  /// Sends `tensor` to rank `dst`; blocks until it was taken (or buffered by Gloo).
+  /// Sends `tensor` to rank `dst`; blocks until it was taken (or buffered by Gloo), at most
+  /// the group's timeout (TimeoutError naming the group after it).
+  /// Source:  torch.distributed.send.
   void send(at::Tensor tensor, int dst, int tag = 0);
   /// Receives into `tensor` (same dtype and numel as sent) from `src`, or from any rank when
-  /// `src` is nullopt; returns the sender's rank.
+  /// `src` is nullopt; returns the sender's rank. Waits at most the group's timeout.
+  /// Source:  torch.distributed.recv.
   int recv(at::Tensor tensor, std::optional<int> src = std::nullopt, int tag = 0);
+  /// send without waiting: Work::wait waits. Point-to-point never waits for the group's
+  /// pending collectives, and they never wait for it.
   Work isend(at::Tensor tensor, int dst, int tag = 0);
   /// Work::wait returns the sender (machin: irecv from any source).
   Work irecv(at::Tensor tensor, std::optional<int> src = std::nullopt, int tag = 0);
 
-  /// Releases the group's connections and shared memory; later calls throw ClosedError.
+  /// Lets the group's pending asynchronous operations finish, then releases its connections
+  /// and shared memory; later calls throw ClosedError.
   void destroy();
-  bool valid() const { return static_cast<bool>(backend_); }
+  bool valid() const { return static_cast<bool>(impl_); }
+
+  struct Impl;
 
  private:
   using CopyBacks = std::vector<std::pair<at::Tensor, at::Tensor>>;  // (caller's, stand-in)
-  static Work finish(Work w, CopyBacks back, bool async_op);
+  /// Hands `op` to the group's executor: inline when synchronous and nothing is pending.
+  Work run(bool async_op, CopyBacks back, std::function<void(detail::GroupBackend&)> op);
+  std::chrono::duration<double> call_timeout(Timeout timeout) const;
   detail::GroupBackend& be() const;
-  std::shared_ptr<detail::GroupBackend> backend_;
+  std::shared_ptr<Impl> impl_;
 };
 
 }  // namespace torchpar

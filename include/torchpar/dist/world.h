@@ -80,9 +80,9 @@ class World {
   /// its other group creations; non-members must not call it.
   /// `timeout`: the group's limit for each operation (default: the World's).
   /// Throws torchpar::Error when this rank is not in `ranks`, ranks repeat or are out of
-  /// range, or Shm is asked for ranks on different hosts.
+  /// range, or kShm is asked for ranks on different hosts.
   CollectiveGroup create_collective_group(
-      std::vector<int> ranks = {}, Backend backend = Backend::Auto,
+      std::vector<int> ranks = {}, Backend backend = Backend::kAuto,
       std::optional<std::chrono::duration<double>> timeout = std::nullopt);
 
   /// The group of all ranks with backend gloo, laid out like Python's default process group

@@ -1,0 +1,255 @@
+// The shm backend's collectives: chunked copies and reductions through the segment's data
+// slots, one step barrier per chunk (segment_layout.h has the step protocol).
+
+#include <ATen/core/Tensor.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+
+#include "dist/backend/shm/backend.h"
+#include "dist/reduce_kernels.h"
+
+namespace torchpar::detail::shm_backend {
+namespace {
+
+constexpr size_t kSmallBytes = 32 << 10;  // one-step all_reduce below this
+constexpr size_t kStreamBytes = 4 << 20;  // tensors at least this big: results bypass caches
+
+/// memcpy with non-temporal stores: the destination (a large user tensor) is not read
+/// before it is written, which saves the read-for-ownership traffic of normal stores.
+void stream_copy(char* dst, const char* src, size_t n) {
+#if defined(__x86_64__)
+  const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (n < head + 64) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  const size_t body = n & ~size_t{63};
+  for (size_t i = 0; i < body; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + body, src + body, n - body);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+void copy_out(char* dst, const char* src, size_t n, bool stream) {
+  if (stream) {
+    stream_copy(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
+
+void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
+template <class F>
+void for_chunks(size_t bytes, size_t chunk, F&& f) {
+  if (bytes == 0) {
+    f(0, 0);
+    return;
+  }
+  for (size_t off = 0; off < bytes; off += chunk) f(off, std::min(chunk, bytes - off));
+}
+
+}  // namespace
+
+void ShmBackend::all_reduce(const at::Tensor& t, const ReduceCallOptions& o) {
+  begin(OpCode::kAllReduce, t, -1, o.op, o.timeout);
+  const size_t es = t.element_size();
+  const size_t n = t.numel();
+  char* data = static_cast<char*>(t.data_ptr());
+  if (size() == 1) return;  // the sum (and the product, min, max) of one tensor is itself
+  if (n * es <= std::min(kSmallBytes, slot_)) {
+    small_reduce(data, n, t.scalar_type(), o.op, /*to_all=*/true, -1);
+  } else {
+    chunked_reduce(data, n, t.scalar_type(), o.op, /*to_all=*/true, -1);
+  }
+}
+
+void ShmBackend::reduce(const at::Tensor& t, int dst, const ReduceCallOptions& o) {
+  begin(OpCode::kReduce, t, dst, o.op, o.timeout);
+  const size_t es = t.element_size();
+  const size_t n = t.numel();
+  char* data = static_cast<char*>(t.data_ptr());
+  if (size() == 1) return;
+  if (n * es <= std::min(kSmallBytes, slot_)) {
+    small_reduce(data, n, t.scalar_type(), o.op, false, dst);
+  } else {
+    chunked_reduce(data, n, t.scalar_type(), o.op, false, dst);
+  }
+}
+
+void ShmBackend::broadcast(const at::Tensor& t, int src, const CallOptions& o) {
+  begin(OpCode::kBroadcast, t, src, ReduceOp::kSum, o.timeout);
+  char* data = static_cast<char*>(t.data_ptr());
+  const size_t bytes = t.nbytes();
+  const bool stream = bytes >= kStreamBytes;
+  for_chunks(bytes, slot_, [&](size_t off, size_t len) {
+    if (rank() == src) std::memcpy(my_slot(), data + off, len);
+    arrive_and_wait();
+    if (rank() != src) copy_out(data + off, slot(src), len, stream);
+  });
+  if (stream) stream_fence();
+}
+
+void ShmBackend::all_gather(const std::vector<at::Tensor>& out, const at::Tensor& in,
+                            const CallOptions& o) {
+  begin(OpCode::kAllGather, in, -1, ReduceOp::kSum, o.timeout);
+  gather_impl(in, out, /*to_all=*/true, -1);
+}
+
+void ShmBackend::gather(const at::Tensor& in, const std::vector<at::Tensor>& out, int dst,
+                        const CallOptions& o) {
+  begin(OpCode::kGather, in, dst, ReduceOp::kSum, o.timeout);
+  gather_impl(in, out, false, dst);
+}
+
+void ShmBackend::scatter(const at::Tensor& out, const std::vector<at::Tensor>& in, int src,
+                         const CallOptions& o) {
+  begin(OpCode::kScatter, out, src, ReduceOp::kSum, o.timeout);
+  const size_t bytes = out.nbytes();
+  const size_t piece = piece_bytes(out.element_size());
+  char* dst = static_cast<char*>(out.data_ptr());
+  for_chunks(bytes, piece, [&](size_t off, size_t len) {
+    if (rank() == src) {
+      for (int q = 0; q < size(); ++q) {
+        std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
+      }
+    }
+    arrive_and_wait();
+    std::memcpy(dst + off, slot(src) + rank() * piece, len);
+  });
+}
+
+void ShmBackend::reduce_scatter(const at::Tensor& out, const std::vector<at::Tensor>& in,
+                                const ReduceCallOptions& o) {
+  begin(OpCode::kReduceScatter, out, -1, o.op, o.timeout);
+  const size_t es = out.element_size();
+  const size_t piece = piece_bytes(es);
+  char* dst = static_cast<char*>(out.data_ptr());
+  for_chunks(out.nbytes(), piece, [&](size_t off, size_t len) {
+    for (int q = 0; q < size(); ++q) {
+      std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
+    }
+    arrive_and_wait();
+    combine_all(dst + off, rank() * piece, len / es, out.scalar_type(), o.op);
+  });
+}
+
+void ShmBackend::all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
+                            const CallOptions& o) {
+  begin(OpCode::kAllToAll, in[0], -1, ReduceOp::kSum, o.timeout);
+  const size_t piece = piece_bytes(in[0].element_size());
+  for_chunks(in[0].nbytes(), piece, [&](size_t off, size_t len) {
+    for (int q = 0; q < size(); ++q) {
+      std::memcpy(my_slot() + q * piece, static_cast<const char*>(in[q].data_ptr()) + off, len);
+    }
+    arrive_and_wait();
+    for (int q = 0; q < size(); ++q) {
+      std::memcpy(static_cast<char*>(out[q].data_ptr()) + off, slot(q) + rank() * piece, len);
+    }
+  });
+}
+
+void ShmBackend::barrier(const CallOptions& o) {
+  begin_meta(OpCode::kBarrier, -1, 0, -1, ReduceOp::kSum, o.timeout);
+  arrive_and_wait();
+  check_meta();
+}
+
+// ---- helpers ---------------------------------------------------------------------------
+
+/// dst[i] = op over ranks (in rank order) of slot(q)[byte_off + i*es].
+void ShmBackend::combine_all(char* dst, size_t byte_off, size_t n, at::ScalarType dtype,
+                             ReduceOp op) {
+  if (size() == 1) {
+    std::memcpy(dst, slot(0) + byte_off, n * c10::elementSize(dtype));
+    return;
+  }
+  reduce_combine(dst, slot(0) + byte_off, slot(1) + byte_off, n, dtype, op);
+  for (int q = 2; q < size(); ++q) reduce_combine(dst, dst, slot(q) + byte_off, n, dtype, op);
+}
+
+void ShmBackend::small_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
+                              int dst) {
+  const size_t bytes = n * c10::elementSize(dtype);
+  std::memcpy(my_slot(), data, bytes);
+  arrive_and_wait();
+  if (to_all || rank() == dst) combine_all(data, 0, n, dtype, op);
+}
+
+/// Reduce-scatter + all-gather, one slot-sized chunk at a time. Step 1: every rank
+/// publishes the pieces of the chunk the others reduce (never its own piece). Step 2: each
+/// rank reduces its own piece from its tensor and the others' slots into its slot of the
+/// other set. Then every rank copies the reduced pieces out. Per chunk of C bytes a rank moves
+/// about 4C bytes instead of the 5.5C of publishing the whole chunk, and the reduction reads its
+/// own operand straight from the tensor.
+void ShmBackend::chunked_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op,
+                                bool to_all, int dst) {
+  const size_t es = c10::elementSize(dtype);
+  const size_t P = static_cast<size_t>(size());
+  const size_t me = static_cast<size_t>(rank());
+  const size_t chunk_elems = slot_ / es;
+  for (size_t first = 0; first < n; first += chunk_elems) {
+    const size_t m = std::min(chunk_elems, n - first);
+    char* src = data + first * es;
+    auto lo = [&](size_t r) { return m * r / P; };
+    char* pub = my_slot();
+    for (size_t r = 0; r < P; ++r) {
+      if (r != me) std::memcpy(pub + lo(r) * es, src + lo(r) * es, (lo(r + 1) - lo(r)) * es);
+    }
+    arrive_and_wait();
+    const size_t a = lo(me), len = lo(me + 1) - a;
+    char* out = my_slot() + a * es;
+    auto operand = [&](size_t q) -> const char* {
+      return (q == me ? src : slot(static_cast<int>(q))) + a * es;
+    };
+    reduce_combine(out, operand(0), operand(1), len, dtype, op);
+    for (size_t q = 2; q < P; ++q) reduce_combine(out, out, operand(q), len, dtype, op);
+    arrive_and_wait();
+    if (to_all || rank() == dst) {
+      for (size_t r = 0; r < P; ++r) {
+        std::memcpy(src + lo(r) * es, slot(static_cast<int>(r)) + lo(r) * es,
+                    (lo(r + 1) - lo(r)) * es);
+      }
+    }
+  }
+}
+
+void ShmBackend::gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all,
+                             int dst) {
+  const char* src = static_cast<const char*>(in.data_ptr());
+  const bool stream = in.nbytes() * size() >= kStreamBytes;
+  for_chunks(in.nbytes(), slot_, [&](size_t off, size_t len) {
+    std::memcpy(my_slot(), src + off, len);
+    arrive_and_wait();
+    if (to_all || rank() == dst) {
+      for (int q = 0; q < size(); ++q) {
+        copy_out(static_cast<char*>(out[q].data_ptr()) + off, slot(q), len, stream);
+      }
+    }
+  });
+  if (stream) stream_fence();
+}
+
+}  // namespace torchpar::detail::shm_backend

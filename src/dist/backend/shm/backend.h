@@ -1,0 +1,150 @@
+#pragma once
+// The shared-memory collective backend: every rank of the group maps one segment.
+//
+// Files: segment_layout.h (the segment: header, control blocks, slots, and the step
+// protocol), step_barrier.{h,cpp} (arrive/wait with deadline and liveness, the one abort),
+// algorithms.cpp (the nine collectives over the slots), backend.cpp (the segment's creation
+// through shm/'s ShmRegion, the rendezvous through the group's store, per-operation
+// bookkeeping, the factory).
+//
+// all_reduce: small messages in one step (each rank reduces all slots, in rank order so every
+// rank gets the same bits); large ones per chunk in two steps: reduce-scatter (rank r
+// reduces its 1/P of the chunk into its slot of the other set) then all-gather.
+//
+// Failure: waits spin, then yield, then futex-sleep in slices of 100 ms, checking the
+// deadline and that the awaited rank's pid lives. The first rank to see a failure marks
+// the segment aborted with a message; every rank then throws RankLostError / TimeoutError.
+// Point-to-point operations go through a Gloo group made beside the segment.
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dist/backend/backend.h"
+#include "dist/backend/shm/segment_layout.h"
+#include "dist/backend/shm/step_barrier.h"
+#include "shm/segment.h"
+
+namespace torchpar::detail {
+
+/// Bytes of one data slot (per rank and set); TORCHPAR_SHM_SLOT_BYTES overrides.
+size_t shm_slot_bytes();
+
+/// Everything a shm group needs; every member passes the same `world_ranks`, and its own
+/// `rank`. Every member must be on this host (same /dev/shm and pid namespace).
+struct ShmBackendOptions {
+  /// The group's store, already prefixed for this group: rank 0 publishes the segment's
+  /// name there and every rank counts itself attached.
+  c10::intrusive_ptr<c10d::Store> store;
+  /// This process' rank in the group (0 .. world_ranks.size()-1).
+  int rank = 0;
+  /// World ranks of the members, in group order (for messages and CollectiveGroup::ranks).
+  std::vector<int> world_ranks;
+  /// Seconds: the limit for the rendezvous (every rank attached) and the default limit of
+  /// each operation.
+  std::chrono::duration<double> timeout = std::chrono::seconds(300);
+  /// For messages: "group [0,1] #0 (rank 1 of 2, shm)".
+  std::string name;
+  /// Carries send/recv (isend/irecv): a gloo group of the same members. The shm backend
+  /// owns it from here on (destroy() destroys it).
+  std::shared_ptr<GroupBackend> p2p;
+};
+
+/// Creates the shm backend for a group; collective over its members.
+/// Errors: TimeoutError when rank 0 does not publish the segment or a rank does not attach
+/// within the timeout; ShmError when /dev/shm cannot hold the segment; torchpar::Error when
+/// the segment cannot be opened (ranks on different hosts) or has another geometry.
+std::shared_ptr<GroupBackend> create_shm_backend(const ShmBackendOptions& options);
+
+namespace shm_backend {
+
+/// The shm backend of one rank (see the file comment). Lifetime: the constructor maps the
+/// segment (rank 0 creates it) and returns once every rank attached, the name unlinked;
+/// destroy() (or the destructor) unmaps it and destroys the p2p group. Safety: one
+/// operation at a time (CollectiveGroup's executor guarantees it).
+class ShmBackend final : public GroupBackend {
+ public:
+  explicit ShmBackend(const ShmBackendOptions& o);
+  ~ShmBackend() override;
+
+  Backend kind() const override { return Backend::kShm; }
+  void destroy() override;
+
+  // algorithms.cpp
+  void all_reduce(const at::Tensor& t, const ReduceCallOptions& o) override;
+  void all_gather(const std::vector<at::Tensor>& out, const at::Tensor& in,
+                  const CallOptions& o) override;
+  void broadcast(const at::Tensor& t, int src, const CallOptions& o) override;
+  void reduce(const at::Tensor& t, int dst, const ReduceCallOptions& o) override;
+  void gather(const at::Tensor& in, const std::vector<at::Tensor>& out, int dst,
+              const CallOptions& o) override;
+  void scatter(const at::Tensor& out, const std::vector<at::Tensor>& in, int src,
+               const CallOptions& o) override;
+  void reduce_scatter(const at::Tensor& out, const std::vector<at::Tensor>& in,
+                      const ReduceCallOptions& o) override;
+  void all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
+                  const CallOptions& o) override;
+  void barrier(const CallOptions& o) override;
+
+  Work isend(const at::Tensor& t, int dst, int tag) override;
+  Work irecv(const at::Tensor& t, std::optional<int> src, int tag) override;
+
+ private:
+  // ---- backend.cpp: segment and steps
+  void attach(const c10::intrusive_ptr<c10d::Store>& store);
+  GroupBackend& p2p() const;
+  void begin(OpCode op, const at::Tensor& t, int root, ReduceOp rop,
+             std::chrono::duration<double> timeout);
+  void begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, ReduceOp rop,
+                  std::chrono::duration<double> timeout);
+  /// Arrive at the next step and wait for every rank to arrive there too; the first step
+  /// of an operation also checks that every rank runs the same one.
+  void arrive_and_wait() {
+    const uint32_t next = step_ + 1;
+    if (meta_pending_) ctl_[rank()].meta[next & 1] = cur_;
+    step_ = next;
+    barrier_.arrive_and_wait(next, wait_);
+    if (meta_pending_) {
+      meta_pending_ = false;
+      check_meta();
+    }
+  }
+  /// Throws torchpar::Error on every rank (and aborts the segment) when the ranks' metadata
+  /// of the current step differ.
+  void check_meta();
+
+  char* slot_of(uint32_t set, int q) const {
+    return data_ + (static_cast<size_t>(set) * size() + q) * slot_;
+  }
+  /// This rank's slot for the step it is about to arrive at.
+  char* my_slot() const { return slot_of((step_ + 1) & 1, rank()); }
+  /// Rank q's slot of the step every rank arrived at.
+  char* slot(int q) const { return slot_of(step_ & 1, q); }
+  size_t piece_bytes(size_t es) const { return slot_ / size() / es * es; }
+
+  // ---- algorithms.cpp
+  void combine_all(char* dst, size_t byte_off, size_t n, at::ScalarType dtype, ReduceOp op);
+  void small_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all, int dst);
+  void chunked_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
+                      int dst);
+  void gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all, int dst);
+
+  std::shared_ptr<GroupBackend> p2p_;
+  ShmRegion region_;  // the mapping; empty once destroyed
+  SegmentLayout layout_;
+  char* data_ = nullptr;
+  RankCtl* ctl_ = nullptr;
+  StepBarrier barrier_;
+  size_t slot_ = 0;
+  uint32_t step_ = 0;
+  uint64_t calls_ = 0;
+  OpMeta cur_{};
+  bool meta_pending_ = false;
+  StepWait wait_;  // the current operation's limit
+};
+
+}  // namespace shm_backend
+}  // namespace torchpar::detail

@@ -1,0 +1,137 @@
+#pragma once
+// The shm backend's segment, as every rank of a group maps it (the on-segment protocol).
+//
+// Layout: a header page (geometry, the waiter count, the abort state), one 256-byte control
+// block per rank (its step counter, pid and the metadata of its current operation, double-
+// buffered by step parity), rounded up to whole pages, then 2 x nranks data slots of
+// slot_bytes each: slot (set, rank) at data_offset + (set * nranks + rank) * slot_bytes.
+//
+// Steps: in step k a rank writes only its own slot of set k%2, then arrives (stores k in its
+// counter) and waits for every rank's counter to reach k, then reads any slot of set k%2.
+// Arriving at k+1 means having finished reading set k%2, so the set is free again at step
+// k+2: one barrier per step, no second "done reading" barrier (step_barrier.h).
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace torchpar::detail::shm_backend {
+
+inline constexpr uint64_t kMagic = 0x314c4c4f43524154ULL;  // "TPARCOLL" reversed-ish
+inline constexpr size_t kHeaderBytes = 4096;
+inline constexpr size_t kAbortMessageBytes = 512;
+
+/// The operations, as recorded in OpMeta::op.
+enum class OpCode : int32_t {
+  kAllReduce = 1,
+  kAllGather,
+  kBroadcast,
+  kReduce,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAllToAll,
+  kBarrier
+};
+
+/// "all_reduce", ...; "?" for a value no rank should write.
+inline const char* op_name(OpCode op) {
+  switch (op) {
+    case OpCode::kAllReduce:
+      return "all_reduce";
+    case OpCode::kAllGather:
+      return "all_gather";
+    case OpCode::kBroadcast:
+      return "broadcast";
+    case OpCode::kReduce:
+      return "reduce";
+    case OpCode::kGather:
+      return "gather";
+    case OpCode::kScatter:
+      return "scatter";
+    case OpCode::kReduceScatter:
+      return "reduce_scatter";
+    case OpCode::kAllToAll:
+      return "all_to_all";
+    case OpCode::kBarrier:
+      return "barrier";
+  }
+  return "?";
+}
+
+/// What a rank is doing: every rank must agree on it for the operation to go on.
+struct OpMeta {
+  int32_t op;     // OpCode
+  int32_t dtype;  // at::ScalarType
+  int64_t numel;  // per tensor (per list element for list operations)
+  int32_t root;   // src/dst, -1 when none
+  int32_t reduce_op;
+  uint64_t call;  // operations issued so far on this group
+};
+
+/// One rank's control block. Only its rank writes it (the pid once, at attach).
+struct alignas(64) RankCtl {
+  std::atomic<uint32_t> seq;  // last step this rank arrived at (a futex word)
+  int32_t pid;                // 0 until the rank attached
+  uint8_t pad0[56];
+  OpMeta meta[2];  // by step parity
+  uint8_t pad1[256 - 64 - 2 * sizeof(OpMeta)];
+};
+static_assert(sizeof(RankCtl) == 256);
+
+/// The header page. Rank 0 writes the geometry before it publishes the segment's name.
+struct Header {
+  uint64_t magic;
+  uint32_t nranks;
+  uint32_t pad;
+  uint64_t slot_bytes;
+  uint64_t data_offset;
+  uint64_t total_bytes;
+  alignas(64) std::atomic<uint32_t> waiters;  // ranks asleep on some counter's futex
+  alignas(64) std::atomic<uint32_t> aborted;  // 0 ok; 1 being written; 2 aborted
+  int32_t failed_rank;                        // valid once aborted == 2
+  char abort_msg[kAbortMessageBytes];         // valid once aborted == 2
+};
+static_assert(sizeof(Header) <= kHeaderBytes);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t));
+
+/// The geometry of a group's segment; every rank computes it from (nranks, slot_bytes).
+struct SegmentLayout {
+  int nranks = 0;
+  size_t slot_bytes = 0;
+  size_t data_offset = 0;  // after the header page and the control blocks, page-aligned
+  size_t total_bytes = 0;
+
+  static SegmentLayout of(int nranks, size_t slot_bytes) {
+    SegmentLayout l;
+    l.nranks = nranks;
+    l.slot_bytes = slot_bytes;
+    const size_t ctl_bytes = static_cast<size_t>(nranks) * sizeof(RankCtl);
+    l.data_offset = kHeaderBytes + (ctl_bytes + kHeaderBytes - 1) / kHeaderBytes * kHeaderBytes;
+    l.total_bytes = l.data_offset + 2 * static_cast<size_t>(nranks) * slot_bytes;
+    return l;
+  }
+
+  static Header* header(char* base) { return reinterpret_cast<Header*>(base); }
+  static RankCtl* ctl(char* base) { return reinterpret_cast<RankCtl*>(base + kHeaderBytes); }
+  char* data(char* base) const { return base + data_offset; }
+
+  /// Writes the geometry into a fresh (zero-filled) segment.
+  void init_header(char* base) const {
+    Header* h = header(base);
+    h->nranks = static_cast<uint32_t>(nranks);
+    h->slot_bytes = slot_bytes;
+    h->data_offset = data_offset;
+    h->total_bytes = total_bytes;
+    h->magic = kMagic;
+  }
+  /// True when a mapped segment has this geometry.
+  bool matches(const char* base) const {
+    const auto* h = reinterpret_cast<const Header*>(base);
+    return h->magic == kMagic && h->nranks == static_cast<uint32_t>(nranks) &&
+           h->total_bytes == total_bytes;
+  }
+};
+
+}  // namespace torchpar::detail::shm_backend

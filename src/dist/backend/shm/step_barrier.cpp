@@ -1,0 +1,104 @@
+#include "dist/backend/shm/step_barrier.h"
+
+#include <fmt/format.h>
+#include <sched.h>
+
+#include <climits>
+#include <cstdio>
+
+#include "core/cpu_relax.h"
+#include "core/liveness.h"
+#include "torchpar/core/error.h"
+
+namespace torchpar::detail::shm_backend {
+namespace {
+
+bool reached(uint32_t seq, uint32_t target) { return static_cast<int32_t>(seq - target) >= 0; }
+
+uint32_t* futex_word(std::atomic<uint32_t>& a) { return reinterpret_cast<uint32_t*>(&a); }
+
+}  // namespace
+
+StepBarrier::StepBarrier(Header* header, RankCtl* ctl, int rank, int size, std::string name,
+                         bool spin)
+    : header_(header), ctl_(ctl), rank_(rank), size_(size), name_(std::move(name)), spin_(spin) {}
+
+void StepBarrier::arrive(uint32_t step) {
+  ctl_[rank_].seq.store(step, std::memory_order_seq_cst);
+  if (header_->waiters.load(std::memory_order_seq_cst) != 0) {
+    futex_wake_n(futex_word(ctl_[rank_].seq), INT_MAX);
+  }
+}
+
+void StepBarrier::wait_for(int q, uint32_t step, const StepWait& limit) {
+  auto& seq = ctl_[q].seq;
+  if (reached(seq.load(std::memory_order_acquire), step)) return;
+  if (spin_) {
+    for (int i = 0; i < 20000; ++i) {
+      cpu_relax();
+      if (reached(seq.load(std::memory_order_acquire), step)) return;
+    }
+  }
+  for (int i = 0; i < 50; ++i) {
+    ::sched_yield();
+    if (reached(seq.load(std::memory_order_acquire), step)) return;
+  }
+  auto last_check = SteadyClock::now();
+  for (;;) {
+    // Count ourselves as a waiter before the last look: an arriving rank that stores after
+    // that look sees the count and wakes us.
+    header_->waiters.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = seq.load(std::memory_order_seq_cst);
+    if (!reached(seen, step) && header_->aborted.load() == 0) {
+      futex_wait_until(futex_word(seq), seen, limit.deadline);
+    }
+    header_->waiters.fetch_sub(1, std::memory_order_seq_cst);
+    if (reached(seq.load(std::memory_order_acquire), step)) return;
+    throw_if_aborted();
+    const auto now = SteadyClock::now();
+    if (now >= limit.deadline) {
+      fail(q,
+           fmt::format("{}: rank {} (pid {}) did not reach {} call #{} within {:.1f} s", name_, q,
+                       ctl_[q].pid, limit.op, limit.call, limit.timeout.count()),
+           /*timeout=*/true);
+    }
+    if (now - last_check > std::chrono::milliseconds(50)) {
+      last_check = now;
+      if (!pid_alive(ctl_[q].pid)) {
+        fail(q,
+             fmt::format("{}: rank {} (pid {}) died before finishing {} call #{}", name_, q,
+                         ctl_[q].pid, limit.op, limit.call),
+             /*timeout=*/false);
+      }
+    }
+  }
+}
+
+bool StepBarrier::abort(int failed_rank, const std::string& message) noexcept {
+  uint32_t expected = 0;
+  const bool first = header_->aborted.compare_exchange_strong(expected, 1);
+  if (first) {
+    header_->failed_rank = failed_rank;
+    std::snprintf(header_->abort_msg, sizeof(header_->abort_msg), "%s", message.c_str());
+    header_->aborted.store(2);
+  }
+  // Whoever sleeps on any counter wakes, sees the abort and throws.
+  for (int r = 0; r < size_; ++r) futex_wake_n(futex_word(ctl_[r].seq), INT_MAX);
+  return first;
+}
+
+void StepBarrier::throw_if_aborted() const {
+  if (header_->aborted.load(std::memory_order_acquire) == 0) return;
+  // 1: the aborting rank is writing the message; it takes no lock and cannot block.
+  while (header_->aborted.load(std::memory_order_acquire) == 1) ::sched_yield();
+  throw RankLostError(header_->failed_rank,
+                      fmt::format("{}: the group is broken: {}", name_, header_->abort_msg));
+}
+
+void StepBarrier::fail(int q, const std::string& msg, bool timeout) {
+  abort(q, msg);
+  if (timeout) throw TimeoutError(msg);
+  throw RankLostError(q, msg);
+}
+
+}  // namespace torchpar::detail::shm_backend

@@ -1,0 +1,96 @@
+#include "dist/group_executor.h"
+
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+
+#include "torchpar/core/error.h"
+
+namespace torchpar::detail {
+
+struct GroupExecutor::State {
+  std::shared_ptr<GroupBackend> backend;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> queue;  // guarded by mu
+  bool busy = false;                        // a call runs (inline or on the thread)
+  bool stop = false;
+};
+
+namespace {
+
+void run_one(const GroupExecutor::Op& op, GroupBackend& backend, PromiseWork& work) {
+  try {
+    op(backend);
+    work.set_value();
+  } catch (...) {
+    work.set_error(std::current_exception());
+  }
+}
+
+}  // namespace
+
+GroupExecutor::GroupExecutor(std::shared_ptr<GroupBackend> backend)
+    : state_(std::make_shared<State>()) {
+  state_->backend = std::move(backend);
+}
+
+GroupExecutor::~GroupExecutor() { stop(); }
+
+std::shared_ptr<PromiseWork> GroupExecutor::submit(bool async_op, Op op) {
+  auto work = std::make_shared<PromiseWork>();
+  State& s = *state_;
+  std::unique_lock<std::mutex> lk(s.mu);
+  if (s.stop) {
+    throw ClosedError(fmt::format("{}: the group was destroyed", s.backend->name()));
+  }
+  if (!async_op && s.queue.empty() && !s.busy) {
+    s.busy = true;
+    lk.unlock();
+    run_one(op, *s.backend, *work);
+    lk.lock();
+    s.busy = false;
+    s.cv.notify_all();
+    return work;
+  }
+  if (!worker_.joinable()) worker_ = std::thread(&GroupExecutor::worker_loop, state_);
+  s.queue.push_back(
+      [op = std::move(op), work, backend = s.backend] { run_one(op, *backend, *work); });
+  s.cv.notify_all();
+  return work;
+}
+
+void GroupExecutor::worker_loop(const std::shared_ptr<State>& state) {
+  State& s = *state;
+  std::unique_lock<std::mutex> lk(s.mu);
+  for (;;) {
+    s.cv.wait(lk, [&] { return (!s.queue.empty() && !s.busy) || (s.stop && s.queue.empty()); });
+    if (s.queue.empty()) return;  // stopped, and nothing is left to run
+    auto fn = std::move(s.queue.front());
+    s.queue.pop_front();
+    s.busy = true;
+    lk.unlock();
+    fn();
+    lk.lock();
+    s.busy = false;
+    s.cv.notify_all();
+  }
+}
+
+void GroupExecutor::stop() noexcept {
+  {
+    std::lock_guard<std::mutex> g(state_->mu);
+    state_->stop = true;
+  }
+  state_->cv.notify_all();
+  if (!worker_.joinable()) return;
+  if (worker_.get_id() == std::this_thread::get_id()) {
+    worker_.detach();  // a queued call dropped the last group: the thread holds the state
+  } else {
+    worker_.join();
+  }
+}
+
+}  // namespace torchpar::detail

@@ -1,0 +1,50 @@
+#pragma once
+// The one executor of a collective group: where CollectiveGroup decides sync vs async, so
+// that every backend's collectives can be plain synchronous calls.
+
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "dist/backend/backend.h"
+#include "dist/work.h"
+
+namespace torchpar::detail {
+
+/// Runs a group's collectives one at a time, in issue order, on a backend whose calls are
+/// synchronous.
+///
+/// A synchronous call runs inline on the caller's thread when nothing is queued or running
+/// (no thread hop, so small collectives keep their latency); otherwise it is queued behind
+/// the earlier asynchronous calls and the caller waits for its Work. An asynchronous call
+/// is queued and run by the executor's thread, started at the first one.
+///
+/// Guarantees: a call's Work completes (value or error) once the call ran; errors travel in
+/// the Work as std::exception_ptr. Calls never overlap.
+/// Lifetime: the thread and every queued call hold the state, and the state holds the
+/// backend, by shared_ptr: nothing is freed under a running call. stop() (and the
+/// destructor) lets the queued calls finish, then joins the thread.
+/// Safety: submit is thread-safe; calls run in the order submit was entered.
+class GroupExecutor {
+ public:
+  using Op = std::function<void(GroupBackend&)>;
+
+  explicit GroupExecutor(std::shared_ptr<GroupBackend> backend);
+  ~GroupExecutor();
+  GroupExecutor(const GroupExecutor&) = delete;
+  GroupExecutor& operator=(const GroupExecutor&) = delete;
+
+  /// Runs `op` on the backend (see the class comment). Returns its Work, completed already
+  /// when the call ran inline. Errors: ClosedError after stop().
+  std::shared_ptr<PromiseWork> submit(bool async_op, Op op);
+  /// Lets queued calls finish, joins the thread; later submits throw ClosedError.
+  void stop() noexcept;
+
+ private:
+  struct State;
+  static void worker_loop(const std::shared_ptr<State>& state);
+  std::shared_ptr<State> state_;
+  std::thread worker_;
+};
+
+}  // namespace torchpar::detail

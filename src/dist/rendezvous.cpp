@@ -1,0 +1,329 @@
+#include "dist/rendezvous.h"
+
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <netdb.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include "core/liveness.h"
+#include "torchpar/core/error.h"
+#include "torchpar/core/fd.h"
+
+namespace torchpar::detail {
+namespace {
+
+using Seconds = std::chrono::duration<double>;
+
+std::chrono::milliseconds to_ms(Seconds s) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(s);
+}
+
+std::chrono::steady_clock::time_point deadline_in(Seconds s) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(s);
+}
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  return std::string(v);
+}
+
+int env_int(const char* name, int fallback, bool required, const char* what) {
+  auto v = env(name);
+  if (!v) {
+    if (required) {
+      throw Error(fmt::format(
+          "World: {} is not given: set WorldOptions::{} or the environment variable {} (as "
+          "torchrun and `torchpar run` do)",
+          what, what, name));
+    }
+    return fallback;
+  }
+  try {
+    size_t pos = 0;
+    const int x = std::stoi(*v, &pos);
+    if (pos != v->size()) throw std::invalid_argument(*v);
+    return x;
+  } catch (const std::exception&) {
+    throw Error(fmt::format("World: environment variable {}='{}' is not an integer", name, *v));
+  }
+}
+
+std::string read_first_line(const char* path) {
+  std::ifstream f(path);
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+/// The local address that routes to addr:port (a UDP connect sends nothing).
+std::string local_address_towards(const std::string& addr, int port) {
+  if (is_loopback(addr)) return "127.0.0.1";
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res) {
+    return "";
+  }
+  std::string out;
+  UniqueFd fd(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (fd && ::connect(fd.get(), res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_in me{};
+    socklen_t len = sizeof(me);
+    if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&me), &len) == 0) {
+      char buf[INET_ADDRSTRLEN] = {0};
+      ::inet_ntop(AF_INET, &me.sin_addr, buf, sizeof(buf));
+      out = buf;
+    }
+  }
+  ::freeaddrinfo(res);
+  return out;
+}
+
+}  // namespace
+
+std::string host_key() {
+  struct stat ns {};
+  struct stat shm {};
+  ::stat("/proc/self/ns/pid", &ns);
+  ::stat("/dev/shm", &shm);
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  return fmt::format("{}/{}/{:x}/{:x}", host, read_first_line("/proc/sys/kernel/random/boot_id"),
+                     static_cast<uint64_t>(ns.st_ino), static_cast<uint64_t>(shm.st_dev));
+}
+
+Rendezvous::Rendezvous(WorldOptions options) : opts(std::move(options)) {
+  // Gloo and the store write to sockets without MSG_NOSIGNAL: a peer that died would kill
+  // this process with SIGPIPE instead of failing the operation. Python ignores SIGPIPE;
+  // do the same unless the program chose a disposition of its own.
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
+  resolve();
+  connect();
+  try {
+    join_world();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(fmt::format(
+        "World: rank {} lost the connection to the store at {}:{} while joining (did rank 0 "
+        "fail or refuse the world?): {}",
+        rank, master_addr, master_port, message_of(e)));
+  }
+}
+
+Rendezvous::~Rendezvous() { leave(); }
+
+void Rendezvous::resolve() {
+  rank = opts.rank >= 0 ? opts.rank : env_int("RANK", -1, true, "rank");
+  world_size =
+      opts.world_size >= 0 ? opts.world_size : env_int("WORLD_SIZE", -1, true, "world_size");
+  if (world_size < 1) {
+    throw Error(fmt::format("World: world size must be at least 1, got {}", world_size));
+  }
+  if (rank < 0 || rank >= world_size) {
+    throw Error(
+        fmt::format("World: rank {} is out of range for world size {} (ranks are 0 .. "
+                    "{})",
+                    rank, world_size, world_size - 1));
+  }
+  local_rank = env_int("LOCAL_RANK", rank, false, "local_rank");
+  local_world_size = env_int("LOCAL_WORLD_SIZE", world_size, false, "local_world_size");
+  name = opts.name.empty() ? fmt::format("rank{}", rank) : opts.name;
+  host = host_key();
+  if (opts.timeout.count() <= 0) throw Error("World: timeout must be positive");
+}
+
+void Rendezvous::connect() {
+  std::string init = opts.init_method.empty() ? "env://" : opts.init_method;
+  if (init.rfind("file://", 0) == 0) {
+    const std::string path = init.substr(7);
+    if (path.empty()) throw Error("World: init_method file:// needs a path");
+    try {
+      store = c10::make_intrusive<c10d::FileStore>(path, world_size);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("World: cannot open the FileStore {}: {}", path, message_of(e)));
+    }
+    store->setTimeout(to_ms(opts.timeout));
+    return;
+  }
+  if (init.rfind("tcp://", 0) == 0) {
+    const std::string hp = init.substr(6);
+    const auto colon = hp.rfind(':');
+    if (colon == std::string::npos) {
+      throw Error(fmt::format("World: init_method '{}' must be tcp://host:port", init));
+    }
+    master_addr = hp.substr(0, colon);
+    try {
+      master_port = std::stoi(hp.substr(colon + 1));
+    } catch (const std::exception&) {
+      throw Error(fmt::format("World: init_method '{}' has a bad port", init));
+    }
+  } else if (init == "env://") {
+    if (!opts.master_addr.empty()) {
+      master_addr = opts.master_addr;
+    } else if (auto a = env("MASTER_ADDR")) {
+      master_addr = *a;
+    } else {
+      throw Error(
+          "World: the master address is not given: set WorldOptions::master_addr or "
+          "MASTER_ADDR (as torchrun and `torchpar run` do)");
+    }
+    master_port =
+        opts.master_port >= 0 ? opts.master_port : env_int("MASTER_PORT", -1, true, "master_port");
+  } else {
+    throw Error(fmt::format(
+        "World: unknown init_method '{}': expected env://, tcp://host:port or file:///path", init));
+  }
+  if (master_port <= 0 || master_port > 65535) {
+    throw Error(fmt::format("World: master port {} is out of range 1..65535", master_port));
+  }
+  if (opts.python_compatible) {
+    connect_tcp_store();
+  } else {
+    connect_our_store();
+  }
+  if (auto ifname = env("GLOO_SOCKET_IFNAME")) {
+    device.interface = *ifname;
+  } else if (auto a = env("TORCHPAR_GLOO_ADDR")) {
+    device.address = *a;
+  } else {
+    device.address = local_address_towards(master_addr, master_port);
+  }
+}
+
+/// c10d's TCPStore, as Python ranks expect it (unauthenticated; listens on every
+/// interface: LibTorch 1.13 has no bind address). Only for python_compatible.
+void Rendezvous::connect_tcp_store() {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(master_port);
+  o.isServer = rank == 0;
+  o.numWorkers = world_size;
+  // Python ranks count arrivals on the store's init key: take part when mixing with them.
+  o.waitWorkers = true;
+  o.timeout = to_ms(opts.timeout);
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(master_addr, o);
+  } catch (const std::exception& e) {
+    const char* why = message_of(e);
+    if (rank == 0) {
+      throw Error(fmt::format("World: rank 0 cannot serve the store on {}:{}: {}", master_addr,
+                              master_port, why));
+    }
+    throw TimeoutError(
+        fmt::format("World: rank {} cannot reach the master {}:{} within {:.1f} s: {}", rank,
+                    master_addr, master_port, opts.timeout.count(), why));
+  }
+}
+
+/// torchpar's store: rank 0 serves it on the master address (or store_bind_addr), every
+/// rank (rank 0 too) connects and proves the job's key.
+void Rendezvous::connect_our_store() {
+  const AuthKey key = opts.authkey.empty() ? default_authkey() : opts.authkey;
+  if (rank == 0) {
+    std::string bind = opts.store_bind_addr;
+    if (bind.empty()) bind = env("TORCHPAR_STORE_BIND_ADDR").value_or(master_addr);
+    server_ = std::make_unique<StoreServer>(bind, master_port, key, to_ms(opts.timeout));
+  }
+  try {
+    store = c10::make_intrusive<StoreClient>(master_addr, master_port, key, to_ms(opts.timeout));
+  } catch (const AuthenticationError& e) {
+    throw AuthenticationError(
+        fmt::format("World: rank {} was refused by {}", rank, e.what_without_backtrace()));
+  } catch (const Error& e) {
+    throw TimeoutError(
+        fmt::format("World: rank {} cannot reach the master {}:{} within {:.1f} s: {}", rank,
+                    master_addr, master_port, opts.timeout.count(), e.what_without_backtrace()));
+  }
+}
+
+/// Every rank announces itself; every rank checks that all announced the same world size.
+void Rendezvous::join_world() {
+  members.assign(static_cast<size_t>(world_size), {});
+  names.assign(static_cast<size_t>(world_size), "");
+  if (opts.python_compatible) {
+    names[static_cast<size_t>(rank)] = name;
+    members[static_cast<size_t>(rank)] = {::getpid(), host};
+    return;
+  }
+  const int64_t seen = store->add(fmt::format("torchpar/world/joined/{}", rank), 1);
+  if (seen > 1) {
+    throw Error(fmt::format("World: rank {} joined twice (another process already uses rank {})",
+                            rank, rank));
+  }
+  store->set(fmt::format("torchpar/world/rank/{}", rank),
+             store_bytes(fmt::format("{}\n{}\n{}\n{}", world_size, ::getpid(), host, name)));
+  const auto deadline = deadline_in(opts.timeout);
+  for (int q = 0; q < world_size; ++q) {
+    // Key by key, so that a rank announcing another world size is named at once.
+    const std::string key = fmt::format("torchpar/world/rank/{}", q);
+    if (store_wait_keys(*store, {key}, deadline) >= 0) {
+      throw TimeoutError(fmt::format(
+          "World: rank {} did not join within {:.1f} s (world size {}, this is rank {})", q,
+          opts.timeout.count(), world_size, rank));
+    }
+    std::istringstream in(store_string(store->get(key)));
+    std::string ws, pid, h, nm;
+    std::getline(in, ws);
+    std::getline(in, pid);
+    std::getline(in, h);
+    std::getline(in, nm);
+    if (ws != std::to_string(world_size)) {
+      throw Error(
+          fmt::format("World: ranks disagree on the world size: rank {} says {}, rank {} says {}",
+                      q, ws, rank, world_size));
+    }
+    members[static_cast<size_t>(q)] = {std::atoi(pid.c_str()), h};
+    names[static_cast<size_t>(q)] = nm;
+  }
+}
+
+void Rendezvous::leave() noexcept {
+  if (left_ || !store) return;
+  left_ = true;
+  try {
+    if (!opts.python_compatible) {
+      const std::string key = "torchpar/world/left";
+      if (rank == 0 && std::uncaught_exceptions() == 0) {
+        // Rank 0 serves the store: wait (at most 10 s) while some other rank may still use
+        // it, that is while one has not left and is not known to be dead.
+        store_barrier(*store, key, world_size,
+                      deadline_in(std::min<Seconds>(std::chrono::seconds(10), opts.timeout)), [&] {
+                        for (int q = 1; q < world_size; ++q) {
+                          const auto& m = members[static_cast<size_t>(q)];
+                          if (m.host != host || pid_alive(m.pid)) return true;
+                        }
+                        return false;
+                      });
+      } else {
+        store->add(key, 1);
+      }
+    }
+  } catch (...) {  // the store may be gone already: nothing to wait for
+  }
+  store.reset();
+  server_.reset();  // closes every connection, joins its threads
+}
+
+}  // namespace torchpar::detail

@@ -1,0 +1,69 @@
+#pragma once
+// A World's rendezvous: who this rank is, where the store is, and every rank's pid, host and
+// name. Group creation (world.cpp) builds on it.
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dist/backend/backend.h"
+#include "dist/backend/gloo/backend.h"
+#include "dist/store.h"
+#include "torchpar/dist/world.h"
+
+namespace torchpar::detail {
+
+/// Ranks with equal keys share /dev/shm and a pid namespace: the shm backend works among
+/// them. "<host name>/<boot id>/<pid namespace inode>/<the device of /dev/shm>", in hex.
+std::string host_key();
+
+/// This rank's view of the job once every rank joined.
+///
+/// Construction is collective: it resolves the options (missing ones from RANK, WORLD_SIZE,
+/// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), serves the store on rank 0
+/// (torchpar's authenticated StoreServer; c10d's TCPStore with python_compatible; or every
+/// rank opens the FileStore of file://), connects, announces this rank (world size, pid,
+/// host key, name) and reads every other rank's announcement, each within the timeout.
+/// Errors: those World's constructor documents (torchpar::Error, TimeoutError naming the
+/// rank that did not join, AuthenticationError, RankLostError when rank 0 is gone).
+/// Lifetime: leave() (or the destructor) drops the store; rank 0, which serves it, first
+/// waits (at most 10 s) for the other ranks to leave. Safety: the fields are written by
+/// the constructor only; leave() from one thread.
+class Rendezvous {
+ public:
+  explicit Rendezvous(WorldOptions options);
+  ~Rendezvous();
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+
+  /// Idempotent; never throws (the store may be gone already).
+  void leave() noexcept;
+
+  WorldOptions opts;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string name;                 // this rank's
+  std::vector<std::string> names;   // by world rank
+  std::vector<MemberInfo> members;  // by world rank (pid, host key)
+  std::string host;                 // this rank's host key
+  std::string master_addr;
+  int master_port = 0;
+  GlooDeviceSpec device;  // where this rank's Gloo groups bind
+  c10::intrusive_ptr<c10d::Store> store;
+
+ private:
+  void resolve();
+  void connect();
+  void connect_tcp_store();
+  void connect_our_store();
+  void join_world();
+
+  std::unique_ptr<StoreServer> server_;  // rank 0, unless python_compatible / file://
+  bool left_ = false;
+};
+
+}  // namespace torchpar::detail
