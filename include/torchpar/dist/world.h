@@ -18,15 +18,15 @@ namespace torchpar {
 /// MASTER_PORT.
 struct WorldOptions {
   /// Name of this rank (machin's World(name=...)); default "rank<rank>".
-  std::string name;
+  std::string name{};
   /// -1: from RANK / WORLD_SIZE.
   int rank = -1;
   int world_size = -1;
   /// "env://" (default: MASTER_ADDR/MASTER_PORT), "tcp://host:port" or "file:///path"
   /// (a c10d FileStore on a shared file system; the file must not exist before the run).
-  std::string init_method;
+  std::string init_method{};
   /// Override MASTER_ADDR / MASTER_PORT (port -1: from the environment).
-  std::string master_addr;
+  std::string master_addr{};
   int master_port = -1;
   /// Seconds: rendezvous limit and the default timeout of every collective group.
   std::chrono::duration<double> timeout = std::chrono::seconds(300);
@@ -39,11 +39,11 @@ struct WorldOptions {
   /// (TORCHPAR_AUTHKEY in hex, as `torchpar run` sets it, else the per-user key file).
   /// Ranks with different keys cannot join one World. Unused with python_compatible (c10d's
   /// TCPStore has no authentication) and with file:// (the file's permissions guard it).
-  AuthKey authkey;
+  AuthKey authkey{};
   /// Address rank 0's store listens on. Empty: TORCHPAR_STORE_BIND_ADDR, else the master
   /// address itself (loopback for a one-host job, so the job is not reachable from the
   /// network). "0.0.0.0" or "::" listens on every interface: only when asked here.
-  std::string store_bind_addr;
+  std::string store_bind_addr{};
 };
 
 /// Membership of one distributed job and the store its groups meet through.

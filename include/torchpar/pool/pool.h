@@ -245,7 +245,7 @@ struct PoolOptions {
   size_t processes = 0;           ///< 0: the number of cores
   Initializer init{};             ///< torchpar::initializer(fn, args...)
   uint64_t maxtasksperchild = 0;  ///< a worker is replaced after this many tasks (0: never)
-  std::optional<StartMethod> start_method;  ///< default: get_start_method()
+  std::optional<StartMethod> start_method{};  ///< default: get_start_method()
   /// Task arguments: tensors shared (false) or copied (true); results are always copied.
   /// Default false, as torch.multiprocessing.Pool, Queue and Connection::send; machin's
   /// Pool defaults to is_copy_tensor=True, and so does dumps alone (machin's dumps).

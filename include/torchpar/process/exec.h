@@ -27,13 +27,13 @@ namespace torchpar {
 /// How to start a program.
 struct ExecOptions {
   /// "NAME=value" entries added to (or replacing in) this process's environment.
-  std::vector<std::string> env;
+  std::vector<std::string> env{};
   /// Descriptors that become the child's stdin/stdout/stderr (-1: inherit ours).
   int stdin_fd = -1;
   int stdout_fd = -1;
   int stderr_fd = -1;
   /// Process group to join: 0 makes the child the leader of a new group; nullopt keeps ours.
-  std::optional<pid_t> process_group;
+  std::optional<pid_t> process_group{};
   /// SIGKILL the child when this process ends (PR_SET_PDEATHSIG). Only safe to rely on
   /// when the calling thread lives as long as the process (the main thread, say).
   bool die_with_parent = true;

@@ -18,10 +18,10 @@ namespace torchpar {
 
 /// Options of a Process.
 struct ProcessOptions {
-  std::string name;                         ///< "Process-<n>" when empty
-  bool daemon = false;                      ///< terminated when the parent's Process object dies
-  std::optional<StartMethod> start_method;  ///< default: get_start_method()
-  int threads = 1;                          ///< LibTorch intra-op threads in the child
+  std::string name{};                         ///< "Process-<n>" when empty
+  bool daemon = false;                        ///< terminated when the parent's Process object dies
+  std::optional<StartMethod> start_method{};  ///< default: get_start_method()
+  int threads = 1;                            ///< LibTorch intra-op threads in the child
 };
 
 namespace detail {

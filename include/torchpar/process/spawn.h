@@ -13,10 +13,10 @@ namespace torchpar {
 
 /// Options of spawn / start_processes.
 struct SpawnOptions {
-  bool join = true;                         ///< join() before returning
-  bool daemon = false;                      ///< children's daemon flag
-  std::optional<StartMethod> start_method;  ///< spawn(): "spawn"; start_processes(): default
-  int threads = 1;                          ///< LibTorch intra-op threads per child
+  bool join = true;                           ///< join() before returning
+  bool daemon = false;                        ///< children's daemon flag
+  std::optional<StartMethod> start_method{};  ///< spawn(): "spawn"; start_processes(): default
+  int threads = 1;                            ///< LibTorch intra-op threads per child
 };
 
 /// The children of one spawn / start_processes call.
