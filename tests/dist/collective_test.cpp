@@ -21,9 +21,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-#define RCHECK(cond, ...) \
-  if (!(cond)) throw std::runtime_error(fmt::format(__VA_ARGS__))
-
 tp::World make_world(int rank, int world, int port, double timeout = 60) {
   return tp::World(tp::WorldOptions{.rank = rank,
                                     .world_size = world,
@@ -39,11 +36,11 @@ at::Tensor make(int r, int64_t n, at::ScalarType dtype) {
 }
 
 void expect_equal(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
-  RCHECK(got.scalar_type() == want.scalar_type(), "{}: dtype {} != {}", what,
-         c10::toString(got.scalar_type()), c10::toString(want.scalar_type()));
-  RCHECK(got.sizes() == want.sizes(), "{}: shape differs", what);
-  RCHECK(at::equal(got, want), "{}: values differ (first got {}, want {})", what,
-         got.reshape({-1})[0].item<double>(), want.reshape({-1})[0].item<double>());
+  TORCHPAR_RCHECK(got.scalar_type() == want.scalar_type(), "{}: dtype {} != {}", what,
+                  c10::toString(got.scalar_type()), c10::toString(want.scalar_type()));
+  TORCHPAR_RCHECK(got.sizes() == want.sizes(), "{}: shape differs", what);
+  TORCHPAR_RCHECK(at::equal(got, want), "{}: values differ (first got {}, want {})", what,
+                  got.reshape({-1})[0].item<double>(), want.reshape({-1})[0].item<double>());
 }
 
 at::Tensor stack_of(int P, int64_t n, at::ScalarType dt, int offset = 0, int mul = 1) {
@@ -81,7 +78,7 @@ void check_ops(tp::CollectiveGroup& g, at::ScalarType dt, int64_t n, bool full) 
     auto t = make(me, n, dt);
     g.all_reduce(t, {.op = tp::ReduceOp::kAvg});
     auto want = all.sum(0, false, dt) / P;
-    RCHECK(at::allclose(t, want), "all_reduce AVG {}", tag);
+    TORCHPAR_RCHECK(at::allclose(t, want), "all_reduce AVG {}", tag);
   }
   // non-contiguous (every other element of a [n, 2] tensor); the other column is untouched
   {
@@ -158,8 +155,9 @@ void ops_rank(int rank, int world, int port, std::string backend) {
   auto w = make_world(rank, world, port);
   auto g = w.create_collective_group({}, tp::backend_from_string(backend));
   const auto want = backend == "gloo" ? tp::Backend::kGloo : tp::Backend::kShm;
-  RCHECK(g.backend() == want, "backend {} resolved to {}", backend, tp::to_string(g.backend()));
-  RCHECK(g.rank() == rank && g.size() == world, "group rank/size");
+  TORCHPAR_RCHECK(g.backend() == want, "backend {} resolved to {}", backend,
+                  tp::to_string(g.backend()));
+  TORCHPAR_RCHECK(g.rank() == rank && g.size() == world, "group rank/size");
   // Two ranks run every dtype and size; more ranks (oversubscribed on a 2-core machine, the
   // slow part of this suite) one floating and one integer dtype, a tiny and a multi-slot size.
   const auto dtypes =
@@ -177,10 +175,10 @@ void ops_rank(int rank, int world, int port, std::string backend) {
     // bool: SUM is OR, PRODUCT is AND
     auto t = at::full({5}, rank == 0, at::kBool);
     g.all_reduce(t, {.op = tp::ReduceOp::kSum});
-    RCHECK(t.all().item<bool>(), "bool OR");
+    TORCHPAR_RCHECK(t.all().item<bool>(), "bool OR");
     t = at::full({5}, rank == 0, at::kBool);
     g.all_reduce(t, {.op = tp::ReduceOp::kProduct});
-    RCHECK(!t.any().item<bool>() || world == 1, "bool AND");
+    TORCHPAR_RCHECK(!t.any().item<bool>() || world == 1, "bool AND");
   }
   // async handles
   {
@@ -189,12 +187,12 @@ void ops_rank(int rank, int world, int port, std::string backend) {
     auto w1 = g.all_reduce(t, {.op = tp::ReduceOp::kSum, .async_op = true});
     auto w2 = g.broadcast(b, 0, {.async_op = true});
     auto w3 = g.barrier({.async_op = true});
-    RCHECK(w1.wait(30.0s) == -1, "async all_reduce source");
+    TORCHPAR_RCHECK(w1.wait(30.0s) == -1, "async all_reduce source");
     w2.wait();
     w3.wait();
-    RCHECK(w1.is_completed() && w2.is_completed() && w3.is_completed(), "async completed");
-    RCHECK(at::equal(t, at::full({1000}, world)), "async all_reduce value");
-    RCHECK(at::equal(b, at::zeros({10}, at::kLong)), "async broadcast value");
+    TORCHPAR_RCHECK(w1.is_completed() && w2.is_completed() && w3.is_completed(), "async completed");
+    TORCHPAR_RCHECK(at::equal(t, at::full({1000}, world)), "async all_reduce value");
+    TORCHPAR_RCHECK(at::equal(b, at::zeros({10}, at::kLong)), "async broadcast value");
   }
   // point to point around the ring; receive from any source and learn the sender
   {
@@ -205,15 +203,15 @@ void ops_rank(int rank, int world, int port, std::string backend) {
     auto r = g.irecv(in, std::nullopt, 7);
     const int sender = r.wait(30.0s);
     s.wait(30.0s);
-    RCHECK(sender == prev, "irecv from any source: sender {} want {}", sender, prev);
+    TORCHPAR_RCHECK(sender == prev, "irecv from any source: sender {} want {}", sender, prev);
     expect_equal(in, make(prev, 100, at::kFloat), "irecv any source");
     // named source, blocking
     if (rank == 0) {
       g.send(at::full({3}, 42.0), world - 1);
     } else if (rank == world - 1) {
       auto x = at::zeros({3});
-      RCHECK(g.recv(x, 0) == 0, "recv sender");
-      RCHECK(at::equal(x, at::full({3}, 42.0)), "recv value");
+      TORCHPAR_RCHECK(g.recv(x, 0) == 0, "recv sender");
+      TORCHPAR_RCHECK(at::equal(x, at::full({3}, 42.0)), "recv value");
     }
   }
   g.barrier();
@@ -255,13 +253,13 @@ void agree_rank(int rank, int world, int port) {
   gloo.all_reduce(b);
   shm.all_reduce(c);
   gloo.all_reduce(d);
-  RCHECK(at::equal(a, b), "integer sums differ between shm and gloo");
-  RCHECK(at::allclose(c, d, 1e-5, 1e-5), "float sums differ beyond tolerance");
+  TORCHPAR_RCHECK(at::equal(a, b), "integer sums differ between shm and gloo");
+  TORCHPAR_RCHECK(at::allclose(c, d, 1e-5, 1e-5), "float sums differ beyond tolerance");
   // every rank holds the same bits after a float all_reduce (shm)
   std::vector<at::Tensor> copies;
   for (int q = 0; q < world; ++q) copies.push_back(at::empty_like(c));
   shm.all_gather(copies, c);
-  for (auto& x : copies) RCHECK(at::equal(x, c), "ranks hold different float results");
+  for (auto& x : copies) TORCHPAR_RCHECK(at::equal(x, c), "ranks hold different float results");
 }
 
 TEST(Collective, ShmAndGlooAgree) {
@@ -278,7 +276,8 @@ void mismatch_rank(int rank, int world, int port) {
   try {
     g.all_reduce(t);
   } catch (const tp::Error& e) {
-    RCHECK(std::string(e.what()).find("disagree") != std::string::npos, "message: {}", e.what());
+    TORCHPAR_RCHECK(std::string(e.what()).find("disagree") != std::string::npos, "message: {}",
+                    e.what());
     // the group is broken for good: the next call fails at once
     try {
       g.barrier();
@@ -308,9 +307,10 @@ void killed_rank(int rank, int world, int port, std::string backend) {
     g.all_reduce(t);
   } catch (const tp::Error& e) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    RCHECK(s < 8.5, "raised after {:.1f} s, beyond the 8 s timeout", s);
+    TORCHPAR_RCHECK(s < 8.5, "raised after {:.1f} s, beyond the 8 s timeout", s);
     const std::string msg = e.what();
-    RCHECK(msg.find("rank 1") != std::string::npos, "the error does not name rank 1: {}", msg);
+    TORCHPAR_RCHECK(msg.find("rank 1") != std::string::npos, "the error does not name rank 1: {}",
+                    msg);
     return;
   }
   throw std::runtime_error("all_reduce with a dead rank did not throw");
@@ -340,9 +340,10 @@ void per_call_timeout_rank(int rank, int world, int port, std::string backend) {
     } catch (const tp::TimeoutError& e) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const std::string msg = e.what();
-      RCHECK(s < 10, "the 0.5 s call timeout fired after {:.1f} s (group timeout 30 s)", s);
-      RCHECK(msg.find("within 0.5 s") != std::string::npos, "the error does not name 0.5 s: {}",
-             msg);
+      TORCHPAR_RCHECK(s < 10, "the 0.5 s call timeout fired after {:.1f} s (group timeout 30 s)",
+                      s);
+      TORCHPAR_RCHECK(msg.find("within 0.5 s") != std::string::npos,
+                      "the error does not name 0.5 s: {}", msg);
     }
   }
   signal.barrier();  // rank 1 waits here while rank 0 times out
@@ -390,7 +391,7 @@ void pending_work_rank(int rank, int world, int port) {
     pending.wait(20.0s);
   } catch (const tp::Error& e) {
     const std::string msg = e.what();
-    RCHECK(msg.find("recv") != std::string::npos, "unexpected error: {}", msg);
+    TORCHPAR_RCHECK(msg.find("recv") != std::string::npos, "unexpected error: {}", msg);
     return;
   }
   throw std::runtime_error("a recv from a dead rank succeeded");
@@ -409,19 +410,20 @@ void subgroup_rank(int rank, int world, int port) {
   // ranks {2, 0} in that order: world rank 2 is group rank 0
   if (rank == 0 || rank == 2) {
     auto g = w.create_collective_group({2, 0}, tp::Backend::kAuto);
-    RCHECK(g.rank() == (rank == 2 ? 0 : 1), "group-relative rank");
+    TORCHPAR_RCHECK(g.rank() == (rank == 2 ? 0 : 1), "group-relative rank");
     auto t = at::full({4}, rank, at::kInt);
     g.broadcast(t, 0);
-    RCHECK(at::equal(t, at::full({4}, 2, at::kInt)), "broadcast from group rank 0");
+    TORCHPAR_RCHECK(at::equal(t, at::full({4}, 2, at::kInt)), "broadcast from group rank 0");
   } else {
     try {
       w.create_collective_group({2, 0});
       throw std::runtime_error("a non-member created a group");
     } catch (const tp::Error& e) {
-      RCHECK(std::string(e.what()).find("not in the group") != std::string::npos, "{}", e.what());
+      TORCHPAR_RCHECK(std::string(e.what()).find("not in the group") != std::string::npos, "{}",
+                      e.what());
     }
   }
-  RCHECK(w.get_names()[1] == "rank1", "names");
+  TORCHPAR_RCHECK(w.get_names()[1] == "rank1", "names");
 }
 
 TEST(World, SubgroupsUseRelativeRanks) {
@@ -468,10 +470,10 @@ void sized_rank(int rank, int port, int world) {
   } catch (const tp::Error& e) {
     const std::string msg = e.what();
     // rank 0 refuses the world and leaves; the other rank hears it one way or another
-    RCHECK(msg.find("world size") != std::string::npos ||
-               msg.find("did not join") != std::string::npos ||
-               msg.find("lost the connection to the store") != std::string::npos,
-           "unclear: {}", msg);
+    TORCHPAR_RCHECK(msg.find("world size") != std::string::npos ||
+                        msg.find("did not join") != std::string::npos ||
+                        msg.find("lost the connection to the store") != std::string::npos,
+                    "unclear: {}", msg);
     return;
   }
   throw std::runtime_error("mismatched world sizes were accepted");
@@ -497,7 +499,8 @@ void file_rank(int rank, int world, std::string path) {
   auto g = w.create_collective_group();
   auto t = at::full({8}, rank + 1, at::kLong);
   g.all_reduce(t);
-  RCHECK(at::equal(t, at::full({8}, world * (world + 1) / 2, at::kLong)), "file store sum");
+  TORCHPAR_RCHECK(at::equal(t, at::full({8}, world * (world + 1) / 2, at::kLong)),
+                  "file store sum");
 }
 
 TEST(World, FileStoreRendezvous) {

@@ -28,9 +28,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-#define RCHECK(cond, ...) \
-  if (!(cond)) throw std::runtime_error(fmt::format(__VA_ARGS__))
-
 const tp::AuthKey kKey = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
 const tp::AuthKey kWrongKey = {9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9};
 
@@ -85,7 +82,8 @@ void expect_idle(const char* when) {
   const double c0 = cpu_seconds();
   std::this_thread::sleep_for(2s);
   const double used = cpu_seconds() - c0;
-  RCHECK(used < 0.3, "{}: {:.2f} s of CPU used in 2 s of idling (a thread spins)", when, used);
+  TORCHPAR_RCHECK(used < 0.3, "{}: {:.2f} s of CPU used in 2 s of idling (a thread spins)", when,
+                  used);
 }
 
 tp::UniqueFd connect_when_listening(int port, std::chrono::seconds within) {
@@ -108,17 +106,17 @@ void loopback_rank(int rank, int world, int port) {
   auto w = make_world(rank, world, port, 30);
   if (rank == 0) {
     const auto listening = sockets_on(port, "0A");
-    RCHECK(!listening.empty(), "nothing listens on port {}", port);
+    TORCHPAR_RCHECK(!listening.empty(), "nothing listens on port {}", port);
     for (const auto& a : listening) {
       // 127.0.0.1 in /proc/net/tcp's byte order; ::1 in tcp6's
-      RCHECK(a == "0100007F" || a == "00000000000000000000000001000000",
-             "the store listens on {} (hex), not on loopback only", a);
+      TORCHPAR_RCHECK(a == "0100007F" || a == "00000000000000000000000001000000",
+                      "the store listens on {} (hex), not on loopback only", a);
     }
   }
   auto g = w.create_collective_group({}, tp::Backend::kGloo);
   auto t = at::ones({4});
   g.all_reduce(t);
-  RCHECK(t[0].item<float>() == world, "all_reduce");
+  TORCHPAR_RCHECK(t[0].item<float>() == world, "all_reduce");
 }
 
 TEST(RendezvousSecurity, StoreListensOnLoopbackForOneHostJob) {
@@ -133,7 +131,7 @@ void quick_rank(int rank, int world, int port) {
   auto g = w.create_collective_group({}, tp::Backend::kGloo);
   auto t = at::ones({4});
   g.all_reduce(t);
-  RCHECK(t[0].item<float>() == world, "all_reduce");
+  TORCHPAR_RCHECK(t[0].item<float>() == world, "all_reduce");
 }
 
 TEST(RendezvousSecurity, StalledStrayClientDelaysNoOne) {
@@ -256,8 +254,9 @@ TEST(RendezvousSecurity, HugeLengthsAreRefusedWithoutAllocating) {
 void check_rank0_error(const tp::Error& e, std::chrono::steady_clock::time_point t0, double limit) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::string msg = e.what();
-  RCHECK(msg.find("rank 0") != std::string::npos, "the error does not name rank 0: {}", msg);
-  RCHECK(s < limit, "raised after {:.1f} s (limit {:.1f} s): {}", s, limit, msg);
+  TORCHPAR_RCHECK(msg.find("rank 0") != std::string::npos, "the error does not name rank 0: {}",
+                  msg);
+  TORCHPAR_RCHECK(s < limit, "raised after {:.1f} s (limit {:.1f} s): {}", s, limit, msg);
 }
 
 /// World built; rank 0 dies; the others use the store (group creation) and must raise.

@@ -24,9 +24,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-#define RCHECK(cond, ...) \
-  if (!(cond)) throw std::runtime_error(fmt::format(__VA_ARGS__))
-
 constexpr int kWorld = 2;
 constexpr int64_t kBatch = 8;
 
@@ -88,13 +85,13 @@ Batch batch_of(int step, int rank) {
 void expect_same_state(TestNet& got, TestNet& want, const std::string& what) {
   auto want_params = want->named_parameters();
   for (const auto& item : got->named_parameters()) {
-    RCHECK(at::equal(item.value(), want_params[item.key()]), "{}: parameter {} differs", what,
-           item.key());
+    TORCHPAR_RCHECK(at::equal(item.value(), want_params[item.key()]), "{}: parameter {} differs",
+                    what, item.key());
   }
   auto want_buffers = want->named_buffers();
   for (const auto& item : got->named_buffers()) {
-    RCHECK(at::equal(item.value(), want_buffers[item.key()]), "{}: buffer {} differs", what,
-           item.key());
+    TORCHPAR_RCHECK(at::equal(item.value(), want_buffers[item.key()]), "{}: buffer {} differs",
+                    what, item.key());
   }
 }
 
@@ -111,16 +108,16 @@ void average_rank(int rank, int port, std::string backend, double cap_mb, int wa
   TestNet rank0_init;  // what rank 0 builds, built again here
   torch::manual_seed(100 + rank);
   TestNet net;
-  RCHECK(rank == 0 || !at::equal(net->lin1->weight, rank0_init->lin1->weight),
-         "the ranks should start from different parameters");
+  TORCHPAR_RCHECK(rank == 0 || !at::equal(net->lin1->weight, rank0_init->lin1->weight),
+                  "the ranks should start from different parameters");
 
   tp::DistributedDataParallel ddp(*net, group, {.bucket_cap_mb = cap_mb});
   expect_same_state(net, rank0_init, "after construction");
   for (const auto& name : kTrained) {
-    RCHECK(net->named_parameters()[name].requires_grad(), "{} lost requires_grad", name);
+    TORCHPAR_RCHECK(net->named_parameters()[name].requires_grad(), "{} lost requires_grad", name);
   }
-  RCHECK(static_cast<int>(ddp.num_buckets()) == want_buckets, "{} buckets, want {}",
-         ddp.num_buckets(), want_buckets);
+  TORCHPAR_RCHECK(static_cast<int>(ddp.num_buckets()) == want_buckets, "{} buckets, want {}",
+                  ddp.num_buckets(), want_buckets);
 
   std::vector<at::Tensor> trained;
   for (const auto& name : kTrained) trained.push_back(net->named_parameters()[name]);
@@ -132,7 +129,7 @@ void average_rank(int rank, int port, std::string backend, double cap_mb, int wa
     net->frozen.mutable_grad() = at::full({4}, rank + 1.0);  // not DDP's: must stay as it is
     const at::Tensor mask = rank == 0 ? torch::ones({kBatch}) : at::Tensor();
     torch::mse_loss(net->forward(batches[rank].x, mask), batches[rank].y).backward();
-    RCHECK(net->rare.grad().defined() == (rank == 0), "rare is used on rank 0 only");
+    TORCHPAR_RCHECK(net->rare.grad().defined() == (rank == 0), "rare is used on rank 0 only");
 
     ddp.synchronize_gradients();
 
@@ -150,14 +147,14 @@ void average_rank(int rank, int port, std::string backend, double cap_mb, int wa
     for (const auto& name : kTrained) {
       const at::Tensor got = net->named_parameters()[name].grad();
       const at::Tensor want = ref_params[name].grad();
-      RCHECK(got.defined(), "step {}: {} has no gradient", step, name);
-      RCHECK(at::allclose(got, want, 1e-4, 1e-6),
-             "step {}: gradient of {} is not the average (max difference {})", step, name,
-             (got - want).abs().max().item<double>());
+      TORCHPAR_RCHECK(got.defined(), "step {}: {} has no gradient", step, name);
+      TORCHPAR_RCHECK(at::allclose(got, want, 1e-4, 1e-6),
+                      "step {}: gradient of {} is not the average (max difference {})", step, name,
+                      (got - want).abs().max().item<double>());
     }
-    RCHECK(!net->never.grad().defined(), "a parameter no rank used got a gradient");
-    RCHECK(at::equal(net->frozen.grad(), at::full({4}, rank + 1.0)),
-           "the frozen parameter's gradient was touched");
+    TORCHPAR_RCHECK(!net->never.grad().defined(), "a parameter no rank used got a gradient");
+    TORCHPAR_RCHECK(at::equal(net->frozen.grad(), at::full({4}, rank + 1.0)),
+                    "the frozen parameter's gradient was touched");
     opt.step();
   }
 
@@ -167,7 +164,7 @@ void average_rank(int rank, int port, std::string backend, double cap_mb, int wa
   const at::Tensor mine = torch::cat(flat);
   at::Tensor from0 = mine.clone();
   group.broadcast(from0, 0);
-  RCHECK(at::equal(mine, from0), "the replicas drifted apart");
+  TORCHPAR_RCHECK(at::equal(mine, from0), "the replicas drifted apart");
 }
 
 struct Case {
@@ -211,9 +208,9 @@ void different_rank(int rank, int port) {
     tp::DistributedDataParallel ddp({w}, {}, group);
   } catch (const tp::ValueError& e) {
     const std::string msg = e.what();
-    RCHECK(msg.find("different models") != std::string::npos &&
-               msg.find("rank 1") != std::string::npos,
-           "unclear: {}", msg);
+    TORCHPAR_RCHECK(msg.find("different models") != std::string::npos &&
+                        msg.find("rank 1") != std::string::npos,
+                    "unclear: {}", msg);
     return;
   }
   throw std::runtime_error("different models were accepted");
@@ -242,9 +239,11 @@ void dying_rank(int rank, int port, std::string backend) {
     ddp.synchronize_gradients();
   } catch (const tp::RankLostError& e) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    RCHECK(s < 15, "raised after {:.1f} s: the in-flight buckets waited for the timeout", s);
+    TORCHPAR_RCHECK(s < 15, "raised after {:.1f} s: the in-flight buckets waited for the timeout",
+                    s);
     const std::string msg = e.what();
-    RCHECK(msg.find("rank 1") != std::string::npos, "the error does not name rank 1: {}", msg);
+    TORCHPAR_RCHECK(msg.find("rank 1") != std::string::npos, "the error does not name rank 1: {}",
+                    msg);
     try {
       ddp.synchronize_gradients();
     } catch (const tp::Error&) {

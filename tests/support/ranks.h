@@ -4,12 +4,20 @@
 
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "torchpar/dist/world.h"
 #include "torchpar/process/process.h"
+
+/// Inside a rank: throws (failing the rank, whose error run_ranks reports) when `cond` is
+/// false, with an fmt message.
+#define TORCHPAR_RCHECK(cond, ...) \
+  if (!(cond)) throw std::runtime_error(fmt::format(__VA_ARGS__))
 
 namespace torchpar::testing {
 
