@@ -44,6 +44,8 @@ void put_str(std::string& s, const std::string& v) { put_bytes(s, v.data(), v.si
 void put_vec(std::string& s, const std::vector<uint8_t>& v) { put_bytes(s, v.data(), v.size()); }
 
 /// Reads fields from a received message; every length is checked against what is left.
+/// Holds a view: the message must outlive the Reader (never `Reader r{call(...)}`, whose
+/// temporary reply is gone at the end of that statement).
 struct Reader {
   std::string_view in;
   bool ok = true;
@@ -516,7 +518,8 @@ std::vector<uint8_t> StoreClient::compareSet(const std::string& key,
   put_str(req, key);
   put_vec(req, expected);
   put_vec(req, desired);
-  Reader r{call(req, std::chrono::milliseconds(0), "compareSet")};
+  const std::string rep = call(req, std::chrono::milliseconds(0), "compareSet");
+  Reader r{rep};  // a view: the reply must outlive it
   auto v = r.bytes(kStoreMaxValueBytes);
   return {v.begin(), v.end()};
 }
@@ -537,7 +540,8 @@ int64_t StoreClient::add(const std::string& key, int64_t value) {
   std::string req(1, static_cast<char>(kAdd));
   put_str(req, key);
   put_i64(req, value);
-  Reader r{call(req, std::chrono::milliseconds(0), "add")};
+  const std::string rep = call(req, std::chrono::milliseconds(0), "add");
+  Reader r{rep};
   return r.i64();
 }
 
@@ -559,8 +563,9 @@ bool StoreClient::check(const std::vector<std::string>& keys) {
 }
 
 int64_t StoreClient::getNumKeys() {
-  Reader r{call(std::string(1, static_cast<char>(kNumKeys)), std::chrono::milliseconds(0),
-                "getNumKeys")};
+  const std::string rep =
+      call(std::string(1, static_cast<char>(kNumKeys)), std::chrono::milliseconds(0), "getNumKeys");
+  Reader r{rep};
   return r.i64();
 }
 
