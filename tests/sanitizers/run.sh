@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make check-sanitizers: builds torchpar twice more, each in its own tree, and runs
 #   build-asan (-DTORCHPAR_SANITIZE=address,undefined): the `fast` set,
-#   build-tsan (-DTORCHPAR_SANITIZE=thread):            the ipc, pool and dist suites,
+#   build-tsan (-DTORCHPAR_SANITIZE=thread):            the core, ipc, pool and shm-backend
+#                                                       suites (see the filters below),
 # both without the tests labelled `notsan` (scripts and installed-program checks that run
 # uninstrumented programs or time out under the sanitizers' slow-down).
 # Any report fails the run: halt_on_error=1, and every suppression lives in
@@ -38,6 +39,27 @@ if [[ $which == all || $which == tsan ]]; then
   # runs them, as without TSan (TSan only warns that it cannot check that child fully).
   export OMP_NUM_THREADS=1
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:die_after_fork=0:suppressions=$supp/tsan.supp"
-  (cd build-tsan && ctest -R '^(ipc|shm_queue|sync|pool|thread_pool|collective|core)_test$' \
-                         -LE notsan --output-on-failure --timeout 1200)
+  # Each suite with the cases TSan can follow (gtest filters; the binaries run directly):
+  # - pool_test without its fork-start-method cases: a worker forked from the multi-threaded
+  #   test process that starts a thread dies in TSan's runtime ("dup thread with used id",
+  #   TSan keeps the parent's thread registry across fork); spawn and forkserver run.
+  # - ipc_test without HundredProducerProcesses: 100 forked TSan processes exhaust the
+  #   machine and the producers stall in TSan's post-fork runtime.
+  # - collective_test is not in the set yet: its ranks fork from a threaded parent and
+  #   share exception objects and std::mutex state with LibTorch/libstdc++ code TSan does
+  #   not instrument; the reports seen so far are in that code (see the issue notes).
+  failed=0
+  run() {  # run <test> [gtest filter]
+    echo "== tsan: $1 ${2:-}"
+    (cd build-tsan/tests && timeout 900 "./$1" ${2:+--gtest_filter=$2}) || { echo "FAILED: $1"; failed=1; }
+  }
+  run core_test
+  run thread_pool_test
+  run parallel_test
+  run sync_test
+  run shm_queue_test
+  run shm_backend_test
+  run ipc_test '-*HundredProducerProcesses*'
+  run pool_test '-*/fork'
+  exit $failed
 fi
