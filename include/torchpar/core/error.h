@@ -40,6 +40,15 @@ class AuthenticationError : public Error {
   using Error::Error;
 };
 
+/// The peer sent a frame this end refuses: longer than the `maxlength` of recv_bytes, or
+/// with a length no sender writes (a negative one other than the 64-bit marker). The
+/// connection was closed, as its stream is out of sync (Python: OSError "bad message
+/// length" from Connection.recv_bytes).
+class ProtocolError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A Barrier was broken (abort, reset, or a waiter's timeout); every waiter of that round
 /// raises it and the barrier stays broken until reset() (Python:
 /// threading.BrokenBarrierError).
