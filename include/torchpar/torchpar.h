@@ -6,6 +6,7 @@
 #include "torchpar/dist/collective_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
+#include "torchpar/ipc/listener.h"
 #include "torchpar/ipc/queue.h"
 #include "torchpar/ipc/shared_value.h"
 #include "torchpar/ipc/synchronize.h"
