@@ -54,9 +54,9 @@ std::string recv_python_frame(int fd, const detail::Deadline& deadline, size_t m
     throw ProtocolError(fmt::format("Connection: bad message length {}", n));
   }
   if (length > max_bytes) {
-    throw ProtocolError(fmt::format(
-        "Connection: bad message length: the message holds {} bytes, maxlength is {}", length,
-        max_bytes));
+    throw ProtocolError(
+        fmt::format("Connection: bad message length: the message holds {} bytes, maxlength is {}",
+                    length, max_bytes));
   }
   std::string out;
   out.reserve(std::min<uint64_t>(length, kRecvStep));

@@ -167,9 +167,9 @@ SocketAddress parse_socket_address(std::string_view text) {
     a.kind = SocketAddress::Kind::kUnixPath;
     a.path = std::string(text);
     if (a.path.find('\0') != std::string::npos || a.path.size() > kMaxUnixPath) {
-      throw ValueError(fmt::format(
-          "address \"{}\": a Unix socket path must hold at most {} bytes and no NUL",
-          printable(text), kMaxUnixPath));
+      throw ValueError(
+          fmt::format("address \"{}\": a Unix socket path must hold at most {} bytes and no NUL",
+                      printable(text), kMaxUnixPath));
     }
     return a;
   }
@@ -249,8 +249,8 @@ UniqueFd listen_on(const SocketAddress& address, int backlog, std::string* bound
   const char* last_call = "socket";
   UniqueFd fd;
   for (addrinfo* ai = res; ai != nullptr && !fd; ai = ai->ai_next) {
-    UniqueFd s(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                        ai->ai_protocol));
+    UniqueFd s(
+        ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
     if (!s) {
       last_err = errno;
       continue;
@@ -286,7 +286,8 @@ UniqueFd connect_to(const SocketAddress& address, const Deadline& deadline) {
     for (;;) {
       UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
       if (!fd) throw_system_error("socket", errno, where);
-      const int err = connect_once(fd.get(), reinterpret_cast<const sockaddr*>(&sun), len, deadline);
+      const int err =
+          connect_once(fd.get(), reinterpret_cast<const sockaddr*>(&sun), len, deadline);
       if (err == 0) {
         set_blocking(fd.get(), where);
         return fd;
@@ -306,8 +307,8 @@ UniqueFd connect_to(const SocketAddress& address, const Deadline& deadline) {
   addrinfo* res = resolve(address, /*passive=*/false);
   int last_err = ECONNREFUSED;
   for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
-    UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                         ai->ai_protocol));
+    UniqueFd fd(
+        ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
     if (!fd) {
       last_err = errno;
       continue;

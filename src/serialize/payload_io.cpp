@@ -153,9 +153,10 @@ Payload recv_payload(int sock, Timeout timeout, size_t max_bytes) {
     throw SerializationError(
         fmt::format("recv_payload: expected {} fds, got {}", h.nfds, p.fds.size()));
   if (h.nbytes > max_bytes) {
-    throw ProtocolError(fmt::format("recv_payload: bad message length: the frame holds {} bytes, "
-                                    "at most {} accepted",
-                                    h.nbytes, max_bytes));
+    throw ProtocolError(
+        fmt::format("recv_payload: bad message length: the frame holds {} bytes, "
+                    "at most {} accepted",
+                    h.nbytes, max_bytes));
   }
   // Grow with what actually arrives: a lying header cannot make us allocate.
   constexpr size_t kStep = 64 << 20;

@@ -44,7 +44,7 @@ struct ListenerOptions {
   /// The key every peer must prove (and that we prove to it). nullopt: no handshake, so
   /// anyone who can reach the address is accepted (Python's authkey=None). A Manager uses
   /// the job's key (default_authkey()).
-  std::optional<AuthKey> authkey;
+  std::optional<AuthKey> authkey = std::nullopt;
   /// Connections the kernel queues before accept() takes them (listen(2)'s backlog).
   int backlog = 128;
   /// How long an accepted peer has to complete the handshake (bounded by accept()'s own
@@ -108,7 +108,7 @@ class Listener {
 struct ClientOptions {
   /// The key to prove (and to demand of the listener). nullopt: no handshake (Python's
   /// authkey=None); the listener must then have none either.
-  std::optional<AuthKey> authkey;
+  std::optional<AuthKey> authkey = std::nullopt;
   /// Covers connecting and the handshake (nullopt: no limit). Python's Client has none.
   Timeout timeout = std::chrono::seconds(30);
 };
