@@ -131,6 +131,22 @@ class TaskError : public Error {
   std::string message_;
 };
 
+/// A method called through a Manager proxy raised in the manager's server process: the
+/// exception's type name ("KeyError", "std::out_of_range", ...) and message (Python:
+/// multiprocessing.managers.RemoteError). The exception object itself does not cross
+/// processes. The server and the object go on; the object holds what the method did
+/// before it raised.
+class RemoteError : public Error {
+ public:
+  RemoteError(std::string type, std::string message);
+  const std::string& type() const noexcept { return type_; }
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  std::string type_;
+  std::string message_;
+};
+
 /// get() found no item within its timeout (Python: queue.Empty).
 class Empty : public Error {
  public:
