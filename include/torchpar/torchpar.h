@@ -10,6 +10,8 @@
 #include "torchpar/ipc/queue.h"
 #include "torchpar/ipc/shared_value.h"
 #include "torchpar/ipc/synchronize.h"
+#include "torchpar/manager/manager.h"
+#include "torchpar/manager/proxy.h"
 #include "torchpar/parallel/distributed_data_parallel.h"
 #include "torchpar/parallel/parallel.h"
 #include "torchpar/pool/async_result.h"
