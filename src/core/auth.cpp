@@ -112,6 +112,20 @@ void verify_response(const AuthKey& key, std::string_view message, std::string_v
 
 namespace detail {
 
+std::string frame_header(uint64_t n) {
+  std::string out;
+  auto put_be = [&out](uint64_t v, int bytes) {
+    for (int i = bytes - 1; i >= 0; --i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  if (n > 0x7fffffff) {
+    put_be(0xffffffffu, 4);  // -1: a 64-bit length follows
+    put_be(n, 8);
+  } else {
+    put_be(n, 4);
+  }
+  return out;
+}
+
 void send_all(int fd, const void* data, size_t n, AuthDeadline deadline, std::string_view what) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
@@ -159,12 +173,7 @@ void recv_all(int fd, void* data, size_t n, AuthDeadline deadline, std::string_v
 }  // namespace detail
 
 void send_frame(int fd, std::string_view bytes, AuthDeadline deadline) {
-  if (bytes.size() > 0x7fffffff) throw Error("send_frame: message over 2 GiB");
-  const uint32_t n = static_cast<uint32_t>(bytes.size());
-  const unsigned char hdr[4] = {static_cast<unsigned char>(n >> 24),
-                                static_cast<unsigned char>(n >> 16),
-                                static_cast<unsigned char>(n >> 8), static_cast<unsigned char>(n)};
-  std::string buf(reinterpret_cast<const char*>(hdr), 4);
+  std::string buf = detail::frame_header(bytes.size());
   buf.append(bytes);
   detail::send_all(fd, buf.data(), buf.size(), deadline, "authentication");
 }

@@ -49,6 +49,11 @@ TaskError::TaskError(std::string type, std::string message)
       type_(std::move(type)),
       message_(std::move(message)) {}
 
+RemoteError::RemoteError(std::string type, std::string message)
+    : Error(fmt::format("{}: {} (raised in the manager's server process)", type, message)),
+      type_(std::move(type)),
+      message_(std::move(message)) {}
+
 std::string ProcessExitedException::signal_name() const {
   return exit_code_ < 0 ? torchpar::signal_name(-exit_code_) : std::string();
 }

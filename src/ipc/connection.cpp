@@ -6,12 +6,75 @@
 #include <fmt/format.h>
 
 #include "core/futex.h"
+#include "torchpar/core/auth.h"
 #include "torchpar/core/syscall.h"
 
 namespace torchpar {
+namespace {
 
-Connection::Connection(UniqueFd fd, bool readable, bool writable)
-    : fd_(std::make_shared<UniqueFd>(std::move(fd))), readable_(readable), writable_(writable) {}
+constexpr std::string_view kWhat = "Connection";
+// CPython's _send_bytes writes a message of up to 16 KiB in one write with its header.
+constexpr size_t kCoalesceBytes = 16384;
+// A message grows by at most this much before its bytes have arrived.
+constexpr size_t kRecvStep = size_t{64} << 20;
+
+AuthDeadline or_never(const detail::Deadline& d) { return d ? *d : AuthDeadline::max(); }
+
+uint64_t big_endian(const unsigned char* p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v = (v << 8) | p[i];
+  return v;
+}
+
+/// Writes one multiprocessing.connection frame.
+void send_python_frame(int fd, std::string_view bytes) {
+  std::string header = detail::frame_header(bytes.size());
+  const auto never = AuthDeadline::max();
+  if (bytes.size() <= kCoalesceBytes) {
+    header.append(bytes);
+    detail::send_all(fd, header.data(), header.size(), never, kWhat);
+  } else {
+    detail::send_all(fd, header.data(), header.size(), never, kWhat);
+    detail::send_all(fd, bytes.data(), bytes.size(), never, kWhat);
+  }
+}
+
+/// Reads one multiprocessing.connection frame of at most `max_bytes` bytes (CPython's
+/// _recv_bytes: a 4-byte signed length; -1 announces an 8-byte unsigned one).
+std::string recv_python_frame(int fd, const detail::Deadline& deadline, size_t max_bytes) {
+  const AuthDeadline until = or_never(deadline);
+  unsigned char header[8];
+  detail::recv_all(fd, header, 4, until, kWhat);
+  const auto n = static_cast<int32_t>(static_cast<uint32_t>(big_endian(header, 4)));
+  uint64_t length = static_cast<uint64_t>(n);
+  if (n == -1) {
+    detail::recv_all(fd, header, 8, until, kWhat);
+    length = big_endian(header, 8);
+  } else if (n < 0) {
+    throw ProtocolError(fmt::format("Connection: bad message length {}", n));
+  }
+  if (length > max_bytes) {
+    throw ProtocolError(
+        fmt::format("Connection: bad message length: the message holds {} bytes, maxlength is {}",
+                    length, max_bytes));
+  }
+  std::string out;
+  out.reserve(std::min<uint64_t>(length, kRecvStep));
+  while (out.size() < length) {
+    const size_t old = out.size();
+    out.resize(old + std::min<uint64_t>(length - old, kRecvStep));
+    detail::recv_all(fd, out.data() + old, out.size() - old, until, kWhat);
+  }
+  return out;
+}
+
+}  // namespace
+
+Connection::Connection(UniqueFd fd, bool readable, bool writable, Framing framing)
+    : fd_(std::make_shared<UniqueFd>(std::move(fd))),
+      readable_(readable),
+      writable_(writable),
+      framing_(framing) {}
 
 bool Connection::closed() const { return !fd_ || !fd_->valid(); }
 
@@ -28,11 +91,39 @@ void Connection::close() {
 
 void Connection::send_payload_checked(const Payload& p) {
   if (!writable_) throw Error("Connection is read-only");
-  send_payload(fileno(), p);
+  if (framing_ == Framing::kPayload) {
+    send_payload(fileno(), p);
+    return;
+  }
+  if (!p.fds.empty()) {
+    throw Error(
+        "Connection: this value carries file descriptors (a Queue, Lock, Connection, Value or "
+        "Array), which cannot travel over a Listener/Client connection; nothing was sent");
+  }
+  send_python_frame(fileno(), p.bytes);
 }
 
-Payload Connection::recv_payload_checked(Timeout timeout) {
+Payload Connection::recv_payload_checked(Timeout timeout, size_t max_bytes) {
   if (!readable_) throw Error("Connection is write-only");
+  const detail::Deadline deadline = detail::deadline_after(timeout);
+  if (framing_ == Framing::kPython) {
+    // Wait for the first byte apart: a timeout before it leaves the stream intact.
+    if (!poll(timeout)) {
+      throw TimeoutError(
+          fmt::format("Connection::recv: no message within {} s", timeout ? timeout->count() : 0));
+    }
+    try {
+      return Payload{recv_python_frame(fileno(), deadline, max_bytes), {}};
+    } catch (const TimeoutError&) {
+      close();
+      throw TimeoutError(
+          "Connection::recv: the message did not arrive whole within the timeout; the "
+          "connection was closed (its stream is out of sync)");
+    } catch (const ProtocolError& e) {
+      close();
+      throw ProtocolError(fmt::format("{}; the connection was closed", e.what()));
+    }
+  }
   // Spin briefly before sleeping: a blocking wake-up costs tens of microseconds on these
   // VMs, while a reply in a ping-pong usually arrives within a few.
   {
@@ -43,15 +134,24 @@ Payload Connection::recv_payload_checked(Timeout timeout) {
     while (::poll(&pfd, 1, 0) == 0 && std::chrono::steady_clock::now() < spin_until) {
     }
   }
-  return recv_payload(fileno(), timeout);
+  try {
+    return recv_payload(fileno(), timeout, max_bytes);
+  } catch (const ProtocolError& e) {
+    close();
+    throw ProtocolError(fmt::format("{}; the connection was closed", e.what()));
+  }
 }
 
 void Connection::send_bytes(std::string_view bytes) {
+  if (framing_ == Framing::kPython && writable_) {
+    send_python_frame(fileno(), bytes);  // no copy into a Payload
+    return;
+  }
   send_payload_checked(Payload{std::string(bytes), {}});
 }
 
-std::string Connection::recv_bytes(Timeout timeout) {
-  return std::move(recv_payload_checked(timeout).bytes);
+std::string Connection::recv_bytes(Timeout timeout, std::optional<size_t> maxlength) {
+  return std::move(recv_payload_checked(timeout, maxlength.value_or(SIZE_MAX)).bytes);
 }
 
 bool Connection::poll(Timeout timeout) {
@@ -75,12 +175,17 @@ bool Connection::poll(Timeout timeout) {
 
 void Connection::save(detail::OutputArchive& ar) const {
   const uint32_t idx = ar.fd_index(fileno());
-  ar(idx, readable_, writable_);
+  ar(idx, readable_, writable_, static_cast<uint8_t>(framing_));
 }
 
 void Connection::load(detail::InputArchive& ar) {
   uint32_t idx = 0;
-  ar(idx, readable_, writable_);
+  uint8_t framing = 0;
+  ar(idx, readable_, writable_, framing);
+  if (framing > static_cast<uint8_t>(Framing::kPython)) {
+    throw SerializationError(fmt::format("Connection: unknown framing {}", framing));
+  }
+  framing_ = static_cast<Framing>(framing);
   fd_ = std::make_shared<UniqueFd>(ar.take_fd(idx));
 }
 

@@ -135,7 +135,7 @@ void send_payload(int sock, const Payload& payload) {
   send_with_fds(sock, payload.bytes.data(), payload.bytes.size(), nullptr, 0);
 }
 
-Payload recv_payload(int sock, Timeout timeout) {
+Payload recv_payload(int sock, Timeout timeout, size_t max_bytes) {
   const Deadline deadline = detail::deadline_after(timeout);
   Payload p;
   FrameHeader h{};
@@ -152,6 +152,12 @@ Payload recv_payload(int sock, Timeout timeout) {
   if (p.fds.size() != h.nfds)
     throw SerializationError(
         fmt::format("recv_payload: expected {} fds, got {}", h.nfds, p.fds.size()));
+  if (h.nbytes > max_bytes) {
+    throw ProtocolError(
+        fmt::format("recv_payload: bad message length: the frame holds {} bytes, "
+                    "at most {} accepted",
+                    h.nbytes, max_bytes));
+  }
   // Grow with what actually arrives: a lying header cannot make us allocate.
   constexpr size_t kStep = 64 << 20;
   p.bytes.reserve(std::min<uint64_t>(h.nbytes, kStep));

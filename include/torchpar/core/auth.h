@@ -57,7 +57,7 @@ void deliver_challenge(int fd, const AuthKey& key, AuthDeadline deadline);
 /// Source: multiprocessing.connection.answer_challenge.
 void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline);
 
-/// Sends one multiprocessing.connection frame (4-byte big-endian length, then the bytes).
+/// Sends one multiprocessing.connection frame (detail::frame_header, then the bytes).
 /// Errors: TimeoutError past `deadline`, ClosedError if the peer closed, SystemError.
 void send_frame(int fd, std::string_view bytes, AuthDeadline deadline);
 
@@ -89,6 +89,10 @@ AuthKey default_authkey();
 std::string default_authkey_path();
 
 namespace detail {
+/// The multiprocessing.connection header of an `n`-byte frame: the 4-byte big-endian signed
+/// length, or when `n` is over 0x7fffffff, the length -1 then the 8-byte big-endian length
+/// (CPython's Connection._send_bytes). 4 or 12 bytes.
+std::string frame_header(uint64_t n);
 /// Writes all `n` bytes to the stream socket `fd` (MSG_NOSIGNAL), waiting with poll until
 /// `deadline`. Errors: TimeoutError, ClosedError (peer gone: EPIPE/ECONNRESET), SystemError.
 /// `what` names the connection in messages.

@@ -40,6 +40,15 @@ class AuthenticationError : public Error {
   using Error::Error;
 };
 
+/// The peer sent a frame this end refuses: longer than the `maxlength` of recv_bytes, or
+/// with a length no sender writes (a negative one other than the 64-bit marker). The
+/// connection was closed, as its stream is out of sync (Python: OSError "bad message
+/// length" from Connection.recv_bytes).
+class ProtocolError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A Barrier was broken (abort, reset, or a waiter's timeout); every waiter of that round
 /// raises it and the barrier stays broken until reset() (Python:
 /// threading.BrokenBarrierError).
@@ -114,6 +123,22 @@ class RankLostError : public Error {
 class TaskError : public Error {
  public:
   TaskError(std::string type, std::string message);
+  const std::string& type() const noexcept { return type_; }
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  std::string type_;
+  std::string message_;
+};
+
+/// A method called through a Manager proxy raised in the manager's server process: the
+/// exception's type name ("KeyError", "std::out_of_range", ...) and message (Python:
+/// multiprocessing.managers.RemoteError). The exception object itself does not cross
+/// processes. The server and the object go on; the object holds what the method did
+/// before it raised.
+class RemoteError : public Error {
+ public:
+  RemoteError(std::string type, std::string message);
   const std::string& type() const noexcept { return type_; }
   const std::string& message() const noexcept { return message_; }
 

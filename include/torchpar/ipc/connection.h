@@ -1,9 +1,26 @@
 #pragma once
-/// Connection and Pipe: two-ended channels between processes over a Unix socket pair
-/// (Python's multiprocessing.Pipe / Connection). Values travel as torchpar payloads; the
-/// fds of shared tensors travel with SCM_RIGHTS.
+/// Connection and Pipe: two-ended channels between processes (Python's
+/// multiprocessing.Pipe / Connection).
+///
+/// One Connection type with two framings, as Python has one Connection class for Pipe()
+/// and for Listener/Client:
+///   - `Framing::kPayload` (Pipe): a Unix socket pair between related processes. Values
+///     travel as torchpar payloads (16-byte frame header, docs/wire_format.md) and the fds
+///     of shared tensors, queues and locks travel with SCM_RIGHTS, so tensors are shared.
+///   - `Framing::kPython` (Listener::accept, Client; torchpar/ipc/listener.h): a TCP or
+///     Unix stream socket to any process, on this host or another, possibly Python's own
+///     multiprocessing.connection. Frames are Python's: a 4-byte big-endian signed length
+///     then the bytes, or the length -1, an 8-byte big-endian length and the bytes for
+///     frames over 2 GiB, so send_bytes / recv_bytes interoperate with Python's
+///     Connection.send_bytes / recv_bytes. send<T> / recv<T> carry a torchpar payload inside
+///     one such frame (only torchpar reads those bytes). No fds travel: tensors are always
+///     copied (copy_tensor is forced on), and a value that would carry fds (a Queue, Lock,
+///     Connection, Value, Array) is refused.
+/// Code written against Connection works on either; the framing only changes what can
+/// travel.
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -16,35 +33,63 @@
 
 namespace torchpar {
 
-/// One end of a Pipe.
+/// One end of a Pipe, or of a connection made by Listener::accept / Client.
 ///
 /// Lifetime: copies share the same end (the fd closes when the last copy goes); close()
-/// closes it for every copy. A Connection passed to a child (as a Process argument)
-/// becomes an independent fd there.
+/// closes it for every copy. A Connection passed to a child (as a Process argument or
+/// through a Pipe) becomes an independent fd there and keeps its framing.
 /// Safety: one sender and one receiver thread at a time per end.
 /// Errors: ClosedError when this end is closed, or recv finds the peer gone (EOFError);
-///         TimeoutError when recv's timeout passes; SystemError for socket errors.
+///         TimeoutError when recv's timeout passes; ProtocolError for a frame over
+///         recv_bytes' maxlength; SystemError for socket errors.
 /// Source: multiprocessing.connection.Connection.
 class Connection {
  public:
-  Connection() = default;
-  Connection(UniqueFd fd, bool readable, bool writable);
+  /// How messages are laid out on the socket (see the header comment).
+  enum class Framing : uint8_t {
+    kPayload = 0,  ///< torchpar payload frames with SCM_RIGHTS fds (Pipe)
+    kPython = 1,   ///< multiprocessing.connection frames, bytes only (Listener, Client)
+  };
 
-  /// Sends `value`. Tensors are shared by default: the receiver aliases them, as with
-  /// torch.multiprocessing's Connection (Queue and Pool share too; dumps alone copies, as
-  /// machin's dumps). `{.copy_tensor = true}` copies them.
+  Connection() = default;
+  /// Adopts the connected stream socket `fd`. kPython needs a stream socket (TCP or Unix);
+  /// kPayload a Unix one.
+  Connection(UniqueFd fd, bool readable, bool writable, Framing framing = Framing::kPayload);
+
+  /// Sends `value`. kPayload: tensors are shared by default (the receiver aliases them, as
+  /// with torch.multiprocessing's Connection; Queue and Pool share too; dumps alone
+  /// copies, as machin's dumps), `{.copy_tensor = true}` copies them. kPython: tensors are
+  /// always copied (there is no shared memory across a TCP connection).
+  /// Errors: Error for a value carrying fds on a kPython connection (nothing is sent);
+  ///         ClosedError, SystemError as send_bytes; what dumps throws.
   template <class T>
   void send(const T& value, DumpsOptions options = {.copy_tensor = false}) {
+    if (framing_ == Framing::kPython) options.copy_tensor = true;
     send_payload_checked(dumps(value, options));
   }
-  /// Receives a value sent with send<T>.
+  /// Receives a value sent with send<T>. Errors: as recv_bytes, and SerializationError when
+  /// the bytes are not a `T` (the frame was read whole: the connection stays usable).
   template <class T>
   T recv(Timeout timeout = std::nullopt) {
-    return loads<T>(recv_payload_checked(timeout));
+    return loads<T>(recv_payload_checked(timeout, SIZE_MAX));
   }
-  /// Raw bytes (Python's send_bytes / recv_bytes).
+  /// Sends `bytes` as one message (Python's send_bytes; an empty message is allowed).
+  /// Blocks until the kernel took every byte (no timeout, as Python).
+  /// Errors: ClosedError when this end is closed or the peer is gone (EPIPE/ECONNRESET:
+  ///         never SIGPIPE); SystemError for other socket errors.
   void send_bytes(std::string_view bytes);
-  std::string recv_bytes(Timeout timeout = std::nullopt);
+  /// Receives one message (Python's recv_bytes(maxlength)).
+  ///
+  /// Units:  `timeout` covers the whole message (nullopt: no limit); `maxlength` in bytes.
+  /// Errors: TimeoutError when the message has not arrived in time: if none of it had
+  ///         arrived, nothing was consumed and the connection is usable; if part had, a
+  ///         kPython connection is closed (its stream would be out of sync), and a kPayload
+  ///         one should be. ProtocolError when the message is longer than `maxlength`: the
+  ///         connection is closed before its body is read (Python: OSError "bad message
+  ///         length"). ClosedError when the peer closed. SystemError.
+  /// Memory grows with the bytes that arrive, never with what a length prefix claims.
+  std::string recv_bytes(Timeout timeout = std::nullopt,
+                         std::optional<size_t> maxlength = std::nullopt);
   /// True when data (or EOF) is ready within `timeout` (0, the default: just look;
   /// nullopt: wait without a limit, as Python's poll(None)).
   /// Errors: torchpar::Error on a write-only end (as recv), ClosedError when closed.
@@ -53,6 +98,7 @@ class Connection {
   bool closed() const;
   bool readable() const { return readable_; }
   bool writable() const { return writable_; }
+  Framing framing() const { return framing_; }
   int fileno() const;
 
   void save(detail::OutputArchive& ar) const;
@@ -60,10 +106,11 @@ class Connection {
 
  private:
   void send_payload_checked(const Payload& p);
-  Payload recv_payload_checked(Timeout timeout);
+  Payload recv_payload_checked(Timeout timeout, size_t max_bytes);
   std::shared_ptr<UniqueFd> fd_;
   bool readable_ = false;
   bool writable_ = false;
+  Framing framing_ = Framing::kPayload;
 };
 
 /// A connected pair. duplex: both ends send and receive; otherwise the first end only

@@ -2,6 +2,7 @@
 /// Payload: what `dumps` produces and `loads` reads, plus moving it over a Unix socket.
 
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,8 +29,10 @@ void send_payload(int sock, const Payload& payload);
 /// (seconds, fractions allowed; nullopt: wait forever; negative counts as 0). Memory grows
 /// with the bytes actually received, never with what a header claims.
 /// Errors: TimeoutError; ClosedError when the peer closed before a whole frame;
-///         SerializationError for a malformed frame; SystemError for socket errors.
+///         SerializationError for a malformed frame; ProtocolError when the header announces
+///         more than `max_bytes` bytes (the bytes are not read: the socket is out of sync);
+///         SystemError for socket errors.
 /// Safety: one reader per socket at a time.
-Payload recv_payload(int sock, Timeout timeout = std::nullopt);
+Payload recv_payload(int sock, Timeout timeout = std::nullopt, size_t max_bytes = SIZE_MAX);
 
 }  // namespace torchpar

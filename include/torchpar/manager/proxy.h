@@ -1,0 +1,143 @@
+#pragma once
+/// Proxies: handles to objects that live in a Manager's server process (Python's
+/// multiprocessing.managers.BaseProxy and DictProxy). Every call is one request/response
+/// round trip to the server; values travel as torchpar payloads with tensors copied.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "torchpar/serialize/serialize.h"
+
+namespace torchpar {
+
+namespace detail {
+struct ProxyRef;  // one reference on the server (src/manager/client.h)
+}  // namespace detail
+
+/// What every proxy holds: one reference to an object in a manager's server, counted there.
+///
+/// Lifetime: copies in one process share that reference; the server frees the object
+///           when the last reference anywhere is gone (each process holding the proxy holds
+///           one). A proxy serialized to another process (a Process argument, a Pipe, a
+///           Queue) takes its own reference when it is loaded there, so the sender must keep
+///           its proxy until then. A fork child that uses an inherited proxy connects and
+///           takes a reference of its own at its first call.
+/// Safety:   thread-safe: calls from several threads are serialized on this process's one
+///           connection to the manager.
+/// Errors:   RemoteError when the method raised in the server (type and message);
+///           ClosedError naming the manager's address when it is gone (shut down, exited,
+///           killed) and at every later call; TimeoutError when the manager's `timeout`
+///           passes (the connection is unusable after it).
+/// Source:   multiprocessing.managers.BaseProxy.
+class BaseProxy {
+ public:
+  /// The manager's address, the object's typeid ("dict") and its id in the server.
+  const std::string& address() const;
+  const std::string& type_id() const;
+  uint64_t id() const;
+  /// False for a default-constructed proxy (referring to nothing).
+  explicit operator bool() const { return static_cast<bool>(ref_); }
+
+  /// Serialized form: the manager's address, its key (as Python passes its authkey to the
+  /// children it starts: send proxies only where the key may go), the call timeout, the
+  /// typeid and the object id.
+  void save(detail::OutputArchive& ar) const;
+  void load(detail::InputArchive& ar);
+
+ protected:
+  BaseProxy() = default;
+  explicit BaseProxy(std::shared_ptr<detail::ProxyRef> ref) : ref_(std::move(ref)) {}
+
+  /// Runs `method` on the object in the server with `args` (payload bytes); returns the
+  /// result's payload bytes. Errors: see the class.
+  std::string call_method(const std::string& method, const std::string& args) const;
+
+  template <class T>
+  static std::string encode(const T& value) {
+    return dumps(value, {.copy_tensor = true}).bytes;
+  }
+  template <class T>
+  static T decode(const std::string& bytes) {
+    return loads<T>(Payload{bytes, {}});
+  }
+
+ private:
+  /// The reference this process holds (a fork child takes its own first).
+  std::shared_ptr<detail::ProxyRef> ref() const;
+  mutable std::shared_ptr<detail::ProxyRef> ref_;
+};
+
+/// A dict in the manager's server. Keys and values are any torchpar-serializable types
+/// (tensors included, copied both ways). Two keys are the same key when their serialized
+/// bytes are equal (true for integers, strings, and containers of them; not for floats
+/// such as 0.0 and -0.0). Items keep insertion order, as Python's dict.
+///
+/// Example:
+///   torchpar::Manager manager;
+///   auto d = manager.dict<std::string, at::Tensor>();
+///   d.set("w", at::ones({2}));
+///   at::Tensor w = *d.get("w");
+///
+/// Lifetime, safety and errors: see BaseProxy. Source: multiprocessing.managers.DictProxy.
+template <class K, class V>
+class DictProxy : public BaseProxy {
+ public:
+  DictProxy() = default;
+  /// A proxy for the dict `ref` refers to (Manager::dict makes them).
+  explicit DictProxy(std::shared_ptr<detail::ProxyRef> ref) : BaseProxy(std::move(ref)) {}
+
+  /// d[key] = value. Source: dict.__setitem__.
+  void set(const K& key, const V& value) {
+    call_method("set", encode(std::make_tuple(encode(key), encode(value))));
+  }
+  /// The value of `key`, or nullopt. Source: dict.get.
+  std::optional<V> get(const K& key) const {
+    auto bytes = decode<std::optional<std::string>>(call_method("get", key_args(key)));
+    if (!bytes) return std::nullopt;
+    return decode<V>(*bytes);
+  }
+  /// Removes `key` and returns its value. Errors: RemoteError with type "KeyError" when the
+  /// dict has no such key. Source: dict.pop.
+  V pop(const K& key) { return decode<V>(decode<std::string>(call_method("pop", key_args(key)))); }
+  /// `key in d`. Source: dict.__contains__.
+  bool contains(const K& key) const { return decode<bool>(call_method("contains", key_args(key))); }
+  /// The keys, in insertion order. Source: dict.keys.
+  std::vector<K> keys() const {
+    std::vector<K> out;
+    for (const auto& k : decode<std::vector<std::string>>(call_method("keys", {}))) {
+      out.push_back(decode<K>(k));
+    }
+    return out;
+  }
+  /// The items, in insertion order. Source: dict.items.
+  std::vector<std::pair<K, V>> items() const {
+    std::vector<std::pair<K, V>> out;
+    for (const auto& [k, v] :
+         decode<std::vector<std::pair<std::string, std::string>>>(call_method("items", {}))) {
+      out.emplace_back(decode<K>(k), decode<V>(v));
+    }
+    return out;
+  }
+  /// len(d). Source: dict.__len__.
+  size_t size() const { return static_cast<size_t>(decode<uint64_t>(call_method("size", {}))); }
+  /// Sets every pair, in order, in one round trip. Source: dict.update.
+  void update(const std::vector<std::pair<K, V>>& pairs) {
+    std::vector<std::pair<std::string, std::string>> encoded;
+    encoded.reserve(pairs.size());
+    for (const auto& [k, v] : pairs) encoded.emplace_back(encode(k), encode(v));
+    call_method("update", encode(std::make_tuple(encoded)));
+  }
+  /// Removes every item. Source: dict.clear.
+  void clear() { call_method("clear", {}); }
+
+ private:
+  static std::string key_args(const K& key) { return encode(std::make_tuple(encode(key))); }
+};
+
+}  // namespace torchpar

@@ -1,0 +1,209 @@
+#include "manager/server.h"
+
+#include <c10/util/Type.h>
+#include <fmt/format.h>
+#include <signal.h>
+
+#include <chrono>
+#include <thread>
+#include <tuple>
+#include <typeinfo>
+#include <utility>
+
+#include "torchpar/core/error.h"
+#include "torchpar/serialize/serialize.h"
+
+namespace torchpar::detail {
+namespace {
+
+using manager::Request;
+using manager::RequestKind;
+using manager::Response;
+
+template <class T>
+std::string encode(const T& value) {
+  return dumps(value, {.copy_tensor = true}).bytes;
+}
+
+Response failure(std::string type, std::string message) {
+  Response r;
+  r.ok = false;
+  r.error_type = std::move(type);
+  r.error_message = std::move(message);
+  return r;
+}
+
+Response success(std::string value = {}) {
+  Response r;
+  r.ok = true;
+  r.value = std::move(value);
+  return r;
+}
+
+// A peer that fails the handshake (or stalls in it) holds the accept loop this long at most.
+constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+
+}  // namespace
+
+std::unique_ptr<ServedObject> make_served_object(const std::string& type_id,
+                                                 const std::string& args) {
+  (void)args;  // the built-in types take none
+  if (type_id == "dict") return make_served_dict();
+  throw ServedError("ValueError", fmt::format("the manager has no typeid '{}'", type_id));
+}
+
+std::shared_ptr<ManagerServer::Served> ManagerServer::find(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = objects_.find(id);
+  if (it == objects_.end()) {
+    throw ServedError("KeyError",
+                      fmt::format("the manager holds no object {} (freed, or never made)", id));
+  }
+  return it->second.served;
+}
+
+bool ManagerServer::decref(uint64_t id, int64_t count) {
+  std::shared_ptr<Served> dropped;  // destroyed after the table lock is released
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = objects_.find(id);
+  if (it == objects_.end()) return false;
+  it->second.refcount -= count;
+  if (it->second.refcount <= 0) {
+    dropped = std::move(it->second.served);
+    objects_.erase(it);
+  }
+  return true;
+}
+
+Response ManagerServer::handle(const Request& request, bool* shutdown, Held* held) {
+  try {
+    switch (static_cast<RequestKind>(request.kind)) {
+      case RequestKind::kCreate: {
+        auto served = std::make_shared<Served>();
+        served->type_id = request.type_id;
+        served->object = make_served_object(request.type_id, request.args);
+        std::lock_guard<std::mutex> g(mu_);
+        const uint64_t id = next_id_++;
+        objects_.emplace(id, Entry{std::move(served), 1});
+        ++(*held)[id];
+        return success(encode(id));
+      }
+      case RequestKind::kCall: {
+        std::shared_ptr<Served> served = find(request.object_id);
+        std::lock_guard<std::mutex> g(served->mu);
+        return success(served->object->call(request.method, request.args));
+      }
+      case RequestKind::kIncref: {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = objects_.find(request.object_id);
+        if (it == objects_.end()) {
+          return failure("KeyError", fmt::format("incref of object {}, which the manager no "
+                                                 "longer holds (was the sender's proxy gone "
+                                                 "before this one was loaded?)",
+                                                 request.object_id));
+        }
+        ++it->second.refcount;
+        ++(*held)[request.object_id];
+        return success();
+      }
+      case RequestKind::kDecref: {
+        // Only references this connection took can be given back through it.
+        auto it = held->find(request.object_id);
+        if (it == held->end()) {
+          return failure("KeyError", fmt::format("decref of object {}, which this connection "
+                                                 "holds no reference to",
+                                                 request.object_id));
+        }
+        if (--it->second == 0) held->erase(it);
+        decref(request.object_id, 1);
+        return success();
+      }
+      case RequestKind::kShutdown:
+        *shutdown = true;
+        return success();
+      case RequestKind::kNumberOfObjects: {
+        std::lock_guard<std::mutex> g(mu_);
+        return success(encode(static_cast<uint64_t>(objects_.size())));
+      }
+    }
+    return failure("ValueError", fmt::format("unknown request kind {}", int{request.kind}));
+  } catch (const ServedError& e) {
+    return failure(e.type(), e.what());
+  } catch (const std::exception& e) {
+    return failure(c10::demangle(typeid(e).name()), e.what());
+  }
+}
+
+void ManagerServer::serve_connection(Connection connection) {
+  Held held;
+  bool shutdown = false;
+  while (!shutdown) {
+    std::string bytes;
+    try {
+      bytes = connection.recv_bytes(std::nullopt, manager::kMaxMessageBytes);
+    } catch (const std::exception&) {
+      break;  // the client left, or broke the framing (the connection is closed then)
+    }
+    Response response;
+    try {
+      const Request request = loads<Request>(Payload{std::move(bytes), {}});
+      response = handle(request, &shutdown, &held);
+    } catch (const std::exception& e) {
+      // A whole frame that is no request: the stream is still in sync, so say so and go on.
+      response = failure("SerializationError", fmt::format("malformed request: {}", e.what()));
+    }
+    try {
+      connection.send(response);
+    } catch (const std::exception&) {
+      break;
+    }
+  }
+  if (shutdown) {
+    stopping_ = true;
+    listener_.close();  // wakes serve_forever's accept; the process exits
+    return;
+  }
+  // The client is gone: what it still held goes with it.
+  for (const auto& [id, count] : held) decref(id, count);
+}
+
+void ManagerServer::serve_forever() {
+  while (!stopping_) {
+    Connection c;
+    try {
+      c = listener_.accept(std::nullopt);
+    } catch (const ClosedError&) {
+      return;  // shutdown
+    } catch (const AuthenticationError&) {
+      continue;  // a stranger or a wrong key: logged by the Listener, refused
+    } catch (const TimeoutError&) {
+      continue;  // a peer stalled in the handshake
+    } catch (const std::exception&) {
+      // EMFILE and the like: back off rather than spin on a pending connection.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    // Detached: the process exits after shutdown without waiting for other clients, as
+    // Python's manager server does. The thread holds the server alive.
+    std::thread([self = shared_from_this(), c]() mutable {
+      self->serve_connection(std::move(c));
+    }).detach();
+  }
+}
+
+void manager_server_main(Connection ready, std::string address, AuthKey authkey) {
+  ::signal(SIGINT, SIG_IGN);
+  std::shared_ptr<ManagerServer> server;
+  try {
+    server = std::make_shared<ManagerServer>(
+        Listener(address, {.authkey = std::move(authkey), .handshake_timeout = kHandshakeTimeout}));
+  } catch (const std::exception& e) {
+    ready.send(std::make_tuple(false, std::string(e.what())));
+    throw;
+  }
+  ready.send(std::make_tuple(true, server->address()));
+  ready.close();
+  server->serve_forever();
+}
+
+}  // namespace torchpar::detail
