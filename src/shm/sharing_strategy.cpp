@@ -28,7 +28,7 @@ SharingStrategy sharing_strategy_from_string(const std::string& name) {
   if (name == "file_descriptor") return SharingStrategy::kFileDescriptor;
   if (name == "file_system") return SharingStrategy::kFileSystem;
   throw ValueError("unknown sharing strategy '" + name +
-                              "'; valid strategies are: file_descriptor, file_system");
+                   "'; valid strategies are: file_descriptor, file_system");
 }
 
 }  // namespace torchpar

@@ -10,8 +10,8 @@
 #include <optional>
 #include <string>
 
-#include "torchpar/core/timeout.h"
 #include "torchpar/core/fd.h"
+#include "torchpar/core/timeout.h"
 
 namespace torchpar::detail {
 
@@ -23,7 +23,6 @@ class ShmRegion;
 
 class ShmQueue {
  public:
-
   /// `maxsize` items (0: unbounded); `capacity_bytes` of ring (messages larger than a
   /// quarter of it travel in a shared segment of their own).
   ShmQueue(uint64_t maxsize, uint64_t capacity_bytes);
