@@ -10,6 +10,9 @@ Benchmarks (names for --only), run in this order:
   handoff      ipc_bench vs peers/torch_ipc.py (both sharing strategies); shm_bench's
                share_memory_ and dumps+loads vs peers/torch_share_memory.py
   pools        pool_bench vs peers/python_pool.py (multiprocessing.Pool, torch.multiprocessing.Pool)
+  manager      manager_bench vs peers/python_manager.py (multiprocessing.Manager): dict set+get and
+               list append from a child, 4 KiB tensors through a manager Queue; each over TCP and
+               an abstract Unix socket (ours) and AF_UNIX and TCP (Python's)
   collectives  coll_bench (torchpar-shm, torchpar-gloo, c10d-gloo-cpp) vs
                peers/torch_dist_collectives.py and peers/mpi_collectives.c (Open MPI, compiled
                with mpicc into <out>/raw/ when the benchmark starts)
@@ -53,7 +56,7 @@ REPO = BENCH_DIR.parent
 PEERS = BENCH_DIR / "peers"
 RESULTS = BENCH_DIR / "results"
 PY = "/usr/bin/python3"
-BENCHMARKS = ("limits", "handoff", "pools", "collectives", "train")
+BENCHMARKS = ("limits", "handoff", "pools", "manager", "collectives", "train")
 KiB, MiB = 1 << 10, 1 << 20
 TIME_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
@@ -581,6 +584,96 @@ def plot_pools(runs, out):
 
 
 # ----------------------------------------------------------------------------------------------
+# manager: manager_bench vs python_manager.py
+
+# label, measure, unit; higher is better for all, target: >= 10x Python's rate (issue 16)
+MANAGER_ROWS = [
+    ("dict set+get from a child (one pair = 2 round trips)", "dict_setget", "pairs/s"),
+    ("list append from a child", "list_append", "appends/s"),
+    ("Queue of 4 KiB float32 tensors, child -> parent", "queue_tensor_4k", "items/s"),
+]
+MANAGER_BENCH = {"dict_setget": "BM_ManagerDictSetGet", "list_append": "BM_ManagerListAppend",
+                 "queue_tensor_4k": "BM_ManagerQueueTensor4K"}
+MANAGER_TRANSPORTS = ("tcp", "unix")  # ours: 0 = TCP 127.0.0.1 (the default), 1 = "@name"
+MANAGER_TARGET = 10  # x Python's default Manager (AF_UNIX)
+
+
+def manager_sizes(cfg):
+    """(ops per dict/list batch, tensors per queue batch), the same for ours and the peer."""
+    return cfg.pick(1000, 2000), cfg.pick(200, 1000)
+
+
+def parse_manager_bench(out):
+    """manager_bench -> {'<measure>/<tcp|unix>': items/s}."""
+    g = gbench(out)
+    res = {}
+    for measure, bname in MANAGER_BENCH.items():
+        for i, transport in enumerate(MANAGER_TRANSPORTS):
+            res[f"{measure}/{transport}"] = pick_bench(g, f"{bname}/unix:{i}/real_time")["items_per_second"]
+    return res
+
+
+def parse_python_manager(out):
+    return {f"{r['name']}/{r['transport']}": r["value"] for r in json_lines(out)}
+
+
+def runners_manager(cfg):
+    ops, items = manager_sizes(cfg)
+    ours = [cfg.bin / "manager_bench", "--benchmark_format=json", "--ops", ops, "--items", items,
+            f"--benchmark_min_time={cfg.pick(0.1, 0.5)}"]
+    timeout = cfg.pick(120, 600)
+    peer = [PY, PEERS / "python_manager.py", "--ops", ops, "--items", items,
+            "--batches", cfg.pick(1, 3), "--timeout", timeout - 30]
+    return [Runner("manager_bench", True, ours, parse_manager_bench, timeout),
+            Runner("python_manager.py", False, peer, parse_python_manager, timeout)]
+
+
+def report_manager(runs, limits, cfg):
+    ours, peer = runs["manager_bench"]["median"], runs["python_manager.py"]["median"]
+    ops, items = manager_sizes(cfg)
+    rows, trows, summary = [], [], {}
+    for label, measure, unit in MANAGER_ROWS:
+        o_tcp, o_unix = ours.get(f"{measure}/tcp"), ours.get(f"{measure}/unix")
+        p_unix, p_tcp = peer.get(f"{measure}/unix"), peer.get(f"{measure}/tcp")
+        vs_default = advantage(o_tcp, p_unix, True)
+        vs_unix = advantage(o_unix, p_unix, True)
+        vs_tcp = advantage(o_tcp, p_tcp, True)
+        rows.append((label, unit, fmt(o_tcp), fmt(o_unix), fmt(p_unix), fmt(p_tcp), fmt_x(vs_default),
+                     fmt_x(vs_unix), fmt_x(vs_tcp), fmt_x(advantage(o_unix, o_tcp, True))))
+        trows.append((f"{label}: torchpar (TCP, default) ≥ {MANAGER_TARGET}x Python (AF_UNIX, default)",
+                      fmt_x(vs_default), verdict(vs_default, MANAGER_TARGET, True)))
+        trows.append((f"{label}: torchpar (Unix) ≥ {MANAGER_TARGET}x Python (AF_UNIX)",
+                      fmt_x(vs_unix), verdict(vs_unix, MANAGER_TARGET, True)))
+        summary[measure] = {"torchpar_tcp": o_tcp, "torchpar_unix": o_unix, "python_unix": p_unix,
+                            "python_tcp": p_tcp, "unit": unit, "ratio_default": vs_default,
+                            "ratio_unix": vs_unix, "ratio_tcp": vs_tcp, "target": MANAGER_TARGET,
+                            "met": None if vs_default is None else vs_default >= MANAGER_TARGET}
+    md = table(["measure", "unit", "torchpar TCP (default)", "torchpar Unix", "Python AF_UNIX (default)",
+                "Python TCP", "default vs default", "Unix vs AF_UNIX", "TCP vs TCP",
+                "torchpar Unix / TCP"], rows, left=2)
+    md += (f"\n\nA manager (fork) and one child (fork) per measure; {ops:,} dict pairs or list appends "
+           f"per timed batch, {items:,} fresh 1024-element float32 tensors per queue batch (Queue of 64, "
+           "producer child, consumer parent). Rates are items over the time of whole batches, each "
+           "timed in the parent from its request to the child's reply or to the last item got. "
+           "Ratios: how many times faster torchpar is (> 1: torchpar better); \"torchpar Unix / TCP\" "
+           "compares our two transports (> 1: the abstract Unix socket is faster). torchpar copies "
+           "the tensors; Python (with torch imported) passes them to and from the server as "
+           "shared-memory fds.\n\n### Targets (issue 16)\n\n")
+    md += table(["target", "measured", "met"], trows) + "\n\n![manager](manager.png)"
+    return md, summary
+
+
+def plot_manager(runs, out):
+    ours, peer = runs["manager_bench"]["median"], runs["python_manager.py"]["median"]
+    panels = [(f"{label} ({unit})",
+               [("torchpar\nTCP", ours.get(f"{m}/tcp")), ("torchpar\nUnix", ours.get(f"{m}/unix")),
+                ("Python\nAF_UNIX", peer.get(f"{m}/unix")), ("Python\nTCP", peer.get(f"{m}/tcp"))],
+               None, True)
+              for label, m, unit in MANAGER_ROWS]
+    bar_grid(out / "manager.png", "Manager: torchpar vs Python's multiprocessing.Manager", panels, cols=3)
+
+
+# ----------------------------------------------------------------------------------------------
 # collectives: coll_bench vs torch_dist_collectives.py vs Open MPI
 
 COLL_OURS = ("torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp")
@@ -859,6 +952,7 @@ def draw_plots(cfg, results):
         return ["plots not drawn: matplotlib is missing (Debian: python3-matplotlib)"]
     plotters = {"handoff": lambda r: plot_handoff(r, cfg.out),
                 "pools": lambda r: plot_pools(r, cfg.out),
+                "manager": lambda r: plot_manager(r, cfg.out),
                 "collectives": lambda r: plot_collectives(r, cfg.out, cfg),
                 "train": lambda r: plot_train(r, cfg.out)}
     for bench, runs in results.items():
@@ -908,6 +1002,7 @@ def machine_facts(cfg):
 
 
 TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "Process pools",
+          "manager": "Manager",
           "collectives": "Collectives", "train": "Training"}
 
 
@@ -953,8 +1048,10 @@ def update_latest(out):
 
 
 RUNNERS = {"limits": runners_limits, "handoff": runners_handoff, "pools": runners_pools,
+           "manager": runners_manager,
            "collectives": runners_collectives, "train": runners_train}
 REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_pools,
+           "manager": report_manager,
            "collectives": report_collectives, "train": report_train}
 
 

@@ -10,6 +10,7 @@
 #include "torchpar/ipc/queue.h"
 #include "torchpar/ipc/shared_value.h"
 #include "torchpar/ipc/synchronize.h"
+#include "torchpar/manager/containers.h"
 #include "torchpar/manager/manager.h"
 #include "torchpar/manager/proxy.h"
 #include "torchpar/parallel/distributed_data_parallel.h"

@@ -94,9 +94,17 @@ std::string create_response(const AuthKey& key, std::string_view message) {
 }
 
 /// CPython's _verify_challenge (constant-time comparison).
-void verify_response(const AuthKey& key, std::string_view message, std::string_view response) {
+void verify_response(const AuthKey& key, std::string_view message, std::string_view response,
+                     const AuthOptions& options) {
   auto [name, mac] = digest_and_payload(response);
-  if (name.empty()) name = "md5";
+  if (name.empty()) {
+    if (!options.allow_legacy_md5) {
+      throw AuthenticationError(
+          "authentication: legacy bare HMAC-MD5 answer from a Python <= 3.11 peer: set "
+          "allow_legacy_md5 to accept it");
+    }
+    name = "md5";
+  }
   const std::string expected = hmac(key, message, name);
   if (expected.size() != mac.size()) {
     throw AuthenticationError(fmt::format("authentication: expected {} of length {}, got {}", name,
@@ -194,14 +202,14 @@ std::string recv_frame(int fd, size_t max_bytes, AuthDeadline deadline) {
   return out;
 }
 
-void deliver_challenge(int fd, const AuthKey& key, AuthDeadline deadline) {
+void deliver_challenge(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
   const AuthKey random = random_authkey(kMessageLength);
   std::string message = "{sha256}";
   message.append(reinterpret_cast<const char*>(random.data()), random.size());
   send_frame(fd, std::string(kChallenge) + message, deadline);
   const std::string response = recv_frame(fd, kMaxHandshakeFrame, deadline);
   try {
-    verify_response(key, message, response);
+    verify_response(key, message, response, options);
   } catch (const AuthenticationError&) {
     try {
       send_frame(fd, kFailure, deadline);
@@ -212,7 +220,7 @@ void deliver_challenge(int fd, const AuthKey& key, AuthDeadline deadline) {
   send_frame(fd, kWelcome, deadline);
 }
 
-void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline) {
+void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
   const std::string msg = recv_frame(fd, kMaxHandshakeFrame, deadline);
   if (msg.compare(0, kChallenge.size(), kChallenge) != 0) {
     throw AuthenticationError("authentication: protocol error, expected a challenge");
@@ -222,6 +230,11 @@ void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline) {
     throw AuthenticationError(
         fmt::format("authentication: challenge too short: {} bytes", message.size()));
   }
+  if (digest_and_payload(message).first.empty() && !options.allow_legacy_md5) {
+    throw AuthenticationError(
+        "authentication: legacy HMAC-MD5 challenge from a Python <= 3.11 peer: set "
+        "allow_legacy_md5 to answer it");
+  }
   send_frame(fd, create_response(key, message), deadline);
   const std::string reply = recv_frame(fd, kMaxHandshakeFrame, deadline);
   if (reply != kWelcome) {
@@ -230,14 +243,14 @@ void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline) {
   }
 }
 
-void auth_accept(int fd, const AuthKey& key, AuthDeadline deadline) {
-  deliver_challenge(fd, key, deadline);
-  answer_challenge(fd, key, deadline);
+void auth_accept(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
+  deliver_challenge(fd, key, deadline, options);
+  answer_challenge(fd, key, deadline, options);
 }
 
-void auth_connect(int fd, const AuthKey& key, AuthDeadline deadline) {
-  answer_challenge(fd, key, deadline);
-  deliver_challenge(fd, key, deadline);
+void auth_connect(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
+  answer_challenge(fd, key, deadline, options);
+  deliver_challenge(fd, key, deadline, options);
 }
 
 AuthKey random_authkey(size_t n) {

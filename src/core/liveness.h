@@ -1,6 +1,8 @@
 #pragma once
-// Is a process of this pid namespace still running (not exited, not a zombie)?
+// Is a process of this pid namespace still running (not exited, not a zombie)? Is the
+// peer of a socket still there?
 
+#include <poll.h>
 #include <signal.h>
 
 #include <cerrno>
@@ -21,6 +23,16 @@ inline bool pid_alive(int pid) {
   if (close == std::string::npos || close + 2 >= line.size()) return true;
   const char state = line[close + 2];
   return state != 'Z' && state != 'X';
+}
+
+/// True once the peer of the stream socket `fd` closed its end or died, for a protocol in
+/// which the peer sends nothing on the socket while this side waits (a manager call in
+/// flight): anything readable (data, EOF, a reset) counts as gone. False for fd < 0.
+inline bool socket_peer_gone(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, POLLIN | POLLRDHUP, 0};
+  const int n = ::poll(&p, 1, 0);
+  return n > 0 && (p.revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 }  // namespace torchpar::detail

@@ -125,7 +125,8 @@ struct Listener::Impl {
   void authenticate(int c, const Deadline& deadline) {
     const std::string peer = detail::describe_peer(c);
     try {
-      auth_accept(c, *options.authkey, handshake_deadline(deadline, options.handshake_timeout));
+      auth_accept(c, *options.authkey, handshake_deadline(deadline, options.handshake_timeout),
+                  {.allow_legacy_md5 = options.allow_legacy_md5});
     } catch (const TimeoutError&) {
       throw TimeoutError(fmt::format("Listener {}: peer {} did not complete the handshake in time",
                                      address, peer));
@@ -191,7 +192,8 @@ Connection Client(const std::string& address, ClientOptions options) {
   if (options.authkey) {
     const std::string where = parsed.text();
     try {
-      auth_connect(fd.get(), *options.authkey, deadline ? *deadline : AuthDeadline::max());
+      auth_connect(fd.get(), *options.authkey, deadline ? *deadline : AuthDeadline::max(),
+                   {.allow_legacy_md5 = options.allow_legacy_md5});
     } catch (const TimeoutError&) {
       throw TimeoutError(fmt::format(
           "Client: the handshake with {} did not complete within {} (is a Listener with an "

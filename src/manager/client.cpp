@@ -3,7 +3,11 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <map>
+#include <random>
+#include <string_view>
 #include <utility>
 
 #include "torchpar/core/error.h"
@@ -19,6 +23,15 @@ using manager::Request;
 using manager::RequestKind;
 using manager::Response;
 
+// Idle call connections a process keeps per manager.
+constexpr size_t kMaxIdle = 4;
+
+// TORCHPAR_MANAGER_SHM=0 keeps calls on their sockets (benchmarks compare both paths).
+bool shm_channel_enabled() {
+  const char* v = std::getenv("TORCHPAR_MANAGER_SHM");
+  return v == nullptr || std::string_view(v) != "0";
+}
+
 // Connections by address, for this process (a fork child finds its parent's entries and
 // skips them: their pid is not its own).
 std::mutex g_clients_mu;
@@ -30,26 +43,33 @@ std::map<std::string, std::weak_ptr<ManagerClient>>& clients() {
 }  // namespace
 
 ManagerClient::ManagerClient(Connection connection, std::string address,
-                             std::optional<AuthKey> authkey, Timeout timeout)
+                             std::optional<AuthKey> authkey, Timeout timeout, bool share_tensors)
     : connection_(std::move(connection)),
       address_(std::move(address)),
       authkey_(std::move(authkey)),
       timeout_(timeout),
-      pid_(::getpid()) {}
+      share_tensors_(share_tensors),
+      pid_(::getpid()),
+      shm_channel_(shm_channel_enabled()) {}
 
 std::shared_ptr<ManagerClient> ManagerClient::get(const std::string& address,
                                                   const std::optional<AuthKey>& authkey,
-                                                  Timeout timeout) {
+                                                  Timeout timeout, bool share_tensors) {
   // One connection per manager and key: a client with another key must do its own
-  // handshake (and be refused if the key is wrong).
-  const std::string slot = address + "\n" + (authkey ? to_hex(*authkey) : std::string("-"));
+  // handshake (and be refused if the key is wrong). Proxies that share tensors and proxies
+  // that copy them do not share a client (the choice is the client's).
+  // The call timeout is the client's too: a proxy loaded with another timeout gets its own.
+  const std::string slot =
+      fmt::format("{}\n{}\n{}\n{}", address, authkey ? to_hex(*authkey) : std::string("-"),
+                  timeout ? timeout->count() : -1.0, share_tensors);
   std::lock_guard<std::mutex> g(g_clients_mu);
   auto& map = clients();
   if (auto it = map.find(slot); it != map.end()) {
     if (auto c = it->second.lock(); c && c->pid() == ::getpid() && !c->broken()) return c;
   }
   Connection connection = Client(address, {.authkey = authkey, .timeout = timeout});
-  auto c = std::make_shared<ManagerClient>(std::move(connection), address, authkey, timeout);
+  auto c = std::make_shared<ManagerClient>(std::move(connection), address, authkey, timeout,
+                                           share_tensors);
   map[slot] = c;
   return c;
 }
@@ -60,9 +80,117 @@ bool ManagerClient::broken() const {
 }
 
 void ManagerClient::break_with(std::string why) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (broken_.empty()) broken_ = std::move(why);
+    connection_.close();
+  }
+  std::lock_guard<std::mutex> g(pool_mu_);
+  for (auto& c : idle_) c.connection.close();
+  idle_.clear();
+}
+
+uint64_t ManagerClient::caller_id() {
+  static std::atomic<uint64_t> next_thread{1};
+  thread_local const uint64_t thread_ordinal = next_thread++;
+  // The process part changes in a fork child (its one thread keeps the parent's ordinal).
+  static std::atomic<pid_t> seeded_pid{0};
+  static std::atomic<uint64_t> process_part{0};
+  const pid_t pid = ::getpid();
+  if (seeded_pid.load(std::memory_order_acquire) != pid) {
+    std::random_device rd;
+    process_part.store((uint64_t{rd()} << 32 ^ rd()) << 20, std::memory_order_relaxed);
+    seeded_pid.store(pid, std::memory_order_release);
+  }
+  return process_part.load(std::memory_order_relaxed) + thread_ordinal;
+}
+
+void ManagerClient::attach_channel(CallConnection& c) {
+  std::unique_ptr<ShmChannel> channel;
+  try {
+    channel = ShmChannel::create();
+  } catch (const std::exception&) {
+    return;  // no /dev/shm, or it is full: this connection uses its socket
+  }
+  Request r;
+  r.kind = static_cast<uint8_t>(RequestKind::kAttachChannel);
+  r.type_id = channel->name();
+  c.connection.send(r);
+  const auto response =
+      loads<Response>(Payload{c.connection.recv_bytes(timeout_, manager::kMaxMessageBytes), {}});
+  channel->unlink();  // both sides have it mapped (or the server could not open it)
+  if (response.ok) c.channel = std::move(channel);
+}
+
+std::string ManagerClient::call(Request request, Timeout wait) {
+  if (broken()) throw ClosedError(broken_text());
+  request.caller = caller_id();
+  CallConnection c;
+  {
+    std::lock_guard<std::mutex> g(pool_mu_);
+    if (!idle_.empty()) {
+      c = std::move(idle_.back());
+      idle_.pop_back();
+    }
+  }
+  const bool fresh = c.connection.closed();
+  if (fresh) {
+    try {
+      c.connection = Client(address_, {.authkey = authkey_, .timeout = timeout_});
+    } catch (const AuthenticationError&) {
+      throw;
+    } catch (const TimeoutError&) {
+      throw;
+    } catch (const Error& e) {
+      break_with(
+          fmt::format("manager at {} is gone: cannot connect to it ({})", address_, e.what()));
+      throw ClosedError(broken_text());
+    }
+  }
+  const Timeout reply_timeout =
+      timeout_ && wait ? Timeout(*timeout_ + *wait) : Timeout(std::nullopt);
+  Response response;
+  try {
+    if (fresh && shm_channel_) attach_channel(c);
+    if (c.channel) {
+      const Deadline deadline = deadline_after(reply_timeout);
+      c.channel->send(dumps(request, {.copy_tensor = true}).bytes, c.connection);
+      response = loads<Response>(
+          Payload{c.channel->recv(c.connection, deadline, manager::kMaxMessageBytes), {}});
+    } else {
+      c.connection.send(request);
+      response = loads<Response>(
+          Payload{c.connection.recv_bytes(reply_timeout, manager::kMaxMessageBytes), {}});
+    }
+  } catch (const TimeoutError&) {
+    c.connection.close();  // a late reply would be read as the next call's
+    throw TimeoutError(fmt::format("manager at {}: no reply to '{}' within {} s", address_,
+                                   request.method, reply_timeout ? reply_timeout->count() : 0));
+  } catch (const ClosedError&) {
+    c.connection.close();
+    break_with(
+        fmt::format("manager at {} is gone: the connection to its server closed (it was shut down, "
+                    "exited or was killed)",
+                    address_));
+    throw ClosedError(broken_text());
+  } catch (const Error& e) {
+    c.connection.close();
+    break_with(fmt::format("manager at {}: the connection failed: {}", address_, e.what()));
+    throw ClosedError(broken_text());
+  }
+  {
+    std::lock_guard<std::mutex> g(pool_mu_);
+    // A burst of concurrent calls leaves no more than kMaxIdle connections (and server
+    // threads) behind; the others close.
+    if (!broken() && idle_.size() < kMaxIdle) idle_.push_back(std::move(c));
+  }
+  if (!response.ok) throw RemoteError(response.error_type, response.error_message);
+  return std::move(response.value);
+}
+
+std::string ManagerClient::broken_text() const {
   std::lock_guard<std::mutex> g(mu_);
-  if (broken_.empty()) broken_ = std::move(why);
-  connection_.close();
+  return broken_;
 }
 
 std::string ManagerClient::request(const Request& request) {
@@ -137,6 +265,7 @@ detail::ProxyRef& checked(const std::shared_ptr<detail::ProxyRef>& ref) {
 const std::string& BaseProxy::address() const { return ref_ ? ref_->client->address() : kEmpty; }
 const std::string& BaseProxy::type_id() const { return ref_ ? ref_->type_id : kEmpty; }
 uint64_t BaseProxy::id() const { return ref_ ? ref_->id : 0; }
+bool BaseProxy::share_tensors() const { return ref_ && ref_->client->share_tensors(); }
 
 std::shared_ptr<detail::ProxyRef> BaseProxy::ref() const {
   // A fork child inherits the parent's reference and connection: it takes its own.
@@ -144,27 +273,29 @@ std::shared_ptr<detail::ProxyRef> BaseProxy::ref() const {
   std::lock_guard<std::mutex> g(mu);
   detail::ProxyRef& r = checked(ref_);
   if (r.pid != ::getpid()) {
-    auto client =
-        detail::ManagerClient::get(r.client->address(), r.client->authkey(), r.client->timeout());
+    auto client = detail::ManagerClient::get(r.client->address(), r.client->authkey(),
+                                             r.client->timeout(), r.client->share_tensors());
     ref_ = detail::ProxyRef::adopt(std::move(client), r.type_id, r.id);
   }
   return ref_;
 }
 
-std::string BaseProxy::call_method(const std::string& method, const std::string& args) const {
+std::string BaseProxy::call_method(const std::string& method, const std::string& args,
+                                   Timeout wait) const {
   const std::shared_ptr<detail::ProxyRef> r = ref();
   detail::manager::Request request;
   request.kind = static_cast<uint8_t>(detail::manager::RequestKind::kCall);
   request.object_id = r->id;
   request.method = method;
   request.args = args;
-  return r->client->request(request);
+  return r->client->call(std::move(request), wait);
 }
 
 void BaseProxy::save(detail::OutputArchive& ar) const {
   const detail::ProxyRef& r = checked(ref_);
   const Timeout timeout = r.client->timeout();
-  ar(r.client->address(), r.client->authkey(), timeout ? timeout->count() : -1.0, r.type_id, r.id);
+  ar(r.client->address(), r.client->authkey(), timeout ? timeout->count() : -1.0, r.type_id, r.id,
+     r.client->share_tensors());
 }
 
 void BaseProxy::load(detail::InputArchive& ar) {
@@ -173,11 +304,12 @@ void BaseProxy::load(detail::InputArchive& ar) {
   double timeout_s = -1;
   std::string type_id;
   uint64_t id = 0;
-  ar(address, authkey, timeout_s, type_id, id);
+  bool share_tensors = false;
+  ar(address, authkey, timeout_s, type_id, id, share_tensors);
   const Timeout timeout =
       timeout_s < 0 ? Timeout() : Timeout(std::chrono::duration<double>(timeout_s));
-  ref_ = detail::ProxyRef::adopt(detail::ManagerClient::get(address, authkey, timeout),
-                                 std::move(type_id), id);
+  ref_ = detail::ProxyRef::adopt(
+      detail::ManagerClient::get(address, authkey, timeout, share_tensors), std::move(type_id), id);
 }
 
 }  // namespace torchpar

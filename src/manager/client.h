@@ -10,23 +10,37 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "manager/protocol.h"
+#include "manager/shm_channel.h"
 #include "torchpar/core/auth.h"
 #include "torchpar/core/timeout.h"
 #include "torchpar/ipc/connection.h"
 
 namespace torchpar::detail {
 
-/// This process's connection to the manager at one address.
-/// Safety: thread-safe; one request at a time (a mutex around each round trip).
+/// This process's connections to the manager at one address: one control connection that
+/// holds the process's references (create, incref, decref, shutdown; one request at a
+/// time) and a pool of call connections, one per call in flight, so that a call blocking in
+/// the server (Queue::get, Lock::acquire) holds up no other thread (Python keeps one
+/// connection per thread for the same reason). A new call connection first attaches a
+/// ShmChannel (kAttachChannel): when the server opens it (same host and user), the
+/// connection's requests and responses travel through shared memory, the socket only
+/// telling each side that the other is alive (and carrying messages over
+/// ShmChannel::kDataBytes). TORCHPAR_MANAGER_SHM=0 in the environment when the client is
+/// made keeps every call on its socket.
+/// Safety: thread-safe.
 class ManagerClient {
  public:
   /// The connection of this process to `address`: a live one made earlier by this
-  /// process (not one inherited through fork), or a new one.
+  /// process (not one inherited through fork) with the same key and `share_tensors`, or a
+  /// new one. `share_tensors`: its proxies send tensors as shared-memory handles
+  /// (ManagerOptions::share_tensors).
   /// Errors: as Client.
   static std::shared_ptr<ManagerClient> get(const std::string& address,
-                                            const std::optional<AuthKey>& authkey, Timeout timeout);
+                                            const std::optional<AuthKey>& authkey, Timeout timeout,
+                                            bool share_tensors = false);
 
   /// One round trip. Returns the result's payload bytes.
   /// Errors: RemoteError for a failure the server reports; ClosedError naming the address
@@ -34,17 +48,34 @@ class ManagerClient {
   ///         timeout (the connection is unusable afterwards, as a reply may still come).
   std::string request(const manager::Request& request);
 
+  /// One kCall round trip on a call connection of its own (an idle one, or a new one).
+  /// `wait` is how long the method may block in the server (nullopt: no limit); the reply
+  /// is awaited for timeout() + wait. Sets request.caller to this thread's caller_id().
+  /// Errors: as request(); a TimeoutError closes only that call's connection.
+  std::string call(manager::Request request, Timeout wait = std::chrono::duration<double>(0));
+
+  /// This thread's identity in calls (Request::caller): unique per process and thread, so
+  /// the server can tell RLock owners apart (a fork child gets its own).
+  static uint64_t caller_id();
+
+  /// False when TORCHPAR_MANAGER_SHM=0 was set when this client was made: no call
+  /// connection attaches a ShmChannel.
+  bool shm_channel() const { return shm_channel_; }
+
   /// Marks the connection unusable: later requests raise ClosedError with `why`.
   void break_with(std::string why);
 
   const std::string& address() const { return address_; }
   const std::optional<AuthKey>& authkey() const { return authkey_; }
   Timeout timeout() const { return timeout_; }
+  bool share_tensors() const { return share_tensors_; }
   pid_t pid() const { return pid_; }
   bool broken() const;
+  /// Why calls fail ("" while usable).
+  std::string broken_text() const;
 
   ManagerClient(Connection connection, std::string address, std::optional<AuthKey> authkey,
-                Timeout timeout);
+                Timeout timeout, bool share_tensors = false);
 
  private:
   mutable std::mutex mu_;
@@ -52,8 +83,24 @@ class ManagerClient {
   std::string address_;
   std::optional<AuthKey> authkey_;
   Timeout timeout_;
+  bool share_tensors_;
   pid_t pid_;
   std::string broken_;  // why requests fail at once; empty while usable
+
+  bool shm_channel_;
+
+  /// A call connection: its socket and, once the server opened it, its channel.
+  struct CallConnection {
+    Connection connection;
+    std::unique_ptr<ShmChannel> channel;  // null: requests go on the socket
+  };
+  /// Makes a channel and asks the server over `c`'s socket to attach it (the first
+  /// request of a new connection). No channel when it cannot be made or the server cannot
+  /// open it. Errors: as a round trip on the socket.
+  void attach_channel(CallConnection& c);
+
+  std::mutex pool_mu_;
+  std::vector<CallConnection> idle_;  // call connections between calls
 };
 
 /// One reference on a served object, held by one process. Its destructor sends decref (in

@@ -75,7 +75,7 @@ Manager::Manager(ManagerOptions options) {
   theirs.close();  // so that a server dying before it reports is seen as end of stream
   address_ = await_ready(mine, *server_, options.start_timeout);
   try {
-    client_ = detail::ManagerClient::get(address_, key, options.timeout);
+    client_ = detail::ManagerClient::get(address_, key, options.timeout, options.share_tensors);
   } catch (...) {
     server_->kill();
     server_->join(kShutdownWait);
@@ -85,7 +85,8 @@ Manager::Manager(ManagerOptions options) {
 
 Manager Manager::connect(const std::string& address, ManagerOptions options) {
   const AuthKey key = options.authkey ? *options.authkey : default_authkey();
-  return Manager(detail::ManagerClient::get(address, key, options.timeout), address);
+  return Manager(detail::ManagerClient::get(address, key, options.timeout, options.share_tensors),
+                 address);
 }
 
 Manager::~Manager() {
@@ -100,11 +101,13 @@ const std::string& Manager::address() const { return address_; }
 
 int Manager::pid() const { return server_ ? server_->pid() : -1; }
 
-std::shared_ptr<detail::ProxyRef> Manager::create(const std::string& type_id) {
+std::shared_ptr<detail::ProxyRef> Manager::create(const std::string& type_id,
+                                                  const std::string& args) {
   if (!client_) throw ClosedError("Manager: moved from");
   Request r;
   r.kind = static_cast<uint8_t>(RequestKind::kCreate);
   r.type_id = type_id;
+  r.args = args;
   const std::string value = client_->request(r);
   const auto id = loads<uint64_t>(Payload{value, {}});
   return std::make_shared<detail::ProxyRef>(client_, type_id, id);

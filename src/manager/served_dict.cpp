@@ -20,55 +20,46 @@ namespace {
 
 using Bytes = std::string;
 
-template <class T>
-T decode(const std::string& args) {
-  return loads<T>(Payload{args, {}});
-}
-
-template <class T>
-std::string encode(const T& value) {
-  return dumps(value, {.copy_tensor = true}).bytes;
-}
-
 class ServedDict final : public ServedObject {
  public:
-  std::string call(const std::string& method, const std::string& args) override {
+  std::string call(const std::string& method, const std::string& args,
+                   const CallContext& /*context*/) override {
     if (method == "get") {
-      const auto [key] = decode<std::tuple<Bytes>>(args);
+      const auto [key] = served_decode<std::tuple<Bytes>>(args);
       auto it = index_.find(key);
-      return encode(it == index_.end() ? std::optional<Bytes>()
-                                       : std::optional(it->second->second));
+      return served_encode(it == index_.end() ? std::optional<Bytes>()
+                                              : std::optional(it->second->second));
     }
     if (method == "set") {
-      auto [key, value] = decode<std::tuple<Bytes, Bytes>>(args);
+      auto [key, value] = served_decode<std::tuple<Bytes, Bytes>>(args);
       set(std::move(key), std::move(value));
       return {};
     }
     if (method == "pop") {
-      const auto [key] = decode<std::tuple<Bytes>>(args);
+      const auto [key] = served_decode<std::tuple<Bytes>>(args);
       auto it = index_.find(key);
       if (it == index_.end()) throw ServedError("KeyError", "pop: the dict holds no such key");
       Bytes value = std::move(it->second->second);
       items_.erase(it->second);
       index_.erase(it);
-      return encode(value);
+      return served_encode(value);
     }
     if (method == "contains") {
-      const auto [key] = decode<std::tuple<Bytes>>(args);
-      return encode(index_.count(key) > 0);
+      const auto [key] = served_decode<std::tuple<Bytes>>(args);
+      return served_encode(index_.count(key) > 0);
     }
     if (method == "keys") {
       std::vector<Bytes> keys;
       keys.reserve(items_.size());
       for (const auto& kv : items_) keys.push_back(kv.first);
-      return encode(keys);
+      return served_encode(keys);
     }
     if (method == "items") {
-      return encode(std::vector<std::pair<Bytes, Bytes>>(items_.begin(), items_.end()));
+      return served_encode(std::vector<std::pair<Bytes, Bytes>>(items_.begin(), items_.end()));
     }
-    if (method == "size") return encode(static_cast<uint64_t>(items_.size()));
+    if (method == "size") return served_encode(static_cast<uint64_t>(items_.size()));
     if (method == "update") {
-      auto [pairs] = decode<std::tuple<std::vector<std::pair<Bytes, Bytes>>>>(args);
+      auto [pairs] = served_decode<std::tuple<std::vector<std::pair<Bytes, Bytes>>>>(args);
       for (auto& [k, v] : pairs) set(std::move(k), std::move(v));
       return {};
     }
@@ -98,6 +89,8 @@ class ServedDict final : public ServedObject {
 
 }  // namespace
 
-std::unique_ptr<ServedObject> make_served_dict() { return std::make_unique<ServedDict>(); }
+std::unique_ptr<ServedObject> make_served_dict(const std::string& /*args: none*/) {
+  return std::make_unique<ServedDict>();
+}
 
 }  // namespace torchpar::detail

@@ -5,11 +5,14 @@
 #include <signal.h>
 
 #include <chrono>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <typeinfo>
 #include <utility>
 
+#include "core/liveness.h"
+#include "manager/shm_channel.h"
 #include "torchpar/core/error.h"
 #include "torchpar/serialize/serialize.h"
 
@@ -19,11 +22,6 @@ namespace {
 using manager::Request;
 using manager::RequestKind;
 using manager::Response;
-
-template <class T>
-std::string encode(const T& value) {
-  return dumps(value, {.copy_tensor = true}).bytes;
-}
 
 Response failure(std::string type, std::string message) {
   Response r;
@@ -40,16 +38,54 @@ Response success(std::string value = {}) {
   return r;
 }
 
+// Opens the call channel a client made (kAttachChannel). Another host's name, another
+// user's, or no /dev/shm: an "OSError" reply, and the connection stays on its socket.
+Response attach_channel(const std::string& name, std::unique_ptr<ShmChannel>* channel) {
+  try {
+    *channel = ShmChannel::open(name);
+    return success();
+  } catch (const std::exception& e) {
+    return failure("OSError", fmt::format("cannot open the call channel '{}': {}", name, e.what()));
+  }
+}
+
 // A peer that fails the handshake (or stalls in it) holds the accept loop this long at most.
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
 
 }  // namespace
 
+bool CallContext::peer_gone() const { return socket_peer_gone(fd); }
+
 std::unique_ptr<ServedObject> make_served_object(const std::string& type_id,
                                                  const std::string& args) {
-  (void)args;  // the built-in types take none
-  if (type_id == "dict") return make_served_dict();
-  throw ServedError("ValueError", fmt::format("the manager has no typeid '{}'", type_id));
+  // The built-in typeids (SyncManager's), each with its factory (served_*.cpp).
+  using Factory = std::unique_ptr<ServedObject> (*)(const std::string& args);
+  // One typeid a line, so that adding one is a one-line change.
+  // clang-format off
+  static const std::pair<std::string_view, Factory> kBuiltin[] = {
+      {"dict", &make_served_dict},
+      {"list", &make_served_list},
+      {"Namespace", &make_served_namespace},
+      {"Value", &make_served_value},
+      {"Array", &make_served_array},
+      {"Queue", &make_served_queue},
+      {"Lock", &make_served_lock},
+      {"RLock", &make_served_rlock},
+      {"Event", &make_served_event},
+      {"Semaphore", &make_served_semaphore},
+      {"BoundedSemaphore", &make_served_bounded_semaphore},
+      {"Condition", &make_served_condition},
+      {"Barrier", &make_served_barrier},
+  };
+  // clang-format on
+  for (const auto& [name, factory] : kBuiltin) {
+    if (name == type_id) return factory(args);
+  }
+  if (auto registered = make_served_registered(type_id, args)) return registered;
+  throw ServedError("ValueError",
+                    fmt::format("the manager has no typeid '{}' (a registered type must be "
+                                "registered before the server starts: torchpar/manager/register.h)",
+                                type_id));
 }
 
 std::shared_ptr<ManagerServer::Served> ManagerServer::find(uint64_t id) {
@@ -75,7 +111,7 @@ bool ManagerServer::decref(uint64_t id, int64_t count) {
   return true;
 }
 
-Response ManagerServer::handle(const Request& request, bool* shutdown, Held* held) {
+Response ManagerServer::handle(const Request& request, bool* shutdown, Held* held, int fd) {
   try {
     switch (static_cast<RequestKind>(request.kind)) {
       case RequestKind::kCreate: {
@@ -86,12 +122,16 @@ Response ManagerServer::handle(const Request& request, bool* shutdown, Held* hel
         const uint64_t id = next_id_++;
         objects_.emplace(id, Entry{std::move(served), 1});
         ++(*held)[id];
-        return success(encode(id));
+        return success(served_encode(id));
       }
       case RequestKind::kCall: {
         std::shared_ptr<Served> served = find(request.object_id);
+        const CallContext context{request.caller, fd};
+        if (!served->object->serialized()) {
+          return success(served->object->call(request.method, request.args, context));
+        }
         std::lock_guard<std::mutex> g(served->mu);
-        return success(served->object->call(request.method, request.args));
+        return success(served->object->call(request.method, request.args, context));
       }
       case RequestKind::kIncref: {
         std::lock_guard<std::mutex> g(mu_);
@@ -123,8 +163,12 @@ Response ManagerServer::handle(const Request& request, bool* shutdown, Held* hel
         return success();
       case RequestKind::kNumberOfObjects: {
         std::lock_guard<std::mutex> g(mu_);
-        return success(encode(static_cast<uint64_t>(objects_.size())));
+        return success(served_encode(static_cast<uint64_t>(objects_.size())));
       }
+      case RequestKind::kAttachChannel:
+        // serve_connection takes the one that may come, first on a call connection.
+        return failure("ValueError",
+                       "attach_channel only as the first request of a connection, on its socket");
     }
     return failure("ValueError", fmt::format("unknown request kind {}", int{request.kind}));
   } catch (const ServedError& e) {
@@ -137,23 +181,38 @@ Response ManagerServer::handle(const Request& request, bool* shutdown, Held* hel
 void ManagerServer::serve_connection(Connection connection) {
   Held held;
   bool shutdown = false;
+  bool first = true;
+  // Set once the client attached a call channel: requests and responses travel there.
+  std::unique_ptr<ShmChannel> channel;
   while (!shutdown) {
     std::string bytes;
     try {
-      bytes = connection.recv_bytes(std::nullopt, manager::kMaxMessageBytes);
+      bytes = channel ? channel->recv(connection, std::nullopt, manager::kMaxMessageBytes)
+                      : connection.recv_bytes(std::nullopt, manager::kMaxMessageBytes);
     } catch (const std::exception&) {
-      break;  // the client left, or broke the framing (the connection is closed then)
+      break;  // the client left, or broke the framing (or the channel's): end the connection
     }
     Response response;
+    bool attached = false;
     try {
       const Request request = loads<Request>(Payload{std::move(bytes), {}});
-      response = handle(request, &shutdown, &held);
+      if (first && static_cast<RequestKind>(request.kind) == RequestKind::kAttachChannel) {
+        response = attach_channel(request.type_id, &channel);
+        attached = channel != nullptr;
+      } else {
+        response = handle(request, &shutdown, &held, connection.fileno());
+      }
     } catch (const std::exception& e) {
       // A whole frame that is no request: the stream is still in sync, so say so and go on.
       response = failure("SerializationError", fmt::format("malformed request: {}", e.what()));
     }
+    first = false;
     try {
-      connection.send(response);
+      if (channel && !attached) {
+        channel->send(dumps(response, {.copy_tensor = true}).bytes, connection);
+      } else {
+        connection.send(response);  // the reply to an attach goes on the socket
+      }
     } catch (const std::exception&) {
       break;
     }

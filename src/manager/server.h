@@ -3,7 +3,10 @@
 // of served objects with reference counts. Private to the library; the public side is
 // torchpar/manager/manager.h.
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -14,8 +17,10 @@
 
 #include "manager/protocol.h"
 #include "torchpar/core/auth.h"
+#include "torchpar/core/timeout.h"
 #include "torchpar/ipc/connection.h"
 #include "torchpar/ipc/listener.h"
+#include "torchpar/serialize/serialize.h"
 
 namespace torchpar::detail {
 
@@ -31,8 +36,58 @@ class ServedError : public std::runtime_error {
   std::string type_;
 };
 
-/// One object held by the server. Calls on one object are serialized by the server (one
-/// at a time), so implementations need no lock of their own.
+/// What a served object knows about the call it is running.
+struct CallContext {
+  /// The calling client thread (Request::caller): the owner of RLocks and Conditions.
+  uint64_t caller = 0;
+  /// The connection the call came on (-1 in unit tests: never gone).
+  int fd = -1;
+
+  /// True once the client closed its end or died: it sends nothing while its call is
+  /// pending, so anything readable on the socket (EOF, a reset) means it is gone.
+  bool peer_gone() const;
+
+  /// Waits on `cv` (with `lock` held, as std::condition_variable) until `pred()` holds or
+  /// `timeout` passes (nullopt: no limit). Looks at the client every 50 ms: when it is
+  /// gone, throws ServedError("ConnectionAbortedError") so that a blocking call of a dead
+  /// client takes nothing (no item, no lock) that nobody would receive.
+  /// Returns pred() at the end, as wait_for with a predicate.
+  template <class Pred>
+  bool wait(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Timeout timeout,
+            Pred pred) const {
+    using Clock = std::chrono::steady_clock;
+    const auto slice = std::chrono::milliseconds(50);
+    const std::optional<Clock::time_point> deadline =
+        timeout ? std::optional(Clock::now() + std::chrono::duration_cast<Clock::duration>(std::max(
+                                                   *timeout, std::chrono::duration<double>(0))))
+                : std::nullopt;
+    while (!pred()) {
+      if (peer_gone()) {
+        throw ServedError("ConnectionAbortedError", "the client left while its call was waiting");
+      }
+      const auto now = Clock::now();
+      if (deadline && now >= *deadline) return pred();
+      const auto until = deadline ? std::min(*deadline, now + slice) : now + slice;
+      cv.wait_until(lock, until);
+    }
+    return true;
+  }
+};
+
+/// A served object's arguments or result from the payload bytes the proxy sent (no
+/// out-of-band tensors: they travel in the bytes).
+template <class T>
+T served_decode(const std::string& args) {
+  return loads<T>(Payload{args, {}});
+}
+
+/// The payload bytes of a served object's result (tensors copied into the bytes).
+template <class T>
+std::string served_encode(const T& value) {
+  return dumps(value, {.copy_tensor = true}).bytes;
+}
+
+/// One object held by the server.
 class ServedObject {
  public:
   virtual ~ServedObject() = default;
@@ -40,16 +95,51 @@ class ServedObject {
   /// result's payload bytes ("" for none). Throws ServedError for typed failures
   /// (AttributeError for a method that is not exposed); any other exception reaches the
   /// client as RemoteError with its demangled type.
-  virtual std::string call(const std::string& method, const std::string& args) = 0;
+  virtual std::string call(const std::string& method, const std::string& args,
+                           const CallContext& context) = 0;
+  /// True (the default): the server runs one call at a time on this object, so it needs no
+  /// lock of its own and must not block. False: calls run concurrently (one per client
+  /// connection) and the object locks itself; its blocking methods (Queue::get,
+  /// Lock::acquire) wait with CallContext::wait.
+  virtual bool serialized() const { return true; }
 };
 
-/// Makes the object of a typeid from the create request's args.
+/// Makes the object of a typeid from the create request's args (payload bytes of the
+/// constructor's arguments, as the Manager's factory method encoded them).
+/// The builtin typeids first, then the registered ones (make_served_registered).
+/// Errors: ServedError("ValueError") for an unknown typeid; what the factory throws.
 std::unique_ptr<ServedObject> make_served_object(const std::string& type_id,
                                                  const std::string& args);
 
 /// The built-in "dict": keys and values are the payload bytes the proxy sent (the server
 /// never decodes them), kept in insertion order, as Python's dict.
-std::unique_ptr<ServedObject> make_served_dict();
+std::unique_ptr<ServedObject> make_served_dict(const std::string& args);
+
+/// The built-in "list" (args: a tuple of the initial items' bytes, or "" for none),
+/// "Namespace" (no args), "Value" (args: a tuple of the value's bytes) and "Array" (as
+/// "list"; its length stays the initial one), each keeping the payload bytes the proxy sent
+/// (served_containers.cpp).
+std::unique_ptr<ServedObject> make_served_list(const std::string& args);
+std::unique_ptr<ServedObject> make_served_namespace(const std::string& args);
+std::unique_ptr<ServedObject> make_served_value(const std::string& args);
+std::unique_ptr<ServedObject> make_served_array(const std::string& args);
+/// The blocking types (served_sync.cpp; concurrent calls, waits that abort when the caller
+/// is gone): "Queue" (args: int64 maxsize, <= 0 unbounded; items are payload bytes),
+/// "Lock", "RLock", "Event", "Condition" (no args), "Semaphore" and "BoundedSemaphore"
+/// (args: int64 value), "Barrier" (args: int64 parties, optional f64 default timeout in s).
+std::unique_ptr<ServedObject> make_served_queue(const std::string& args);
+std::unique_ptr<ServedObject> make_served_lock(const std::string& args);
+std::unique_ptr<ServedObject> make_served_rlock(const std::string& args);
+std::unique_ptr<ServedObject> make_served_event(const std::string& args);
+std::unique_ptr<ServedObject> make_served_semaphore(const std::string& args);
+std::unique_ptr<ServedObject> make_served_bounded_semaphore(const std::string& args);
+std::unique_ptr<ServedObject> make_served_condition(const std::string& args);
+std::unique_ptr<ServedObject> make_served_barrier(const std::string& args);
+/// An object of a type registered with register_managed_type (torchpar/manager/register.h)
+/// in this process; nullptr when `type_id` is not registered. Errors: ServedError
+/// ("TypeError") when the type has no constructor registered; what its constructor throws.
+std::unique_ptr<ServedObject> make_served_registered(const std::string& type_id,
+                                                     const std::string& args);
 
 /// The server: serve_forever() accepts clients on `listener` until a shutdown request.
 class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
@@ -64,8 +154,10 @@ class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
   /// child _exits, SIGKILL) leaks nothing.
   using Held = std::unordered_map<uint64_t, int64_t>;
   /// One request, as a connection thread handles it. Sets *shutdown for kShutdown; counts
-  /// the references the connection takes and gives back in *held.
-  manager::Response handle(const manager::Request& request, bool* shutdown, Held* held);
+  /// the references the connection takes and gives back in *held. `fd` is the
+  /// connection's socket (CallContext::peer_gone; -1 in unit tests).
+  manager::Response handle(const manager::Request& request, bool* shutdown, Held* held,
+                           int fd = -1);
 
  private:
   struct Served {

@@ -104,8 +104,10 @@ uint32_t OutputArchive::fd_index(int fd) {
   return idx;
 }
 
-InputArchive::InputArchive(const Payload& in)
-    : cereal::InputArchive<InputArchive, cereal::AllowEmptyClassElision>(this), in_(in) {}
+InputArchive::InputArchive(const Payload& in, LoadsOptions opts)
+    : cereal::InputArchive<InputArchive, cereal::AllowEmptyClassElision>(this),
+      in_(in),
+      opts_(opts) {}
 
 InputArchive::DepthGuard::DepthGuard(InputArchive& ar) : ar_(ar) {
   if (++ar_.depth_ > 256) {
@@ -223,7 +225,7 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       }
       h.segment_bytes = read<uint64_t>(ar);
       h.block = read<uint32_t>(ar);
-      storages.push_back(import_storage(h, std::move(fd)));
+      storages.push_back(import_storage(h, std::move(fd), ar.options().adopt_shared));
     } else {
       throw SerializationError(fmt::format("invalid tensor storage mode {}", mode));
     }
@@ -235,9 +237,10 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
     tensor.requires_grad_(true);
 }
 
-void load_payload(const Payload& payload, const std::function<void(InputArchive&)>& body) {
+void load_payload(const Payload& payload, const std::function<void(InputArchive&)>& body,
+                  LoadsOptions options) {
   try {
-    InputArchive ar(payload);
+    InputArchive ar(payload, options);
     char magic[4];
     uint8_t version = 0;
     if (payload.bytes.size() < 5)

@@ -445,7 +445,7 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
   return make_data_ptr(s, seg, 0, nbytes, true);
 }
 
-at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd) {
+at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd, bool adopt) {
   State& s = state();
   std::shared_ptr<Segment> seg;
   std::string key;
@@ -515,15 +515,26 @@ at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd) {
         fmt::format("shared tensor handle names block {} of {} bytes; the "
                     "segment has {} blocks of {} bytes",
                     block, nbytes, seg->num_blocks(), seg->block_size()));
-  // Claim one export of the block: the reference it carries becomes this storage's.
   auto exports = seg->exports(block);
-  uint32_t cur = exports.load();
-  do {
-    if (cur == 0)
+  if (adopt) {
+    // Claim one export of the block: the reference it carries becomes this storage's.
+    uint32_t cur = exports.load();
+    do {
+      if (cur == 0)
+        throw SerializationError(
+            "shared tensor handle was already imported, or never exported: "
+            "a payload made with copy_tensor=false can be loaded once");
+    } while (!exports.compare_exchange_weak(cur, cur - 1));
+  } else {
+    // Borrow: the payload's export is never claimed, so its reference keeps the block
+    // from being reused and a reference of our own is safe to add. Without an unclaimed
+    // export the block may already hold another storage.
+    if (exports.load() == 0)
       throw SerializationError(
-          "shared tensor handle was already imported, or never exported: "
-          "a payload made with copy_tensor=false can be loaded once");
-  } while (!exports.compare_exchange_weak(cur, cur - 1));
+          "shared tensor handle has no unclaimed export (it was loaded with "
+          "adopt_shared=true, or never exported): cannot borrow the block");
+    seg->refs(block).fetch_add(1);
+  }
   std::lock_guard<std::mutex> lock(s.mu);
   return make_data_ptr(s, std::move(seg), block, nbytes, false);
 }

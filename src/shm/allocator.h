@@ -33,8 +33,9 @@ BlockRef* block_of(const c10::Storage& storage);
 at::DataPtr shm_allocate(uint64_t nbytes);
 
 /// Maps (or finds already mapped) the segment of a handle and returns a DataPtr for one
-/// block, adopting one reference. `fd` is consumed.
-at::DataPtr shm_import(const StorageHandle& handle, UniqueFd fd);
+/// block, adopting one reference (claiming one export), or with `adopt` false taking a
+/// new reference while an unclaimed export pins the block. `fd` is consumed.
+at::DataPtr shm_import(const StorageHandle& handle, UniqueFd fd, bool adopt = true);
 
 /// In the parent right after fork(): the references the fork took on every live storage
 /// (for the child) now belong to `pid`.

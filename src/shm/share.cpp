@@ -54,8 +54,8 @@ StorageHandle export_storage(const c10::Storage& storage) {
   return h;
 }
 
-c10::Storage import_storage(const StorageHandle& h, UniqueFd fd) {
-  at::DataPtr dp = shm_import(h, std::move(fd));
+c10::Storage import_storage(const StorageHandle& h, UniqueFd fd, bool adopt) {
+  at::DataPtr dp = shm_import(h, std::move(fd), adopt);
   c10::Storage storage(c10::Storage::use_byte_size_t(), h.nbytes, std::move(dp), &g_allocator,
                        /*resizable=*/false);
   return storage;

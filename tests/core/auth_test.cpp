@@ -127,7 +127,65 @@ TEST(Auth, HexRoundTripAndKeyFile) {
   ::rmdir(dir);
 }
 
+TEST(Auth, LegacyMd5ChallengeIsAnsweredOnlyWhenAllowed) {
+  // A Python <= 3.11 server's challenge: 20 random bytes, no digest prefix.
+  const std::string legacy = "#CHALLENGE#" + std::string(20, 'r');
+  {
+    auto [a, b] = socket_pair();
+    tp::send_frame(a.get(), legacy, in(5s));
+    try {
+      tp::answer_challenge(b.get(), kKey, in(5s));
+      ADD_FAILURE() << "a legacy challenge was answered by default";
+    } catch (const tp::AuthenticationError& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    "legacy HMAC-MD5 challenge from a Python <= 3.11 peer: set allow_legacy_md5"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  auto [a, b] = socket_pair();
+  tp::send_frame(a.get(), legacy, in(5s));
+  auto peer = std::async(std::launch::async, [&, fd = a.get()] {
+    std::string answer = tp::recv_frame(fd, 256, in(5s));
+    tp::send_frame(fd, "#WELCOME#", in(5s));
+    return answer;
+  });
+  tp::answer_challenge(b.get(), kKey, in(5s), {.allow_legacy_md5 = true});
+  const std::string answer = peer.get();
+  EXPECT_EQ(answer.size(), 16u);  // a bare HMAC-MD5, as Python 3.11 expects
+  EXPECT_NE(answer[0], '{');
+}
+
+TEST(Auth, LegacyMd5AnswerIsRefusedUnlessAllowed) {
+  for (const bool allow : {false, true}) {
+    auto [a, b] = socket_pair();
+    auto server = std::async(std::launch::async, [&, fd = a.get()] {
+      try {
+        tp::deliver_challenge(fd, kKey, in(5s), {.allow_legacy_md5 = allow});
+        return std::string("accepted");
+      } catch (const tp::AuthenticationError& e) {
+        return std::string(e.what());
+      }
+    });
+    EXPECT_EQ(tp::recv_frame(b.get(), 256, in(5s)).substr(0, 19), "#CHALLENGE#{sha256}");
+    tp::send_frame(b.get(), std::string(16, 'm'), in(5s));  // a bare 16-byte answer
+    EXPECT_EQ(tp::recv_frame(b.get(), 256, in(5s)), "#FAILURE#");
+    const std::string why = server.get();
+    if (allow) {
+      EXPECT_NE(why.find("digest received was wrong"), std::string::npos) << why;  // checked
+    } else {
+      EXPECT_NE(why.find("legacy bare HMAC-MD5 answer from a Python <= 3.11 peer: set "
+                         "allow_legacy_md5"),
+                std::string::npos)
+          << why;
+    }
+  }
+}
+
 // ---- against Python ---------------------------------------------------------------------
+
+// Debian 12's python3 is 3.11, which speaks only the legacy HMAC-MD5 form.
+constexpr tp::AuthOptions kLegacyOk{.allow_legacy_md5 = true};
 
 /// A listening loopback socket on a kernel-chosen port.
 tp::UniqueFd listen_loopback(int* port) {
@@ -252,7 +310,7 @@ TEST(AuthPython, PythonClientWithRightKeyIsAccepted) {
   Python py(kPyClient, {std::to_string(port), tp::to_hex(kKey)});
   tp::UniqueFd c(::accept4(l.get(), nullptr, nullptr, SOCK_CLOEXEC));
   ASSERT_TRUE(c);
-  tp::auth_accept(c.get(), kKey, in(20s));
+  tp::auth_accept(c.get(), kKey, in(20s), kLegacyOk);
   EXPECT_EQ(tp::recv_frame(c.get(), 256, in(20s)), "hello from python");
   EXPECT_EQ(py.wait(30s), 0);
 }
@@ -264,7 +322,7 @@ TEST(AuthPython, PythonClientWithWrongKeyIsRefused) {
   Python py(kPyClient, {std::to_string(port), tp::to_hex(kOther)});
   tp::UniqueFd c(::accept4(l.get(), nullptr, nullptr, SOCK_CLOEXEC));
   ASSERT_TRUE(c);
-  EXPECT_THROW(tp::auth_accept(c.get(), kKey, in(20s)), tp::AuthenticationError);
+  EXPECT_THROW(tp::auth_accept(c.get(), kKey, in(20s), kLegacyOk), tp::AuthenticationError);
   c.reset();
   EXPECT_EQ(py.wait(30s), 3);  // Python raised AuthenticationError too
 }
@@ -298,11 +356,11 @@ TEST(AuthPython, PythonListenerAcceptsRightKeyRefusesWrong) {
     auto c = connect_loopback(port, 10s);
     ASSERT_TRUE(c);
     if (right) {
-      tp::auth_connect(c.get(), kKey, in(20s));
+      tp::auth_connect(c.get(), kKey, in(20s), kLegacyOk);
       tp::send_frame(c.get(), "hello from torchpar", in(20s));
       EXPECT_EQ(py.wait(30s), 0);
     } else {
-      EXPECT_THROW(tp::auth_connect(c.get(), kOther, in(20s)), tp::AuthenticationError);
+      EXPECT_THROW(tp::auth_connect(c.get(), kOther, in(20s), kLegacyOk), tp::AuthenticationError);
       c.reset();
       EXPECT_EQ(py.wait(30s), 3);
     }

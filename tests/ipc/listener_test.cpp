@@ -2,7 +2,8 @@
 // ways (empty, 1 MiB), typed values with tensors copied, the handshake (right key, wrong key,
 // garbage, a silent peer), timeouts, maxlength, the 64-bit length form, address errors; and
 // against Python's own multiprocessing.connection Client and Listener (/usr/bin/python3,
-// started by argv through exec_program) in both directions, right and wrong key.
+// started by argv through exec_program) in both directions, right and wrong key, and a
+// Python <= 3.11 peer refused without allow_legacy_md5.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -24,12 +25,16 @@
 #include <string>
 #include <thread>
 
+#include "support/raw_socket.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
 using namespace std::chrono_literals;
 
 namespace {
+
+using tp::testing::raw_connect;
+using tp::testing::send_raw;
 
 const tp::AuthKey kKey = {'l', 'i', 's', 't', 'e', 'n', '-', 'k', 'e', 'y'};
 const tp::AuthKey kOther = {'o', 't', 'h', 'e', 'r'};
@@ -69,23 +74,6 @@ T get_within(std::future<T>& f, std::chrono::seconds within = 60s) {
     std::abort();  // the future's destructor would block
   }
   return f.get();
-}
-
-/// A raw TCP connection to a "127.0.0.1:port" address (no handshake, no framing).
-tp::UniqueFd raw_connect(const std::string& address) {
-  const auto colon = address.rfind(':');
-  tp::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
-  EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a), 0) << address;
-  return fd;
-}
-
-void send_raw(int fd, const std::string& bytes) {
-  ASSERT_EQ(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL),
-            static_cast<ssize_t>(bytes.size()));
 }
 
 std::string big_message(size_t n) {
@@ -556,7 +544,8 @@ TEST_P(PythonInterop, PythonClientTalksToOurListener) {
   TempDir dir;
   for (const bool with_key : {true, false}) {
     tp::Listener l(address_of(GetParam(), dir),
-                   {.authkey = with_key ? std::optional(kKey) : std::nullopt});
+                   {.authkey = with_key ? std::optional(kKey) : std::nullopt,
+                    .allow_legacy_md5 = true});  // python3 <= 3.11 speaks only that
     Python py(kPyClient, {l.address(), with_key ? tp::to_hex(kKey) : "-"});
     tp::Connection c = l.accept(60s);
     EXPECT_EQ(c.recv_bytes(30s), "hello from python");
@@ -574,7 +563,7 @@ TEST_P(PythonInterop, PythonClientTalksToOurListener) {
 TEST_P(PythonInterop, PythonClientWithWrongKeyIsRefused) {
   if (!have_python()) GTEST_SKIP() << "no /usr/bin/python3";
   TempDir dir;
-  tp::Listener l(address_of(GetParam(), dir), {.authkey = kKey});
+  tp::Listener l(address_of(GetParam(), dir), {.authkey = kKey, .allow_legacy_md5 = true});
   Python py(kPyClient, {l.address(), tp::to_hex(kOther)});
   EXPECT_THROW(l.accept(60s), tp::AuthenticationError);
   EXPECT_EQ(py.wait(), 3);  // Python raised AuthenticationError too
@@ -591,12 +580,14 @@ TEST_P(PythonInterop, OurClientTalksToPythonsListenerAndIsRefusedWithAWrongKey) 
     const std::string address = py.read_line();
     ASSERT_FALSE(address.empty());
     if (!right_key) {
-      EXPECT_THROW(tp::Client(address, {.authkey = kOther, .timeout = 30s}),
-                   tp::AuthenticationError);
+      EXPECT_THROW(
+          tp::Client(address, {.authkey = kOther, .timeout = 30s, .allow_legacy_md5 = true}),
+          tp::AuthenticationError);
       EXPECT_EQ(py.wait(), 3);  // Python's accept raised AuthenticationError
       continue;
     }
-    tp::Connection c = tp::Client(address, {.authkey = kKey, .timeout = 30s});
+    tp::Connection c =
+        tp::Client(address, {.authkey = kKey, .timeout = 30s, .allow_legacy_md5 = true});
     c.send_bytes("torchpar");
     EXPECT_EQ(c.recv_bytes(30s), "python got torchpar");
     EXPECT_EQ(c.recv_bytes(30s), "");
@@ -606,6 +597,42 @@ TEST_P(PythonInterop, OurClientTalksToPythonsListenerAndIsRefusedWithAWrongKey) 
     EXPECT_EQ(c.recv_bytes(30s), big);
     c.send_bytes("bye");
     EXPECT_EQ(py.wait(), 0);
+  }
+}
+
+TEST(PythonLegacy, APython311PeerIsRefusedWithoutAllowLegacyMd5) {
+  if (!have_python()) GTEST_SKIP() << "no /usr/bin/python3";
+  {
+    Python version("import sys; print(int(sys.version_info < (3, 12)))", {});
+    if (version.read_line() != "1") GTEST_SKIP() << "python3 >= 3.12 speaks {sha256}";
+    EXPECT_EQ(version.wait(), 0);
+  }
+  const std::string why = "from a Python <= 3.11 peer: set allow_legacy_md5";
+  // Its Client against our Listener: its bare HMAC-MD5 answer is refused (#FAILURE#).
+  {
+    tp::Listener l(":0", {.authkey = kKey});
+    Python py(kPyClient, {l.address(), tp::to_hex(kKey)});
+    try {
+      l.accept(60s);
+      ADD_FAILURE() << "a legacy Python client was accepted";
+    } catch (const tp::AuthenticationError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(py.wait(), 3);  // Python's AuthenticationError: "digest sent was rejected"
+  }
+  // Its Listener against our Client: its 20-byte challenge is not answered.
+  {
+    Python py(kPyListener, {"tcp", tp::to_hex(kKey)});
+    const std::string address = py.read_line();
+    ASSERT_FALSE(address.empty());
+    try {
+      tp::Client(address, {.authkey = kKey, .timeout = 30s});
+      ADD_FAILURE() << "a legacy Python listener's challenge was answered";
+    } catch (const tp::AuthenticationError& e) {
+      EXPECT_NE(std::string(e.what()).find("legacy HMAC-MD5 challenge " + why), std::string::npos)
+          << e.what();
+    }
+    EXPECT_NE(py.wait(), 0);  // its accept saw us leave (EOFError)
   }
 }
 

@@ -1,9 +1,12 @@
 // Manager across real processes: a server process per test, dict proxies used in the owner
 // and in children of every start method, a second client by address and key, reference
 // counts on the server, remote errors, a wrong key, shutdown, a server killed with SIGKILL,
-// a server outliving no owner, and strangers sending garbage to its port.
+// a server outliving no owner, strangers sending garbage to its port, shutdown while
+// another client waits, and a client reaching the server over TCP by a non-loopback address.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -18,6 +21,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/manager.h"
 #include "support/start_methods.h"
 #include "torchpar/torchpar.h"
 
@@ -26,18 +30,13 @@ using namespace std::chrono_literals;
 
 namespace {
 
+using tp::testing::exit_code;
+using tp::testing::gone;
+using tp::testing::gone_within;
+using tp::testing::manager_options;
+using tp::testing::require;
+
 using Dict = tp::DictProxy<std::string, int64_t>;
-
-tp::ManagerOptions manager_options() {
-  tp::ManagerOptions o;
-  o.timeout = 30s;  // every call of the tests is bounded
-  o.start_timeout = 60s;
-  return o;
-}
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
 
 /// A child: checks what the parent wrote, then writes its own items.
 void child_fill(Dict d, int64_t base) {
@@ -57,27 +56,49 @@ void second_client(std::string address, std::string key_hex, tp::Connection pipe
   require(pipe.recv<std::string>(30s) == "loaded", "the parent's ack");
 }
 
-int exit_code(tp::Process& p) {
-  if (!p.join(60s)) {
-    p.kill();
-    p.join(10s);
-    return -1000;
+/// A client blocked in a Queue get when the owner shuts the manager down: reports what the
+/// get raised ("<type>: <message>") on `pipe`.
+void blocked_getter(tp::QueueProxy<int64_t> q, tp::Connection pipe) {
+  pipe.send(std::string("waiting"));
+  try {
+    q.get();
+    pipe.send(std::string("no error"));
+  } catch (const tp::ClosedError& e) {
+    pipe.send("ClosedError: " + std::string(e.what()));
+  } catch (const std::exception& e) {
+    pipe.send("other: " + std::string(e.what()));
   }
-  return p.exitcode().value_or(-1000);
 }
 
-bool gone(int pid) {
-  const char s = tp::testing::proc_state(pid);
-  return s == '?' || s == 'Z';
+/// A client as on another host: connects over TCP to `address` (a non-loopback address of
+/// this machine) with the socket path only (no shared-memory channel), uses the dict.
+void tcp_client(std::string address, std::string key_hex) {
+  ::setenv("TORCHPAR_MANAGER_SHM", "0", 1);
+  tp::ManagerOptions o = manager_options();
+  o.authkey = tp::from_hex(key_hex);
+  tp::Manager m = tp::Manager::connect(address, o);
+  auto d = m.dict<std::string, int64_t>();
+  d.set("over-tcp", 5);
+  require(d.get("over-tcp") == std::optional<int64_t>(5), "a round trip over TCP");
+  require(m.number_of_objects() >= 1, "the server's objects");
 }
 
-bool gone_within(int pid, std::chrono::seconds within) {
-  const auto deadline = std::chrono::steady_clock::now() + within;
-  while (!gone(pid)) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(20ms);
+/// The first IPv4 address of this machine that is not loopback ("" when it has none).
+std::string non_loopback_ipv4() {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};
+  std::string found;
+  for (ifaddrs* a = list; a && found.empty(); a = a->ifa_next) {
+    if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET || (a->ifa_flags & IFF_LOOPBACK) ||
+        !(a->ifa_flags & IFF_UP)) {
+      continue;
+    }
+    char text[INET_ADDRSTRLEN] = {};
+    const auto* in = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+    if (::inet_ntop(AF_INET, &in->sin_addr, text, sizeof text)) found = text;
   }
-  return true;
+  ::freeifaddrs(list);
+  return found;
 }
 
 template <class F>
@@ -275,6 +296,44 @@ TEST(Manager, ShutdownEndsTheServerAndFailsLaterCalls) {
   m.shutdown();  // idempotent
 }
 
+TEST(Manager, ShutdownWhileClientsAreConnectedFailsTheirCalls) {
+  tp::Manager m(manager_options());
+  auto q = m.Queue<int64_t>();
+  auto [mine, theirs] = tp::Pipe();
+  tp::Process p(blocked_getter, q, theirs);
+  p.start();
+  ASSERT_EQ(mine.recv<std::string>(60s), "waiting");
+  std::this_thread::sleep_for(200ms);  // the child's get reaches the server and blocks
+  const int pid = m.pid();
+  m.shutdown();
+  EXPECT_TRUE(gone_within(pid, 10s));
+  const std::string what = mine.recv<std::string>(30s);
+  EXPECT_EQ(what.rfind("ClosedError: ", 0), 0u) << what;
+  EXPECT_NE(what.find(m.address()), std::string::npos) << what;
+  EXPECT_EQ(exit_code(p), 0);
+}
+
+TEST(Manager, ServesOtherHostsOverTcp) {
+  const std::string ip = non_loopback_ipv4();
+  if (ip.empty()) GTEST_SKIP() << "this machine has no non-loopback IPv4 address";
+  const tp::AuthKey key = tp::random_authkey();
+  tp::ManagerOptions o = manager_options();
+  o.authkey = key;
+  o.address = "0.0.0.0:0";
+  tp::Manager m(o);
+  const auto colon = m.address().rfind(':');
+  ASSERT_NE(colon, std::string::npos) << m.address();
+  const std::string there = ip + m.address().substr(colon);  // "<ip>:<port>"
+  tp::Process p(tcp_client, there, tp::to_hex(key));
+  p.start();
+  EXPECT_EQ(exit_code(p), 0);
+  EXPECT_EQ(m.number_of_objects(), 0u);  // the client's dict went with it
+  // A wrong key over the same path is refused.
+  tp::ManagerOptions wrong = manager_options();
+  wrong.authkey = tp::random_authkey();
+  EXPECT_THROW(tp::Manager::connect(there, wrong), tp::AuthenticationError);
+}
+
 TEST(Manager, KilledServerFailsCallsAtOnce) {
   tp::Manager m(manager_options());
   auto d = m.dict<std::string, int64_t>();
@@ -333,11 +392,4 @@ TEST(Manager, StrangersAndGarbageDoNotDisturbTheServer) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  torchpar::init(argc, argv);
-  // The job's key for every Manager without an explicit one, here and in the children
-  // (spawned ones inherit the environment), without touching ~/.cache.
-  ::setenv("TORCHPAR_AUTHKEY", tp::to_hex(tp::random_authkey()).c_str(), 0);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}
+int main(int argc, char** argv) { return tp::testing::manager_test_main(argc, argv); }

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -29,15 +30,23 @@ struct RankResult {
   std::string error;  // "Type: message" when the rank threw
 };
 
-/// Starts fn(rank, args...) in `n` forked processes, waits up to `timeout` seconds for all,
-/// kills the stragglers, returns how each ended.
+/// The start method of the ranks: fork, or what TORCHPAR_TEST_RANKS_START_METHOD names
+/// (tests/sanitizers/run.sh sets spawn under ThreadSanitizer, which cannot follow threads
+/// started in a child forked from a threaded parent).
+inline StartMethod ranks_start_method() {
+  const char* name = std::getenv("TORCHPAR_TEST_RANKS_START_METHOD");
+  return name && *name ? start_method_from_string(name) : StartMethod::kFork;
+}
+
+/// Starts fn(rank, args...) in `n` processes (ranks_start_method()), waits up to `timeout`
+/// seconds for all, kills the stragglers, returns how each ended.
 template <class Fn, class... Args>
 std::vector<RankResult> run_ranks(int n, double timeout, Fn fn, Args... args) {
   std::vector<Process> procs;
   for (int r = 0; r < n; ++r) {
     procs.emplace_back(
-        ProcessOptions{.name = "rank" + std::to_string(r), .start_method = StartMethod::kFork}, fn,
-        r, args...);
+        ProcessOptions{.name = "rank" + std::to_string(r), .start_method = ranks_start_method()},
+        fn, r, args...);
     procs.back().start();
   }
   const auto deadline = std::chrono::steady_clock::now() +

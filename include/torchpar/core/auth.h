@@ -8,11 +8,13 @@
 /// `#CHALLENGE#{sha256}` + 40 random bytes; the client answers `{sha256}` + HMAC-SHA256(key,
 /// `{sha256}` + the 40 bytes) (the MAC covers the digest prefix, so it cannot be
 /// downgraded); the server replies `#WELCOME#` or `#FAILURE#`. Then the roles swap (mutual).
-/// As CPython 3.12 does, a legacy answer (a bare 16-byte HMAC-MD5, from Python <= 3.11) is
-/// accepted and a legacy 20-byte challenge is answered with HMAC-MD5, and answers may name
-/// another of CPython's digests (md5, sha256, sha384, sha3_256, sha3_384). HMACs come from
-/// OpenSSL's libcrypto. Handshake frames over 256 bytes and reads past the deadline end
-/// the handshake.
+/// Answers may name another of CPython's digests (md5, sha256, sha384, sha3_256, sha3_384).
+/// The legacy form of Python <= 3.11 (a 20-byte challenge without a digest prefix, answered
+/// with a bare 16-byte HMAC-MD5, which a man in the middle could downgrade to) is refused by
+/// default with AuthenticationError ("legacy HMAC-MD5 ... set allow_legacy_md5"); with
+/// AuthOptions::allow_legacy_md5 it is accepted and answered, as CPython 3.12 does. HMACs
+/// come from OpenSSL's libcrypto. Handshake frames over 256 bytes and reads past the
+/// deadline end the handshake.
 
 #include <chrono>
 #include <cstdint>
@@ -31,31 +33,40 @@ using AuthDeadline = std::chrono::steady_clock::time_point;
 /// Longest handshake message accepted (CPython: recv_bytes(256)).
 inline constexpr size_t kMaxHandshakeFrame = 256;
 
+/// Options of a handshake.
+struct AuthOptions {
+  /// Accept and answer the legacy HMAC-MD5 form of Python <= 3.11 (Debian 12's python3):
+  /// needed to talk to those Pythons' multiprocessing.connection, never between torchpar
+  /// processes (they speak {sha256}).
+  bool allow_legacy_md5 = false;
+};
+
 /// Server side of the mutual handshake on a connected stream socket `fd` (the order of
 /// Python's Listener.accept): challenges the peer, then answers the peer's challenge.
 ///
 /// Errors:  AuthenticationError when the peer proves a different key (it was sent
 ///          `#FAILURE#`), when it refuses our answer, or on a protocol violation (a frame
-///          over 256 bytes, not a challenge); TimeoutError past `deadline`; ClosedError when
+///          over 256 bytes, not a challenge; a legacy HMAC-MD5 challenge or answer without
+///          options.allow_legacy_md5); TimeoutError past `deadline`; ClosedError when
 ///          the peer closes; SystemError on socket errors. The socket is then unusable:
 ///          close it.
 /// Safety:  blocking, bounded by `deadline`; one handshake per fd at a time; thread-safe
 ///          otherwise (no shared state). Never raises SIGPIPE (MSG_NOSIGNAL).
 /// Source:  CPython Lib/multiprocessing/connection.py, Listener.accept.
-void auth_accept(int fd, const AuthKey& key, AuthDeadline deadline);
+void auth_accept(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options = {});
 
 /// Client side of the mutual handshake (the order of Python's Client): answers the
 /// server's challenge, then challenges the server. Errors and safety as auth_accept.
 /// Source:  CPython Lib/multiprocessing/connection.py, Client.
-void auth_connect(int fd, const AuthKey& key, AuthDeadline deadline);
+void auth_connect(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options = {});
 
 /// One half of the handshake: sends a challenge and checks the answer (sends `#WELCOME#`
 /// or `#FAILURE#`). Source: multiprocessing.connection.deliver_challenge.
-void deliver_challenge(int fd, const AuthKey& key, AuthDeadline deadline);
+void deliver_challenge(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options = {});
 
 /// The other half: answers a challenge, expects `#WELCOME#`.
 /// Source: multiprocessing.connection.answer_challenge.
-void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline);
+void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options = {});
 
 /// Sends one multiprocessing.connection frame (detail::frame_header, then the bytes).
 /// Errors: TimeoutError past `deadline`, ClosedError if the peer closed, SystemError.

@@ -24,9 +24,9 @@
 /// with both.
 ///
 /// Authentication (`authkey`): Python's mutual HMAC handshake from torchpar/core/auth.h,
-/// server challenge first; nullopt skips it, as Python's authkey=None does. The installed
-/// handshake also answers and accepts the legacy HMAC-MD5 form that Python <= 3.11 speaks
-/// (auth.h); it has no switch to refuse it, so neither have these options.
+/// server challenge first; nullopt skips it, as Python's authkey=None does. The legacy
+/// HMAC-MD5 form that Python <= 3.11 speaks (Debian 12's python3) is refused unless
+/// `allow_legacy_md5` is set on our side (auth.h).
 
 #include <chrono>
 #include <memory>
@@ -50,6 +50,10 @@ struct ListenerOptions {
   /// How long an accepted peer has to complete the handshake (bounded by accept()'s own
   /// timeout too), so a peer that connects and never speaks cannot block accept() forever.
   std::chrono::duration<double> handshake_timeout = std::chrono::seconds(20);
+  /// Accept peers answering with the legacy bare HMAC-MD5 of Python <= 3.11, and answer
+  /// their 20-byte challenges. Off: such a peer is refused with AuthenticationError
+  /// ("legacy HMAC-MD5 ... set allow_legacy_md5").
+  bool allow_legacy_md5 = false;
 };
 
 /// A listening socket: accept() returns one Connection per peer.
@@ -111,6 +115,10 @@ struct ClientOptions {
   std::optional<AuthKey> authkey = std::nullopt;
   /// Covers connecting and the handshake (nullopt: no limit). Python's Client has none.
   Timeout timeout = std::chrono::seconds(30);
+  /// Answer a Python <= 3.11 Listener's legacy 20-byte challenge with HMAC-MD5 (and accept
+  /// its bare HMAC-MD5 answer to ours). Off: AuthenticationError ("legacy HMAC-MD5
+  /// challenge from a Python <= 3.11 peer: set allow_legacy_md5").
+  bool allow_legacy_md5 = false;
 };
 
 /// Connects to a Listener (ours or Python's) at `address` (forms above) and runs the
@@ -121,9 +129,9 @@ struct ClientOptions {
 ///          connection is refused (nothing listens: ECONNREFUSED), the socket file is
 ///          missing (ENOENT) or the host unreachable; Error when the host does not
 ///          resolve; TimeoutError when connecting or the handshake outlast
-///          options.timeout; AuthenticationError when the listener has another key or
-///          breaks the handshake (a line naming the address goes to stderr). Nothing is
-///          left open after an error.
+///          options.timeout; AuthenticationError when the listener has another key, speaks
+///          the legacy HMAC-MD5 form without allow_legacy_md5, or breaks the handshake (a line
+///          naming the address goes to stderr). Nothing is left open after an error.
 /// Safety:  thread-safe.
 /// Source:  multiprocessing.connection.Client.
 Connection Client(const std::string& address, ClientOptions options = {});

@@ -1,6 +1,8 @@
 #pragma once
-/// Manager: a server process that holds objects (dicts so far) for other processes, which
-/// reach them through proxies, on this host or, by TCP, from others (Python's
+/// Manager: a server process that holds objects (dicts, lists, namespaces, values, arrays,
+/// queues, locks and the other synchronization primitives of torchpar/manager/sync.h, and
+/// user types registered with torchpar/manager/register.h) for other processes, which reach
+/// them through proxies, on this host or, by TCP, from others (Python's
 /// multiprocessing.Manager / managers.BaseManager).
 ///
 /// The server is a torchpar Process (any start method) listening with a Listener
@@ -8,17 +10,25 @@
 /// manager's key with Python's handshake. Each request is one message on that connection
 /// (src/manager/protocol.h, docs/wire_format.md): create an object of a typeid, call a
 /// method of an object by id, incref, decref, shutdown. The server counts references per
-/// object and frees an object when the last proxy anywhere is gone.
+/// object and frees an object when the last proxy anywhere is gone. Calls from processes of
+/// the server's host travel through shared memory instead of the socket (a few
+/// microseconds a round trip); TORCHPAR_MANAGER_SHM=0 in a client's environment keeps its
+/// calls on the socket.
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "torchpar/core/auth.h"
 #include "torchpar/core/timeout.h"
+#include "torchpar/manager/containers.h"
 #include "torchpar/manager/proxy.h"
+#include "torchpar/manager/register.h"
+#include "torchpar/manager/sync.h"
 #include "torchpar/process/start_method.h"
 
 namespace torchpar {
@@ -43,6 +53,28 @@ struct ManagerOptions {
   /// How long connecting and each proxy call may take (nullopt: no limit, as Python).
   /// Proxies made by this Manager, and their copies in other processes, keep it.
   Timeout timeout = std::nullopt;
+  /// false (default): tensor values travel as copies of their bytes, through the server.
+  /// true: they travel as shared-memory handles (no copy of the data): a tensor a proxy
+  /// sends is moved to shared memory in place first (as torch.multiprocessing's queues
+  /// do), and every process that reads the value aliases the sender's memory, so a later
+  /// write by either is seen by both. No fds cross the manager's connection: the handle
+  /// is a segment name (file_system strategy) or the sender's pid and fd number, which
+  /// readers open through /proc (file_descriptor strategy, the default). Proxies made by
+  /// this Manager, and their copies in other processes, keep the setting.
+  ///
+  /// One host only: readers must run on the sender's host as the same user. Elsewhere a
+  /// handle names nothing (SerializationError at the read) or, for a file_system name
+  /// reused on that host, unrelated memory: do not set it for proxies used on other
+  /// hosts. The built-in objects keep the bytes and never open the memory.
+  /// Lifetime: a value can be read any number of times while its sender lives, and a
+  /// tensor already read stays valid after the sender exits. Each shared value pins its
+  /// block: the sender never reuses that memory, which goes back to the system once the
+  /// sender has exited and no reader maps it (a file_system segment's name is unlinked
+  /// when its creator exits). So share large, long-lived tensors (weights, buffers), not
+  /// a stream of fresh ones.
+  /// Source: issue 16; Python's Manager with torch.multiprocessing's reductions shares
+  /// tensors through the server instead.
+  bool share_tensors = false;
 };
 
 /// A manager server process and this process's connection to it.
@@ -59,7 +91,7 @@ struct ManagerOptions {
 ///           server also dies with this process (PR_SET_PDEATHSIG), so it never outlives
 ///           its owner. A Manager from connect() owns nothing. Proxies outlive the
 ///           Manager object; after shutdown their calls raise ClosedError.
-/// Safety:   thread-safe (calls are serialized on one connection per process).
+/// Safety:   thread-safe (each call in flight has a connection of its own; see BaseProxy).
 /// Source:   multiprocessing.managers.BaseManager / SyncManager.
 class Manager {
  public:
@@ -87,6 +119,97 @@ class Manager {
     return DictProxy<K, V>(create("dict"));
   }
 
+  /// A new list in the server holding copies of `initial` (tensors copied).
+  /// Errors: as every call (ClosedError, TimeoutError; see BaseProxy).
+  /// Safety: thread-safe. Source: SyncManager.list.
+  template <class T>
+  ListProxy<T> list(const std::vector<T>& initial = {}) {
+    return ListProxy<T>(create("list", detail::encode_for_manager(std::make_tuple(
+                                           detail::encode_each_for_manager(initial)))));
+  }
+  /// A new empty Namespace in the server. Errors, safety: as list. Source:
+  /// SyncManager.Namespace.
+  NamespaceProxy Namespace() { return NamespaceProxy(create("Namespace")); }
+  /// A new Value in the server holding a copy of `initial` (Python's Value(typecode, value):
+  /// T plays the typecode). Errors, safety: as list. Source: SyncManager.Value.
+  template <class T>
+  ValueProxy<T> Value(const T& initial) {
+    return ValueProxy<T>(create(
+        "Value", detail::encode_for_manager(std::make_tuple(detail::encode_for_manager(initial)))));
+  }
+  /// A new Array in the server holding copies of `initial`; its length stays
+  /// initial.size() (Python's Array(typecode, sequence): T plays the typecode). Errors,
+  /// safety: as list. Source: SyncManager.Array.
+  template <class T>
+  ArrayProxy<T> Array(const std::vector<T>& initial) {
+    return ArrayProxy<T>(create("Array", detail::encode_for_manager(std::make_tuple(
+                                             detail::encode_each_for_manager(initial)))));
+  }
+  /// A new queue of items of type T, holding at most `maxsize` items (<= 0: no limit).
+  /// Source: SyncManager.Queue.
+  template <class T>
+  QueueProxy<T> Queue(int64_t maxsize = 0) {
+    return QueueProxy<T>(create("Queue", encode_args(maxsize)));
+  }
+  /// A new unlocked threading.Lock. Source: SyncManager.Lock.
+  LockProxy Lock() { return LockProxy(create("Lock")); }
+  /// A new unlocked threading.RLock. Source: SyncManager.RLock.
+  RLockProxy RLock() { return RLockProxy(create("RLock")); }
+  /// A new threading.Event, not set. Source: SyncManager.Event.
+  EventProxy Event() { return EventProxy(create("Event")); }
+  /// A new threading.Semaphore with `value` units. Errors: RemoteError "ValueError" for
+  /// value < 0. Source: SyncManager.Semaphore.
+  SemaphoreProxy Semaphore(int64_t value = 1) {
+    return SemaphoreProxy(create("Semaphore", encode_args(value)));
+  }
+  /// A new threading.BoundedSemaphore with `value` units, never more. Errors: RemoteError
+  /// "ValueError" for value < 0. Source: SyncManager.BoundedSemaphore.
+  SemaphoreProxy BoundedSemaphore(int64_t value = 1) {
+    return SemaphoreProxy(create("BoundedSemaphore", encode_args(value)));
+  }
+  /// A new threading.Condition over a lock of its own (RLock semantics). Source:
+  /// SyncManager.Condition (without its `lock` argument).
+  ConditionProxy Condition() { return ConditionProxy(create("Condition")); }
+  /// A new threading.Barrier of `parties`; `timeout` is the default of its wait() (nullopt:
+  /// no limit). Errors: RemoteError "ValueError" for parties < 1. Source:
+  /// SyncManager.Barrier (without `action`).
+  BarrierProxy Barrier(int64_t parties, Timeout timeout = std::nullopt) {
+    return BarrierProxy(create("Barrier", encode_args(parties, detail::timeout_seconds(timeout))));
+  }
+  /// A new object of the registered type `type_id` (torchpar/manager/register.h), made in
+  /// the server as T(args...) by the registration's init<A...>().
+  ///
+  /// Example:
+  ///   static const auto kCounterType = torchpar::register_managed_type<Counter>("Counter")
+  ///                                        .init<int64_t>()
+  ///                                        .expose("increment", &Counter::increment);
+  ///   torchpar::Manager manager;
+  ///   torchpar::Proxy<Counter> c = manager.make<Counter>("Counter", int64_t{10});
+  ///   c.call<int64_t>("increment", int64_t{1});       // 11
+  ///
+  /// Types:  `args` travel as std::tuple<managed_wire_t<A>...> (a string literal as
+  ///         std::string); they must be exactly init's decayed argument types.
+  /// Errors: ValueError, before anything is sent, when `type_id` is registered in this
+  ///         process for another C++ type or with other init arguments;
+  ///         RemoteError("ValueError", "the manager has no typeid ...") when the server
+  ///         does not know it (registered too late, see register.h); RemoteError for what
+  ///         T's constructor threw, or "TypeError" when T has no registered constructor;
+  ///         ClosedError, TimeoutError as every request.
+  /// Safety: thread-safe. Source: BaseManager.register's generated factory method.
+  template <class T, class... A>
+  Proxy<T> make(const std::string& type_id, const A&... args) {
+    using Args = std::tuple<detail::managed_wire_t<A>...>;
+    detail::check_managed_init(type_id, typeid(T), typeid(Args));
+    return Proxy<T>(create(
+        type_id,
+        dumps(Args(static_cast<detail::managed_wire_t<A>>(args)...), {.copy_tensor = true}).bytes));
+  }
+  /// The same, with the typeid of `type` (what register_managed_type returned).
+  template <class T, class... A>
+  Proxy<T> make(const ManagedType<T>& type, const A&... args) {
+    return make<T>(type.type_id(), args...);
+  }
+
   /// The server's address ("127.0.0.1:43125", a path, "@name").
   const std::string& address() const;
   /// The server's pid (owner), -1 for a Manager from connect().
@@ -100,7 +223,15 @@ class Manager {
 
  private:
   Manager(std::shared_ptr<detail::ManagerClient> client, std::string address);
-  std::shared_ptr<detail::ProxyRef> create(const std::string& type_id);
+  /// A new object of `type_id` in the server, made from `args` (payload bytes of the
+  /// constructor's arguments; "" for none). Returns this process's reference to it.
+  std::shared_ptr<detail::ProxyRef> create(const std::string& type_id,
+                                           const std::string& args = {});
+  /// The payload bytes of a constructor's arguments, as make_served_object decodes them.
+  template <class... A>
+  static std::string encode_args(const A&... args) {
+    return dumps(std::make_tuple(args...), {.copy_tensor = true}).bytes;
+  }
 
   std::shared_ptr<detail::ManagerClient> client_;
   std::unique_ptr<Process> server_;  // owner only

@@ -1,7 +1,8 @@
 #pragma once
 /// Proxies: handles to objects that live in a Manager's server process (Python's
 /// multiprocessing.managers.BaseProxy and DictProxy). Every call is one request/response
-/// round trip to the server; values travel as torchpar payloads with tensors copied.
+/// round trip to the server; values travel as torchpar payloads with tensors copied, or as
+/// shared-memory handles when the manager was made with ManagerOptions::share_tensors.
 
 #include <cstdint>
 #include <memory>
@@ -12,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchpar/core/timeout.h"
 #include "torchpar/serialize/serialize.h"
 
 namespace torchpar {
@@ -28,8 +30,9 @@ struct ProxyRef;  // one reference on the server (src/manager/client.h)
 ///           Queue) takes its own reference when it is loaded there, so the sender must keep
 ///           its proxy until then. A fork child that uses an inherited proxy connects and
 ///           takes a reference of its own at its first call.
-/// Safety:   thread-safe: calls from several threads are serialized on this process's one
-///           connection to the manager.
+/// Safety:   thread-safe: each call in flight takes a connection of its own from this
+///           process's pool for that manager (references go over one control connection), so a
+///           call blocking in the server holds up no other thread.
 /// Errors:   RemoteError when the method raised in the server (type and message);
 ///           ClosedError naming the manager's address when it is gone (shut down, exited,
 ///           killed) and at every later call; TimeoutError when the manager's `timeout`
@@ -43,10 +46,13 @@ class BaseProxy {
   uint64_t id() const;
   /// False for a default-constructed proxy (referring to nothing).
   explicit operator bool() const { return static_cast<bool>(ref_); }
+  /// Whether this proxy sends tensors as shared-memory handles
+  /// (ManagerOptions::share_tensors of the manager it came from).
+  bool share_tensors() const;
 
   /// Serialized form: the manager's address, its key (as Python passes its authkey to the
   /// children it starts: send proxies only where the key may go), the call timeout, the
-  /// typeid and the object id.
+  /// typeid, the object id and share_tensors.
   void save(detail::OutputArchive& ar) const;
   void load(detail::InputArchive& ar);
 
@@ -55,16 +61,25 @@ class BaseProxy {
   explicit BaseProxy(std::shared_ptr<detail::ProxyRef> ref) : ref_(std::move(ref)) {}
 
   /// Runs `method` on the object in the server with `args` (payload bytes); returns the
-  /// result's payload bytes. Errors: see the class.
-  std::string call_method(const std::string& method, const std::string& args) const;
+  /// result's payload bytes. `wait` is how long the method may block in the server
+  /// (Queue::get's timeout; nullopt: no limit): the reply is awaited for the manager's
+  /// timeout plus `wait`. Each call in flight has a connection of its own, so a blocked
+  /// call holds up no other thread. Errors: see the class.
+  std::string call_method(const std::string& method, const std::string& args,
+                          Timeout wait = std::chrono::duration<double>(0)) const;
 
+  /// Payload bytes of `value` for the server: tensors copied, or as shared-memory handles
+  /// (no fds: names, or the sender's /proc fd path) when share_tensors() is set.
   template <class T>
-  static std::string encode(const T& value) {
-    return dumps(value, {.copy_tensor = true}).bytes;
+  std::string encode(const T& value) const {
+    const bool share = share_tensors();
+    return dumps(value, {.copy_tensor = !share, .pass_fds = !share}).bytes;
   }
+  /// The value of payload bytes from the server. Shared tensors are borrowed, not adopted
+  /// (LoadsOptions::adopt_shared), as a stored value may be read any number of times.
   template <class T>
   static T decode(const std::string& bytes) {
-    return loads<T>(Payload{bytes, {}});
+    return loads<T>(Payload{bytes, {}}, {.adopt_shared = false});
   }
 
  private:
@@ -74,9 +89,10 @@ class BaseProxy {
 };
 
 /// A dict in the manager's server. Keys and values are any torchpar-serializable types
-/// (tensors included, copied both ways). Two keys are the same key when their serialized
-/// bytes are equal (true for integers, strings, and containers of them; not for floats
-/// such as 0.0 and -0.0). Items keep insertion order, as Python's dict.
+/// (tensors included: copied both ways, or shared with ManagerOptions::share_tensors). Two
+/// keys are the same key when their serialized bytes are equal (true for integers, strings,
+/// and containers of them; not for floats such as 0.0 and -0.0). Items keep insertion order,
+/// as Python's dict.
 ///
 /// Example:
 ///   torchpar::Manager manager;
@@ -137,7 +153,7 @@ class DictProxy : public BaseProxy {
   void clear() { call_method("clear", {}); }
 
  private:
-  static std::string key_args(const K& key) { return encode(std::make_tuple(encode(key))); }
+  std::string key_args(const K& key) const { return encode(std::make_tuple(encode(key))); }
 };
 
 }  // namespace torchpar

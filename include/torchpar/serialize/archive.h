@@ -46,6 +46,19 @@ struct DumpsOptions {
   bool pass_fds = true;
 };
 
+/// Options of `loads`.
+struct LoadsOptions {
+  /// How a shared-memory tensor handle (a payload of dumps with copy_tensor=false) is
+  /// imported. true: the import adopts the reference its dumps took, so the payload is
+  /// meant to be loaded once (a second load raises SerializationError). false: that
+  /// reference stays with the payload and every load takes one of its own, so the payload
+  /// can be loaded any number of times, by any process of the host (a manager's stored
+  /// values). The price: the payload's reference is never given back, so the sender never
+  /// reuses the block; it is freed when the sender has exited and the last process mapping
+  /// it lets go.
+  bool adopt_shared = true;
+};
+
 namespace detail {
 
 class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowEmptyClassElision> {
@@ -74,7 +87,7 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
 
 class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmptyClassElision> {
  public:
-  InputArchive(const Payload& in);
+  explicit InputArchive(const Payload& in, LoadsOptions opts = {});
   void loadBinary(void* data, size_t size) {
     if (size > remaining())
       throw SerializationError("payload truncated: needed " + std::to_string(size) +
@@ -91,6 +104,7 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
     return p;
   }
   const Payload& payload() const { return in_; }
+  const LoadsOptions& options() const { return opts_; }
   /// A duplicate of the payload's fd #index (for types that carry an fd, like queues).
   UniqueFd take_fd(uint32_t index) const;
   std::vector<c10::Storage>& storages() { return storages_; }
@@ -111,6 +125,7 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
 
  private:
   const Payload& in_;
+  LoadsOptions opts_;
   size_t pos_ = 0;
   int depth_ = 0;
   int nesting_ = 0;
@@ -266,9 +281,10 @@ template <class T>
 requires std::is_same_v<T, c10::IValue>
 void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, T& v) { load_ivalue(ar, v); }
 
-/// Runs `body` on an InputArchive over `payload`, checks the header and that every byte
-/// was consumed, and turns any failure into SerializationError.
-void load_payload(const Payload& payload, const std::function<void(InputArchive&)>& body);
+/// Runs `body` on an InputArchive over `payload` (with `options`), checks the header and
+/// that every byte was consumed, and turns any failure into SerializationError.
+void load_payload(const Payload& payload, const std::function<void(InputArchive&)>& body,
+                  LoadsOptions options = {});
 
 }  // namespace detail
 }  // namespace torchpar

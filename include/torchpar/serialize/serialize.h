@@ -44,16 +44,18 @@ Payload dumps(const T& value, DumpsOptions options = {}) {
 
 /// Rebuilds a `T` (default-constructible) from a payload made by `dumps<T>`.
 /// Shared-mode tensors alias the sender's memory; each such payload is meant to be loaded
-/// once (every load adopts one reference the dumps took).
+/// once (every load adopts one reference the dumps took), unless
+/// `options.adopt_shared` is false (see LoadsOptions).
 ///
 /// Errors:  SerializationError for truncated, corrupted or foreign bytes, a different
 ///          type, trailing bytes, or shared memory that cannot be opened; never crashes,
 ///          never allocates more than the payload's size justifies.
 /// Safety:  thread-safe. Source: machin.parallel.pickle.loads.
 template <class T>
-T loads(const Payload& payload) {
+T loads(const Payload& payload, LoadsOptions options = {}) {
   T value{};
-  detail::load_payload(payload, [&](detail::InputArchive& ar) { ar(value); });
+  detail::load_payload(
+      payload, [&](detail::InputArchive& ar) { ar(value); }, options);
   return value;
 }
 

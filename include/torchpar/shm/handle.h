@@ -58,8 +58,11 @@ at::Tensor import_tensor(const TensorHandle& handle, UniqueFd fd = UniqueFd());
 
 namespace detail {
 /// Storage-level halves of the above (the serializer keeps storage identity with them).
+/// `adopt` false: the import takes a reference of its own instead of adopting the
+/// export's, which then pins the block for good (LoadsOptions::adopt_shared); it needs an
+/// unclaimed export of the block (SerializationError otherwise).
 StorageHandle export_storage(const c10::Storage& storage);
-c10::Storage import_storage(const StorageHandle& handle, UniqueFd fd);
+c10::Storage import_storage(const StorageHandle& handle, UniqueFd fd, bool adopt = true);
 /// Validates that sizes/strides/offset of `dtype` fit in `storage_nbytes`; throws
 /// SerializationError naming the problem.
 void check_view_fits(at::ScalarType dtype, const std::vector<int64_t>& sizes,

@@ -1,0 +1,371 @@
+// Manager faults beyond manager_test's (which covers a killed server failing a later call,
+// the server dying with its owner, and strangers' junk before the handshake):
+//   - the server SIGKILLed while calls are pending in other threads of this process (server
+//     started by fork and by spawn): the pending calls and every later one fail at once with
+//     ClosedError naming the manager's address;
+//   - a client process (fork and spawn) SIGKILLed in the middle of a blocking call: the other
+//     clients' calls go on, its references are dropped, and the server thread of its call
+//     ends once the call returns;
+//   - after a correct handshake: frames that are no request (mutated and truncated valid
+//     requests, random bytes) are answered with SerializationError and the connection goes
+//     on; huge length prefixes (4-byte and CPython's 64-bit form) end that connection
+//     without the server allocating what they claim; half frames and stalled handshakes
+//     leave the server serving.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <fstream>
+#include <future>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "manager/protocol.h"
+#include "support/child.h"
+#include "support/manager.h"
+#include "support/raw_socket.h"
+#include "support/start_methods.h"
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+using tp::testing::exit_code;
+using tp::testing::gone;
+using tp::testing::manager_options;
+using tp::testing::raw_connect;
+using tp::testing::send_raw;
+
+/// Callers wait in wait_open until open() (or their limit); thread-safe, so a waiting call
+/// holds up no other call on it.
+class Gate {
+ public:
+  bool wait_open(double max_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++waiting_;
+    const bool opened =
+        cv_.wait_for(lock, std::chrono::duration<double>(max_s), [&] { return open_; });
+    --waiting_;
+    return opened;
+  }
+  void open() {
+    std::lock_guard<std::mutex> g(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  int64_t waiting() {
+    std::lock_guard<std::mutex> g(mu_);
+    return waiting_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+  int64_t waiting_ = 0;
+};
+
+static const auto kGateType = tp::register_managed_type<Gate>("Gate")
+                                  .expose("wait_open", &Gate::wait_open)
+                                  .expose("open", &Gate::open)
+                                  .expose("waiting", &Gate::waiting)
+                                  .thread_safe();
+
+using Dict = tp::DictProxy<std::string, int64_t>;
+
+/// Polls `f` (a call to the server) until it returns `want`, for at most `within`.
+template <class F, class V>
+bool becomes(F&& f, const V& want, std::chrono::seconds within = 30s) {
+  const auto deadline = Clock::now() + within;
+  while (f() != want) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
+/// Runs `f`, expecting ClosedError; returns its message ("" and a failure otherwise).
+template <class F>
+std::string closed_error_of(F&& f) {
+  try {
+    f();
+  } catch (const tp::ClosedError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a ClosedError: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "no ClosedError";
+  return "";
+}
+
+int64_t rss_kib(int pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
+
+tp::Connection authenticated(const std::string& address) {
+  return tp::Client(address, {.authkey = tp::default_authkey(), .timeout = 30s});
+}
+
+std::string encode_request(const tp::detail::manager::Request& r) {
+  return tp::dumps(r, {.copy_tensor = true}).bytes;
+}
+
+bool decodes_as_request(const std::string& bytes) {
+  try {
+    (void)tp::loads<tp::detail::manager::Request>(tp::Payload{bytes, {}});
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// ---- the server killed -------------------------------------------------------------------
+
+class ServerKilled : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ServerKilled, PendingAndLaterCallsFailAtOnceNamingTheAddress) {
+  tp::ManagerOptions o = manager_options();
+  o.start_method = tp::start_method_from_string(GetParam());
+  tp::Manager m(o);
+  auto gate = m.make(kGateType);
+  Dict d = m.dict<std::string, int64_t>();
+  d.set("x", 1);
+  // Two calls blocked in the server, each in a thread of its own (one connection each).
+  struct Outcome {
+    std::string message;
+    Clock::time_point at;
+  };
+  auto pending = [&gate] {
+    Outcome out;
+    out.message = closed_error_of([&] { gate.call<bool>("wait_open", 25.0); });
+    out.at = Clock::now();
+    return out;
+  };
+  auto a = std::async(std::launch::async, pending);
+  auto b = std::async(std::launch::async, pending);
+  ASSERT_TRUE(becomes([&] { return gate.call<int64_t>("waiting"); }, int64_t{2}));
+
+  const auto killed_at = Clock::now();
+  ASSERT_EQ(::kill(m.pid(), SIGKILL), 0);
+  ASSERT_EQ(a.wait_for(20s), std::future_status::ready) << "a pending call outlived its server";
+  ASSERT_EQ(b.wait_for(20s), std::future_status::ready) << "a pending call outlived its server";
+  for (Outcome out : {a.get(), b.get()}) {
+    EXPECT_NE(out.message.find(m.address()), std::string::npos) << out.message;
+    // At once: the kernel closes the dead server's sockets (generous bound for loaded CI).
+    EXPECT_LT(out.at - killed_at, 5s);
+  }
+  // Every later call, of any kind, fails at once without waiting for anything.
+  const auto t0 = Clock::now();
+  EXPECT_NE(closed_error_of([&] { d.size(); }).find(m.address()), std::string::npos);
+  EXPECT_NE(closed_error_of([&] { gate.call<int64_t>("waiting"); }).find(m.address()),
+            std::string::npos);
+  EXPECT_NE(closed_error_of([&] { m.number_of_objects(); }).find(m.address()), std::string::npos);
+  EXPECT_NE(closed_error_of([&] { m.make(kGateType); }).find(m.address()), std::string::npos);
+  EXPECT_LT(Clock::now() - t0, 1s);
+  const auto deadline = Clock::now() + 10s;
+  while (!gone(m.pid()) && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(gone(m.pid()));
+}
+
+INSTANTIATE_TEST_SUITE_P(ServerStart, ServerKilled, ::testing::Values("fork", "spawn"),
+                         tp::testing::start_method_name);
+
+// ---- a client killed mid-call ------------------------------------------------------------
+
+/// A client that takes objects of its own, says so, then blocks in a call until killed.
+void doomed_client(std::string address, tp::Proxy<Gate> gate, tp::Connection pipe) {
+  tp::Manager own = tp::Manager::connect(address, manager_options());
+  auto mine = own.dict<std::string, int64_t>();
+  mine.set("mine", 1);
+  auto my_gate = own.make(kGateType);
+  pipe.send(std::string("ready"));
+  gate.call<bool>("wait_open", 25.0);  // SIGKILLed while this waits in the server
+}
+
+void live_client(Dict d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d.set("live" + std::to_string(i), i);
+}
+
+class ClientKilled : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ClientKilled, MidCallDisturbsNoOtherClient) {
+  tp::Manager m(manager_options());
+  auto gate = m.make(kGateType);
+  Dict d = m.dict<std::string, int64_t>();
+  const size_t objects_before = m.number_of_objects();
+  ASSERT_EQ(objects_before, 2u);
+
+  tp::ProcessOptions po;
+  po.start_method = tp::start_method_from_string(GetParam());
+  auto [mine, theirs] = tp::Pipe();
+  tp::Process doomed(po, doomed_client, m.address(), gate, theirs);
+  doomed.start();
+  ASSERT_EQ(mine.recv<std::string>(60s), "ready");
+  ASSERT_TRUE(becomes([&] { return gate.call<int64_t>("waiting"); }, int64_t{1}));
+  EXPECT_EQ(m.number_of_objects(), objects_before + 2);
+
+  // Another client process works through the kill.
+  tp::Process live(po, live_client, d, int64_t{200});
+  live.start();
+  doomed.kill();
+  EXPECT_EQ(exit_code(doomed), -SIGKILL);
+  EXPECT_EQ(exit_code(live), 0);
+  EXPECT_EQ(d.size(), 200u);
+
+  // What the dead client held goes with its connection; its blocked call ends once the
+  // gate opens (its reply has nobody to go to) and the server thread with it.
+  EXPECT_TRUE(becomes([&] { return m.number_of_objects(); }, objects_before));
+  gate.call("open");
+  EXPECT_TRUE(becomes([&] { return gate.call<int64_t>("waiting"); }, int64_t{0}));
+  EXPECT_TRUE(gate.call<bool>("wait_open", 0.0));
+  d.set("after", 1);
+  EXPECT_EQ(d.get("after"), std::optional<int64_t>(1));
+}
+
+INSTANTIATE_TEST_SUITE_P(ClientStart, ClientKilled, ::testing::Values("fork", "spawn"),
+                         tp::testing::start_method_name);
+
+// ---- garbage after the handshake ---------------------------------------------------------
+
+TEST(ManagerGarbage, FramesThatAreNoRequestsAreAnsweredAndTheConnectionGoesOn) {
+  tp::Manager m(manager_options());
+  Dict d = m.dict<std::string, int64_t>();
+  d.set("x", 1);
+  using tp::detail::manager::Request;
+  using tp::detail::manager::RequestKind;
+  using tp::detail::manager::Response;
+  Request call;
+  call.kind = static_cast<uint8_t>(RequestKind::kCall);
+  call.object_id = d.id();
+  call.method = "get";
+  call.args = tp::dumps(std::make_tuple(tp::dumps(std::string("x")).bytes)).bytes;
+  Request create;
+  create.kind = static_cast<uint8_t>(RequestKind::kCreate);
+  create.type_id = "dict";
+
+  // Truncations and byte flips of valid requests, and random bytes with and without a
+  // payload's magic; only what does not decode as a request is sent (a mutation that still
+  // decodes could be any request, a shutdown included).
+  std::vector<std::string> garbage;
+  for (const Request& r : {call, create}) {
+    const std::string valid = encode_request(r);
+    for (size_t n = 0; n < valid.size(); ++n) garbage.push_back(valid.substr(0, n));
+    for (size_t i = 0; i < valid.size(); ++i) {
+      for (const unsigned char x : {0x01, 0x80, 0xff}) {
+        std::string s = valid;
+        s[i] = static_cast<char>(s[i] ^ x);
+        garbage.push_back(s);
+      }
+    }
+    garbage.push_back(valid + "trailing");
+  }
+  std::mt19937 rng(20240516);
+  for (int i = 0; i < 100; ++i) {
+    std::string s = i % 2 ? std::string("TPAR\1") : std::string();
+    const size_t n = rng() % 300;
+    for (size_t k = 0; k < n; ++k) s.push_back(static_cast<char>(rng() & 0xff));
+    garbage.push_back(s);
+  }
+
+  tp::Connection c = authenticated(m.address());
+  size_t sent = 0;
+  for (const std::string& g : garbage) {
+    if (decodes_as_request(g)) continue;
+    c.send_bytes(g);
+    const auto r = tp::loads<Response>(tp::Payload{c.recv_bytes(30s, 1 << 20), {}});
+    EXPECT_FALSE(r.ok);
+    EXPECT_EQ(r.error_type, "SerializationError") << r.error_message;
+    ++sent;
+  }
+  EXPECT_GT(sent, 150u);
+  // The same connection still serves requests, and so does the server.
+  Request count;
+  count.kind = static_cast<uint8_t>(RequestKind::kNumberOfObjects);
+  c.send_bytes(encode_request(count));
+  const auto r = tp::loads<Response>(tp::Payload{c.recv_bytes(30s, 1 << 20), {}});
+  ASSERT_TRUE(r.ok) << r.error_message;
+  EXPECT_EQ(tp::loads<uint64_t>(tp::Payload{r.value, {}}), 1u);
+  EXPECT_EQ(d.get("x"), std::optional<int64_t>(1));
+}
+
+TEST(ManagerGarbage, HugeLengthPrefixesEndTheConnectionWithoutAllocating) {
+  tp::Manager m(manager_options());
+  Dict d = m.dict<std::string, int64_t>();
+  d.set("x", 1);
+  const int64_t rss_before = rss_kib(m.pid());
+  ASSERT_GT(rss_before, 0);
+  // Over the server's 1 GiB limit: 2 GiB - 1 in 4 bytes, and 2^62 in CPython's 64-bit form.
+  for (const std::string& header : {std::string("\x7f\xff\xff\xff", 4),
+                                    std::string("\xff\xff\xff\xff\x40\0\0\0\0\0\0\0", 12)}) {
+    tp::Connection c = authenticated(m.address());
+    send_raw(c.fileno(), header + "tail");
+    EXPECT_THROW(c.recv_bytes(30s), tp::ClosedError);  // the server hung up on us
+  }
+  // Under the limit (1 GiB - 1) but never sent: the server reads what arrives, then sees the
+  // peer leave.
+  {
+    tp::Connection c = authenticated(m.address());
+    send_raw(c.fileno(), std::string("\x3f\xff\xff\xff", 4) + std::string(1000, 'z'));
+  }
+  EXPECT_EQ(d.get("x"), std::optional<int64_t>(1));  // serves (after the last frame's thread)
+  EXPECT_LT(rss_kib(m.pid()) - rss_before, 256 * 1024) << "the server allocated what a length "
+                                                          "prefix claimed";
+  EXPECT_EQ(m.number_of_objects(), 1u);
+}
+
+TEST(ManagerGarbage, StalledHandshakesAndHalfFramesLeaveTheServerServing) {
+  tp::Manager m(manager_options());
+  Dict d = m.dict<std::string, int64_t>();
+  d.set("x", 1);
+  // Before the handshake: one peer silent, one with half a challenge answer, one with a
+  // frame over the handshake's 256 bytes.
+  tp::UniqueFd silent = raw_connect(m.address());
+  tp::UniqueFd half = raw_connect(m.address());
+  send_raw(half.get(), std::string("\0\0\0\x28{sha256}", 12));
+  tp::UniqueFd oversized = raw_connect(m.address());
+  send_raw(oversized.get(), std::string("\0\0\x01\x2c", 4) + std::string(300, 'o'));
+  // After the handshake: half a frame, then gone.
+  {
+    tp::Connection c = authenticated(m.address());
+    send_raw(c.fileno(), std::string("\0\0\0\x64", 4) + std::string(10, 'h'));
+  }
+  // A new client gets through while the strangers are still connected (each stalled
+  // handshake holds the accept loop for at most the server's 5 s handshake limit).
+  // (A connection of its own: this process's Manager connections are made already.)
+  const auto t0 = Clock::now();
+  tp::Connection c = authenticated(m.address());
+  tp::detail::manager::Request count;
+  count.kind = static_cast<uint8_t>(tp::detail::manager::RequestKind::kNumberOfObjects);
+  c.send_bytes(encode_request(count));
+  const auto r =
+      tp::loads<tp::detail::manager::Response>(tp::Payload{c.recv_bytes(30s, 1 << 20), {}});
+  ASSERT_TRUE(r.ok) << r.error_message;
+  EXPECT_EQ(tp::loads<uint64_t>(tp::Payload{r.value, {}}), 1u);
+  EXPECT_LT(Clock::now() - t0, 25s);
+  EXPECT_EQ(d.get("x"), std::optional<int64_t>(1));
+  d.set("y", 2);
+  EXPECT_EQ(d.size(), 2u);
+  EXPECT_FALSE(gone(m.pid()));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return tp::testing::manager_test_main(argc, argv); }
