@@ -2,10 +2,12 @@
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/socket.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
@@ -13,6 +15,8 @@
 #include "dist/backend/gloo/backend.h"
 #include "dist/backend/shm/backend.h"
 #include "dist/rendezvous.h"
+#include "dist/rpc/agent.h"
+#include "dist/rpc/rpc_group_impl.h"
 #include "dist/store.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
@@ -45,6 +49,8 @@ struct World::Impl {
   std::map<std::vector<int>, int> created;  // groups made per rank set
   std::optional<CollectiveGroup> default_group;
   bool destroyed = false;
+  std::shared_ptr<detail::RpcAgent> rpc_agent;  // made by the first create_rpc_group
+  std::set<std::string> rpc_groups;     // names created in this process
 
   CollectiveGroup make_group(std::vector<int> ranks, Backend backend,
                              std::optional<Seconds> timeout) {
@@ -169,6 +175,7 @@ struct World::Impl {
       if (default_group) default_group->destroy();
     } catch (...) {  // the store may be gone already
     }
+    if (rpc_agent) rpc_agent->shutdown();
     rdv.leave();
   }
 };
@@ -196,6 +203,81 @@ CollectiveGroup World::create_collective_group(
 CollectiveGroup& World::default_group() { return impl_->get_default_group(); }
 
 void World::destroy() { impl_->leave(); }
+
+RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std::string> members) {
+  return create_rpc_group(group_name, std::move(members), RpcGroupOptions{});
+}
+
+RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std::string> members,
+                                 const RpcGroupOptions& options) {
+  auto& w = *impl_;
+  const std::string& me = w.rdv.name;
+  if (group_name.empty() || group_name.find('/') != std::string::npos)
+    throw ValueError(fmt::format("World::create_rpc_group: invalid group name '{}' (empty or with '/')",
+                                 group_name));
+  std::sort(members.begin(), members.end());
+  if (members.empty()) throw ValueError("World::create_rpc_group: no members");
+  if (std::adjacent_find(members.begin(), members.end()) != members.end())
+    throw ValueError(fmt::format("World::create_rpc_group('{}'): a member is listed twice", group_name));
+  for (const auto& m : members) {
+    if (std::find(w.rdv.names.begin(), w.rdv.names.end(), m) == w.rdv.names.end())
+      throw ValueError(fmt::format("World::create_rpc_group('{}'): '{}' is not a World member "
+                                   "(members: {})",
+                                   group_name, m, fmt::join(w.rdv.names, ", ")));
+  }
+  if (!std::binary_search(members.begin(), members.end(), me))
+    throw ValueError(fmt::format("World::create_rpc_group('{}'): this member ('{}') is not in the "
+                                 "group; only members create it",
+                                 group_name, me));
+  std::shared_ptr<detail::RpcAgent> agent;
+  {
+    std::lock_guard<std::mutex> g(w.mu);
+    if (w.destroyed) throw ClosedError("World: destroyed");
+    if (!w.rpc_groups.insert(group_name).second)
+      throw ValueError(fmt::format("World::create_rpc_group: group '{}' exists in this process", group_name));
+    if (!w.rpc_agent) {
+      detail::RpcAgentOptions o;
+      o.name = me;
+      o.names = w.rdv.names;
+      for (const auto& m : w.rdv.members) o.hosts.push_back(m.host);
+      o.store = w.rdv.store;
+      o.authkey = w.rdv.opts.authkey.empty() ? default_authkey() : w.rdv.opts.authkey;
+      const char* addr = std::getenv("TORCHPAR_RPC_ADDR");
+      o.bind_host = addr && *addr ? addr : "127.0.0.1";
+      o.shm = w.rdv.world_size <= 16;  // pytorch/tensorpipe#397: more fail on shm
+      o.store_timeout = w.rdv.opts.timeout;
+      try {
+        w.rpc_agent = detail::RpcAgent::create(std::move(o));
+      } catch (...) {
+        w.rpc_groups.erase(group_name);
+        throw;
+      }
+    }
+    agent = w.rpc_agent;
+  }
+  auto impl = std::make_shared<RpcGroup::Impl>();
+  impl->agent = agent;
+  impl->group = group_name;
+  impl->members = members;
+  agent->open_group(group_name);
+  // Collective: every member announces itself, then waits for the others.
+  const auto join = [&](const std::string& m) { return impl->key("join", m); };
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(options.timeout);
+  std::vector<std::string> keys;
+  for (const auto& m : members) keys.push_back(join(m));
+  const int missing = agent->with_store([&](c10d::Store& s) {
+    s.set(join(me), std::vector<uint8_t>{1});
+    return detail::store_wait_keys(s, keys, deadline);
+  });
+  if (missing != -1) {
+    agent->close_group(group_name);
+    throw TimeoutError(fmt::format("World::create_rpc_group('{}'): member '{}' did not join within {} s",
+                                   group_name, members[static_cast<size_t>(missing)],
+                                   options.timeout.count()));
+  }
+  return RpcGroup(std::move(impl));
+}
 
 int find_free_port(bool loopback_only) {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));

@@ -15,7 +15,7 @@ namespace {
 constexpr char kMagic[4] = {'T', 'P', 'A', 'R'};
 constexpr uint8_t kFormatVersion = 1;
 
-enum class StorageMode : uint8_t { kCopy = 0, kFd = 1, kName = 2 };
+enum class StorageMode : uint8_t { kCopy = 0, kFd = 1, kName = 2, kTable = 3 };
 constexpr uint32_t kNoFd = 0xFFFFFFFFu;  // the fd did not travel with the payload
 
 bool supported_dtype(int8_t v) {
@@ -139,7 +139,16 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
   write<uint32_t>(ar, id);
   if (!first) return;
   const c10::Storage& storage = t.storage();
-  if (ar.options().copy_tensor) {
+  auto* table = ar.options().copy_tensor ? ar.options().storages : nullptr;
+  const bool as_handle = table != nullptr && ar.options().shared_as_handles && is_shared(t);
+  if (table != nullptr && !as_handle) {
+    write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kTable));
+    write<uint64_t>(ar, storage.nbytes());
+    write<uint32_t>(ar, static_cast<uint32_t>(table->size()));
+    table->push_back(storage);
+    return;
+  }
+  if (ar.options().copy_tensor && !as_handle) {
     write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kCopy));
     write<uint64_t>(ar, storage.nbytes());
     ar.reserve_more(storage.nbytes());  // one allocation for the bytes, no doubling copies
@@ -150,7 +159,7 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
   if (h.strategy == SharingStrategy::kFileDescriptor) {
     write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kFd));
     write<uint64_t>(ar, h.nbytes);
-    write<uint32_t>(ar, ar.options().pass_fds ? ar.fd_index(h.fd) : kNoFd);
+    write<uint32_t>(ar, ar.options().pass_fds && !as_handle ? ar.fd_index(h.fd) : kNoFd);
     write<int32_t>(ar, h.pid);
     write<int32_t>(ar, h.fd_number);
     write<uint64_t>(ar, h.dev);
@@ -199,6 +208,18 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       const char* src = ar.take(nbytes);
       if (nbytes > 0) std::memcpy(st.data(), src, nbytes);
       storages.push_back(std::move(st));
+    } else if (mode == static_cast<uint8_t>(StorageMode::kTable)) {
+      const auto index = read<uint32_t>(ar);
+      const auto* table = ar.options().storages;
+      if (table == nullptr || index >= table->size())
+        throw SerializationError(fmt::format(
+            "tensor refers to out-of-band storage #{} but the payload came with {}", index,
+            table == nullptr ? 0 : table->size()));
+      if ((*table)[index].nbytes() != nbytes)
+        throw SerializationError(fmt::format(
+            "out-of-band storage #{} has {} bytes, the payload says {}", index,
+            (*table)[index].nbytes(), nbytes));
+      storages.push_back((*table)[index]);
     } else if (mode == static_cast<uint8_t>(StorageMode::kFd) ||
                mode == static_cast<uint8_t>(StorageMode::kName)) {
       StorageHandle h;

@@ -13,6 +13,9 @@
 
 namespace torchpar {
 
+class RpcGroup;
+struct RpcGroupOptions;
+
 /// How a World finds its peers. Fields left unset come from the environment torchrun and
 /// `torchpar run` set: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 /// MASTER_PORT.
@@ -88,6 +91,23 @@ class World {
   /// The group of all ranks with backend gloo, laid out like Python's default process group
   /// when python_compatible is set (created on first use; collective on first use).
   CollectiveGroup& default_group();
+
+  /// Creates the RPC group `group_name` of the World members named in `members` (machin's
+  /// RpcGroup(group_name, group_members)): collective over those members (each calls it
+  /// with the same name and members; it returns once all joined). The first group of a
+  /// process starts its RPC agent: a TensorPipe listener on 127.0.0.1 (TORCHPAR_RPC_ADDR
+  /// names another host or IP), whose address is published in the World's store, and
+  /// which accepts only peers proving the World's key (WorldOptions::authkey, else
+  /// default_authkey()). Include "torchpar/dist/rpc_group.h" to use the result.
+  ///
+  /// Errors:  ValueError for an empty name or one with '/', unknown or repeated members, a
+  ///          caller that is not a member, a name already created in this process;
+  ///          TimeoutError naming a member that did not join within options.timeout;
+  ///          ClosedError after destroy(); SystemError when the listener cannot start.
+  /// Safety:  thread-safe. Source: machin.parallel.distributed.World.create_rpc_group.
+  RpcGroup create_rpc_group(const std::string& group_name, std::vector<std::string> members);
+  RpcGroup create_rpc_group(const std::string& group_name, std::vector<std::string> members,
+                            const RpcGroupOptions& options);
 
   /// Destroys the default group and drops the store connection; the World is unusable after.
   void destroy();

@@ -44,6 +44,15 @@ struct DumpsOptions {
   /// Unix socket). false: the payload is bytes only and the receiver reopens each segment
   /// through /proc/<sender pid>/fd/<n> while the sender lives (for shared-memory queues).
   bool pass_fds = true;
+  /// Out-of-band storages (the RPC layer's TensorPipe tensors): when set, with copy_tensor,
+  /// each distinct storage is appended here instead of copied into the bytes, and the
+  /// payload refers to it by index (docs/wire_format.md, storage mode 3). The caller sends
+  /// them beside the bytes and hands them to loads (LoadsOptions::storages). Not owned.
+  std::vector<c10::Storage>* storages = nullptr;
+  /// With `storages`: a storage already in torchpar shared memory (is_shared) travels as a
+  /// handle (no copy) instead, reopened by the receiver through /proc/<pid>/fd while the
+  /// sender lives (pass_fds is ignored): only for a receiver on the same host.
+  bool shared_as_handles = false;
 };
 
 /// Options of `loads`.
@@ -57,6 +66,10 @@ struct LoadsOptions {
   /// reuses the block; it is freed when the sender has exited and the last process mapping
   /// it lets go.
   bool adopt_shared = true;
+  /// The out-of-band storages of a payload made with DumpsOptions::storages, in order;
+  /// loaded tensors alias them (no copy). A payload that refers to one without them, or
+  /// past their end, raises SerializationError. Not owned; must outlive the loads call.
+  const std::vector<c10::Storage>* storages = nullptr;
 };
 
 namespace detail {

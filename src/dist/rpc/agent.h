@@ -1,0 +1,153 @@
+#pragma once
+// The RPC engine of one process: its transport, the calls it waits for, the services,
+// functions and values it serves. RpcGroup (rpc_group.cpp) is a named view on it.
+//
+// Threads: the transport's loop thread delivers messages (on_message): replies complete
+// futures there, RRef bookkeeping happens there (so it follows arrival order), calls and
+// fetches go to the agent's thread pool. One timer thread fails calls whose deadline
+// passed. User threads send.
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <typeindex>
+#include <vector>
+
+#include "dist/rpc/transport/transport.h"
+#include "torchpar/dist/rpc_group.h"
+#include "torchpar/pool/thread_pool.h"
+
+namespace torchpar::detail {
+
+struct RpcAgentOptions {
+  std::string name;                  ///< this member
+  std::vector<std::string> names;    ///< every World member, by rank
+  std::vector<std::string> hosts;    ///< their host keys, by rank
+  c10::intrusive_ptr<c10d::Store> store;
+  AuthKey authkey;
+  std::string bind_host = "127.0.0.1";
+  size_t num_threads = 4;
+  bool shm = true;
+  std::chrono::duration<double> store_timeout = std::chrono::seconds(300);
+};
+
+/// A value this member owns for others: a remote() result or a paired value.
+struct OwnedValue {
+  std::string creator;  ///< who made it (remote() caller; the owner for pairs)
+  bool ready = false;
+  RpcValue value;                    ///< remote() result (encoded for another host)
+  std::string error_type, error;     ///< remote() whose function threw
+  uint8_t error_status = 0;
+  std::shared_ptr<void> object;      ///< paired value
+  std::type_index type = typeid(void);
+  std::function<RpcValue(bool)> encode;  ///< paired value: encodes a copy
+  int64_t refs = 0;                  ///< counted user references (remote() results)
+  bool pinned = false;               ///< paired: lives until unpair
+  std::vector<std::function<void()>> waiters;  ///< run once ready
+};
+
+class RpcAgent : public std::enable_shared_from_this<RpcAgent> {
+ public:
+  enum class Target : uint8_t { kFunction = 0, kService = 1 };
+
+  /// Starts the transport and publishes its address under torchpar/rpc/addr/<name>.
+  static std::shared_ptr<RpcAgent> create(RpcAgentOptions options);
+  ~RpcAgent();
+
+  const std::string& name() const { return opts_.name; }
+  bool is_member(const std::string& member) const;
+  /// ValueError when `member` is not a World member.
+  bool same_host(const std::string& member) const;
+
+  /// The World's store, serialized (one call at a time).
+  template <class Fn>
+  auto with_store(Fn fn) {
+    std::lock_guard<std::mutex> g(store_mu_);
+    return fn(*opts_.store);
+  }
+  std::chrono::duration<double> store_timeout() const { return opts_.store_timeout; }
+
+  void open_group(const std::string& group);
+  /// Fails this member's calls of `group` in flight and refuses the group's calls.
+  void close_group(const std::string& group);
+
+  void add_service(const std::string& group, const std::string& key, RpcHandler fn);
+  bool remove_service(const std::string& group, const std::string& key);
+  bool has_service(const std::string& group, const std::string& key) const;
+
+  /// A World-unique RRef id made by this member.
+  std::string new_rref_id();
+  void add_pinned(const std::string& id, std::shared_ptr<OwnedValue> value);
+  void remove_pinned(const std::string& id);
+  std::shared_ptr<OwnedValue> find_owned(const std::string& id) const;
+
+  /// Sends a call; the future completes with its reply, its error, or TimeoutError.
+  /// `rref_id` non-empty: the callee keeps the result as that RRef and replies nothing
+  /// (the returned future is then nullptr).
+  std::shared_ptr<RpcFutureState> call(const std::string& to, Target target, const std::string& group,
+                                       const std::string& name, RpcValue args, Timeout timeout,
+                                       const std::string& rref_id = {});
+  /// The value of an RRef (see RRef::to_here).
+  RpcValue fetch(const RRefState& rref, Timeout timeout);
+  /// A counted user reference is gone (RRefState's destructor). Never throws.
+  void release(const RRefState& rref) noexcept;
+
+  size_t owned_rrefs() const;
+  size_t pending_calls() const;
+
+  /// Stops the transport, fails every call in flight, joins the threads. Idempotent.
+  void shutdown();
+
+ private:
+  explicit RpcAgent(RpcAgentOptions options);
+  struct Header;
+  struct Pending {
+    std::string to, group, what;
+    std::shared_ptr<RpcFutureState> state;
+    std::chrono::steady_clock::time_point deadline;
+    double seconds = 0;
+  };
+
+  std::string address_of(const std::string& member);
+  void send(const std::string& to, const Header& h, RpcValue body);
+  void on_message(const std::string& peer, rpc::Message msg);
+  void on_peer_lost(const std::string& peer, const std::string& why);
+  void execute(const std::string& peer, Header h, RpcValue args);
+  void serve_fetch(const std::string& peer, Header h);
+  void reply(const std::string& peer, uint64_t id, uint8_t status, const std::string& type,
+             const std::string& error, RpcValue body);
+  void reply_owned(const std::string& peer, uint64_t id, const OwnedValue& v);
+  std::shared_ptr<RpcFutureState> track(const std::string& to, const std::string& group,
+                                        const std::string& what, Timeout timeout, uint64_t* id);
+  void fail_pending(const std::function<bool(const Pending&)>& which,
+                    const std::function<std::exception_ptr(const Pending&)>& error);
+  void timer_loop();
+
+  RpcAgentOptions opts_;
+  std::unique_ptr<rpc::Transport> transport_;
+  std::unique_ptr<ThreadPoolCore> pool_;
+  std::string address_;
+
+  mutable std::mutex store_mu_;
+  mutable std::mutex mu_;
+  std::condition_variable timer_cv_;
+  bool closed_ = false;
+  uint64_t next_call_ = 1;
+  uint64_t next_rref_ = 1;
+  std::map<uint64_t, Pending> pending_;
+  std::map<std::string, std::string> addresses_;
+  std::set<std::string> open_groups_;
+  std::map<std::pair<std::string, std::string>, std::shared_ptr<RpcHandler>> services_;
+  std::map<std::string, std::shared_ptr<OwnedValue>> owned_;
+  std::thread timer_;
+};
+
+}  // namespace torchpar::detail
