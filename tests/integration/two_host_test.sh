@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Two "hosts": a 2-rank gloo all_reduce between two network namespaces joined by a veth pair.
+# Two "hosts": a 2-rank gloo all_reduce, then 2-rank RPC (TensorPipe over TCP: its shm
+# transport is only chosen within one network namespace), between two network namespaces
+# joined by a veth pair.
 # usage: two_host_test.sh BIN_DIR. Exits 77 (skipped) where the kernel or our rights refuse
 # network namespaces.
 set -u
@@ -52,3 +54,22 @@ if [ $c0 -ne 0 ] || [ $c1 -ne 0 ] || [ $ok -ne 0 ]; then
   exit 1
 fi
 echo "PASSED: all_reduce across two network namespaces"
+
+# RPC: each rank's listener binds to its namespace's address (TORCHPAR_RPC_ADDR).
+common=(WORLD_SIZE=2 MASTER_ADDR=10.213.7.1 MASTER_PORT=29578 LOCAL_WORLD_SIZE=1 LOCAL_RANK=0)
+ip netns exec "$A" env "${common[@]}" RANK=0 TORCHPAR_RPC_ADDR=10.213.7.1 timeout 120 "$BIN/example_rpc" >/tmp/tp_rank0.$$ 2>&1 &
+p0=$!
+ip netns exec "$B" env "${common[@]}" RANK=1 TORCHPAR_RPC_ADDR=10.213.7.2 timeout 120 "$BIN/example_rpc" >/tmp/tp_rank1.$$ 2>&1 &
+p1=$!
+wait $p0; c0=$?
+wait $p1; c1=$?
+cat /tmp/tp_rank0.$$ /tmp/tp_rank1.$$
+ok=0
+grep -q "rank 0 (rank0): add on rank1 = 40, norm = 3, hello rank0 from rank1, remote = 2" /tmp/tp_rank0.$$ || ok=1
+grep -q "rank 1 (rank1): add on rank0 = 41, norm = 3, hello rank1 from rank0, remote = 2" /tmp/tp_rank1.$$ || ok=1
+rm -f /tmp/tp_rank0.$$ /tmp/tp_rank1.$$
+if [ $c0 -ne 0 ] || [ $c1 -ne 0 ] || [ $ok -ne 0 ]; then
+  echo "FAILED (rpc): exit codes $c0 $c1, expected output found: $([ $ok -eq 0 ] && echo yes || echo no)"
+  exit 1
+fi
+echo "PASSED: rpc across two network namespaces"
