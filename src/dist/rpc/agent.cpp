@@ -13,9 +13,8 @@ namespace torchpar::detail {
 
 namespace {
 
-enum Kind : uint8_t { kCall = 1, kReply = 2, kFetch = 3, kDelete = 4 };
-/// Reply status: what the caller rethrows.
-enum Status : uint8_t { kOk = 0, kRemote = 1, kNotFound = 2, kGone = 3 };
+constexpr uint8_t kCall = kRpcCall, kReply = kRpcReply, kFetch = kRpcFetch, kDelete = kRpcDelete;
+constexpr uint8_t kOk = kRpcOk, kRemote = kRpcRemote, kNotFound = kRpcNotFound, kGone = kRpcGone;
 
 using Clock = std::chrono::steady_clock;
 
@@ -59,17 +58,8 @@ std::exception_ptr status_error(uint8_t status, const std::string& type, const s
 
 }  // namespace
 
-struct RpcAgent::Header {
-  uint8_t kind = 0;
-  uint64_t id = 0;
-  uint8_t target = 0;
-  uint8_t status = 0;
-  std::string group, name, rref, error_type, error;
-  template <class Archive>
-  void serialize(Archive& ar) {
-    ar(kind, id, target, status, group, name, rref, error_type, error);
-  }
-};
+RpcHeader decode_rpc_header(std::string bytes) { return loads<RpcHeader>(Payload{std::move(bytes), {}}); }
+std::string encode_rpc_header(const RpcHeader& h) { return dumps(h).bytes; }
 
 // ---- futures and RRef states --------------------------------------------------------------
 
@@ -260,7 +250,7 @@ std::string RpcAgent::address_of(const std::string& member) {
 
 void RpcAgent::send(const std::string& to, const Header& h, RpcValue body) {
   rpc::Message msg;
-  msg.header = dumps(h).bytes;
+  msg.header = encode_rpc_header(h);
   msg.body = std::move(body.bytes);
   msg.storages = std::move(body.storages);
   if (to == opts_.name) {  // to this process: no transport
@@ -397,7 +387,7 @@ void RpcAgent::release(const RRefState& rref) noexcept {
 void RpcAgent::on_message(const std::string& peer, rpc::Message msg) {
   Header h;
   try {
-    h = loads<Header>(Payload{std::move(msg.header), {}});
+    h = decode_rpc_header(std::move(msg.header));
   } catch (const std::exception& e) {
     fmt::print(stderr, "torchpar rpc: '{}' dropped a malformed message from '{}': {}\n", opts_.name,
                peer, e.what());

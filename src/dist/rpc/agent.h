@@ -21,6 +21,7 @@
 #include <typeindex>
 #include <vector>
 
+#include "dist/rpc/message.h"
 #include "dist/rpc/transport/transport.h"
 #include "torchpar/dist/rpc_group.h"
 #include "torchpar/pool/thread_pool.h"
@@ -108,7 +109,7 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent> {
 
  private:
   explicit RpcAgent(RpcAgentOptions options);
-  struct Header;
+  using Header = RpcHeader;
   struct Pending {
     std::string to, group, what;
     std::shared_ptr<RpcFutureState> state;
