@@ -16,6 +16,8 @@
 #include <tuple>
 #include <vector>
 
+#include <ATen/ATen.h>
+
 #include "dist/rpc/message.h"
 #include "torchpar/torchpar.h"
 
@@ -78,8 +80,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   tp::detail::RpcValue v;
   for (size_t i = 0; i < n && pos + 2 <= size; ++i, pos += 2) {
     const size_t nbytes = (size_t{data[pos]} << 8) | data[pos + 1];
-    c10::Storage st(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(), false);
-    if (nbytes) std::memset(st.mutable_data(), 0, nbytes);
+    c10::Storage st(c10::Storage::use_byte_size_t(), nbytes, at::getCPUAllocator(), false);
+    if (nbytes) std::memset(st.data(), 0, nbytes);
     v.storages.push_back(std::move(st));
   }
   if (pos > size) return 0;
