@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include "dist/rpc/message.h"
 #include "torchpar/torchpar.h"
