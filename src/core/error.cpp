@@ -50,7 +50,10 @@ TaskError::TaskError(std::string type, std::string message)
       message_(std::move(message)) {}
 
 RemoteError::RemoteError(std::string type, std::string message)
-    : Error(fmt::format("{}: {} (raised in the manager's server process)", type, message)),
+    : RemoteError(std::move(type), std::move(message), "the manager's server process") {}
+
+RemoteError::RemoteError(std::string type, std::string message, const std::string& where)
+    : Error(fmt::format("{}: {} (raised in {})", type, message, where)),
       type_(std::move(type)),
       message_(std::move(message)) {}
 

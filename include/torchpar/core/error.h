@@ -139,6 +139,8 @@ class TaskError : public Error {
 class RemoteError : public Error {
  public:
   RemoteError(std::string type, std::string message);
+  /// `where` replaces "the manager's server process" in what() (e.g. "member 'w1'").
+  RemoteError(std::string type, std::string message, const std::string& where);
   const std::string& type() const noexcept { return type_; }
   const std::string& message() const noexcept { return message_; }
 

@@ -78,10 +78,12 @@ class RpcKeyNotFoundError : public Error {
   std::string key_;
 };
 
-/// The callee threw: type() is its exception's type name, message() its what().
+/// The callee threw: type() is its exception's demangled type name, message() its message
+/// (what() without a backtrace); what() adds "(raised on member '<name>')".
 class RpcRemoteError : public RemoteError {
  public:
-  using RemoteError::RemoteError;
+  RpcRemoteError(std::string type, std::string message, const std::string& member)
+      : RemoteError(std::move(type), std::move(message), "member '" + member + "'") {}
 };
 
 /// A call could not reach its member: it died, closed its group, or its connection broke.

@@ -45,7 +45,7 @@ std::exception_ptr status_error(uint8_t status, const std::string& type, const s
                                 const std::string& peer, const std::string& key) {
   switch (status) {
     case kRemote:
-      return std::make_exception_ptr(RpcRemoteError(type, msg));
+      return std::make_exception_ptr(RpcRemoteError(type, msg, peer));
     case kNotFound:
       return std::make_exception_ptr(RpcKeyNotFoundError(key, msg));
     case kGone:
