@@ -248,7 +248,8 @@ std::string RpcAgent::address_of(const std::string& member) {
   return addr;
 }
 
-void RpcAgent::send(const std::string& to, const Header& h, RpcValue body) {
+void RpcAgent::send(const std::string& to, const Header& h, RpcValue body,
+                    std::chrono::steady_clock::time_point deadline) {
   rpc::Message msg;
   msg.header = encode_rpc_header(h);
   msg.body = std::move(body.bytes);
@@ -257,7 +258,9 @@ void RpcAgent::send(const std::string& to, const Header& h, RpcValue body) {
     on_message(to, std::move(msg));
     return;
   }
-  transport_->send(to, address_of(to), std::move(msg), Clock::now() + std::chrono::seconds(30));
+  // Connecting (first contact) is bounded by the call's deadline and at most 30 s.
+  deadline = std::min(deadline, Clock::now() + std::chrono::seconds(30));
+  transport_->send(to, address_of(to), std::move(msg), deadline);
 }
 
 std::shared_ptr<RpcFutureState> RpcAgent::track(const std::string& to, const std::string& group,
@@ -292,24 +295,22 @@ std::shared_ptr<RpcFutureState> RpcAgent::call(const std::string& to, Target tar
     state = track(to, group, what, timeout, &h.id);
   }
   try {
-    send(to, h, std::move(args));
+    send(to, h, std::move(args), deadline_of(timeout));
   } catch (...) {
-    if (state) {
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        pending_.erase(h.id);
-      }
-      std::exception_ptr e = std::current_exception();
-      try {
-        throw;
-      } catch (const ClosedError& c) {
-        e = std::make_exception_ptr(RpcPeerLostError(to, fmt::format("rpc to '{}': {}", to, c.what_without_backtrace())));
-      } catch (...) {
-      }
-      state->complete({}, e);
-    } else {
+    std::exception_ptr e = std::current_exception();
+    try {
       throw;
+    } catch (const ClosedError& c) {  // the member is gone (or this agent is shut down)
+      e = std::make_exception_ptr(RpcPeerLostError(
+          to, fmt::format("rpc of '{}' to member '{}': {}", name, to, c.what_without_backtrace())));
+    } catch (...) {
     }
+    if (!state) std::rethrow_exception(e);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      pending_.erase(h.id);
+    }
+    state->complete({}, e);
   }
   return state;
 }
@@ -351,7 +352,14 @@ RpcValue RpcAgent::fetch(const RRefState& rref, Timeout timeout) {
   h.rref = rref.id;
   auto state = track(rref.owner, "", "fetching RRef " + rref.id, timeout, &h.id);
   try {
-    send(rref.owner, h, {});
+    send(rref.owner, h, {}, deadline_of(timeout));
+  } catch (const ClosedError& c) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      pending_.erase(h.id);
+    }
+    throw RpcPeerLostError(rref.owner, fmt::format("fetching RRef {} from member '{}': {}", rref.id,
+                                                   rref.owner, c.what_without_backtrace()));
   } catch (...) {
     std::lock_guard<std::mutex> g(mu_);
     pending_.erase(h.id);
@@ -377,7 +385,7 @@ void RpcAgent::release(const RRefState& rref) noexcept {
     Header h;
     h.kind = kDelete;
     h.rref = rref.id;
-    send(rref.owner, h, {});
+    send(rref.owner, h, {}, Clock::now() + std::chrono::seconds(5));
   } catch (...) {  // the owner is gone: its values are gone with it
   }
 }
@@ -520,7 +528,7 @@ void RpcAgent::reply(const std::string& peer, uint64_t id, uint8_t status, const
   r.error_type = type;
   r.error = error;
   try {
-    send(peer, r, std::move(body));
+    send(peer, r, std::move(body), Clock::now() + std::chrono::seconds(30));
   } catch (const std::exception& e) {  // the caller is gone: nobody waits
     (void)e;
   }
@@ -548,9 +556,15 @@ void RpcAgent::serve_fetch(const std::string& peer, Header h) {
     if (it != owned_.end()) {
       v = it->second;
       if (!v->ready) {
-        auto self = shared_from_this();
+        // Weak: the waiter lives in owned_, which the agent owns.
+        std::weak_ptr<RpcAgent> weak = weak_from_this();
         const uint64_t id = h.id;
-        v->waiters.push_back([self, peer, id, v] { self->reply_owned(peer, id, *v); });
+        std::weak_ptr<OwnedValue> wv = v;
+        v->waiters.push_back([weak, peer, id, wv] {
+          auto self = weak.lock();
+          auto value = wv.lock();
+          if (self && value) self->reply_owned(peer, id, *value);
+        });
         return;
       }
     }

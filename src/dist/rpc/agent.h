@@ -118,7 +118,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent> {
   };
 
   std::string address_of(const std::string& member);
-  void send(const std::string& to, const Header& h, RpcValue body);
+  void send(const std::string& to, const Header& h, RpcValue body,
+            std::chrono::steady_clock::time_point deadline);
   void on_message(const std::string& peer, rpc::Message msg);
   void on_peer_lost(const std::string& peer, const std::string& why);
   void execute(const std::string& peer, Header h, RpcValue args);
