@@ -13,6 +13,9 @@ Benchmarks (names for --only), run in this order:
   manager      manager_bench vs peers/python_manager.py (multiprocessing.Manager): dict set+get and
                list append from a child, 4 KiB tensors through a manager Queue; each over TCP and
                an abstract Unix socket (ours) and AF_UNIX and TCP (Python's)
+  rpc          rpc_bench vs peers/python_rpc.py (torch.distributed.rpc, TensorPipe backend): rpc_sync
+               round trips (tiny; 1 MiB tensor fresh, and ours from shared memory), 64 rpc_async
+               calls in flight; raw TensorPipe ping-pong is not measured
   collectives  coll_bench (torchpar-shm, torchpar-gloo, c10d-gloo-cpp) vs
                peers/torch_dist_collectives.py and peers/mpi_collectives.c (Open MPI, compiled
                with mpicc into <out>/raw/ when the benchmark starts)
@@ -56,7 +59,7 @@ REPO = BENCH_DIR.parent
 PEERS = BENCH_DIR / "peers"
 RESULTS = BENCH_DIR / "results"
 PY = "/usr/bin/python3"
-BENCHMARKS = ("limits", "handoff", "pools", "manager", "collectives", "train")
+BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "collectives", "train")
 KiB, MiB = 1 << 10, 1 << 20
 TIME_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
@@ -674,6 +677,136 @@ def plot_manager(runs, out):
 
 
 # ----------------------------------------------------------------------------------------------
+# rpc: rpc_bench vs python_rpc.py
+
+# label, ours' measure, Python's counterpart, Python's measure, unit, higher is better
+RPC_ROWS = [
+    ("rpc_sync round trip, tiny: add(int, int)", "tiny",
+     "rpc_sync to a Python function add(a, b)", "tiny_python_fn", "us/call", False),
+    ("rpc_sync round trip, tiny: add(int, int)", "tiny",
+     "rpc_sync to a builtin op: torch.add of two 2-element tensors", "tiny_builtin", "us/call", False),
+    ("rpc_sync, fresh 1 MiB float32 tensor each call, first element back", "tensor_1m_fresh",
+     "the same", "tensor_1m_fresh", "us/call", False),
+    ("rpc_sync, 1 MiB tensor in torchpar shared memory, first element back", "tensor_1m_shared",
+     "a fresh 1 MiB tensor each call (no shared-memory path)", "tensor_1m_fresh", "us/call", False),
+    ("rpc_sync, 1 MiB tensor in torchpar shared memory, first element back", "tensor_1m_shared",
+     "one 1 MiB tensor re-sent (no allocation per call)", "tensor_1m_reused", "us/call", False),
+    ("rpc_async add(int, int), 64 calls in flight", "inflight_64",
+     "rpc_async to add(a, b), 64 in flight", "inflight_64", "calls/s", True),
+]
+RPC_BENCH = {"tiny": "BM_RpcSyncTiny/real_time",
+             "tensor_1m_fresh": "BM_RpcSyncTensor1M/shared:0/real_time",
+             "tensor_1m_shared": "BM_RpcSyncTensor1M/shared:1/real_time"}
+RPC_TARGET = 10  # x Python (issue 14): tiny vs a Python function, 1 MiB shared vs Python's 1 MiB
+
+
+def rpc_sizes(cfg):
+    """(calls per tiny / in-flight batch, calls per 1 MiB batch), the same for ours and the peer."""
+    return cfg.pick(500, 1000), cfg.pick(50, 100)
+
+
+def parse_rpc_bench(out):
+    """rpc_bench -> {measure: us per call, 'inflight_64': calls/s}."""
+    g = gbench(out)
+    res = {}
+    for measure, bname in RPC_BENCH.items():
+        b = pick_bench(g, bname)
+        if "us_per_call" not in b:
+            raise RunError(f"{bname}: no us_per_call counter")
+        res[measure] = b["us_per_call"]
+    res["inflight_64"] = pick_bench(g, "BM_RpcAsyncInFlight64/real_time")["items_per_second"]
+    return res
+
+
+def parse_python_rpc(out):
+    return {r["name"]: r["value"] for r in json_lines(out)}
+
+
+def runners_rpc(cfg):
+    calls, tensor_calls = rpc_sizes(cfg)
+    ours = [cfg.bin / "rpc_bench", "--benchmark_format=json", "--calls", calls,
+            "--tensor-calls", tensor_calls, f"--benchmark_min_time={cfg.pick(0.1, 0.5)}"]
+    timeout = cfg.pick(120, 300)
+    peer = [PY, PEERS / "python_rpc.py", "--calls", calls, "--tensor-calls", tensor_calls,
+            "--batches", cfg.pick(3, 5), "--timeout", timeout - 30]
+    return [Runner("rpc_bench", True, ours, parse_rpc_bench, timeout),
+            Runner("python_rpc.py", False, peer, parse_python_rpc, timeout)]
+
+
+def report_rpc(runs, limits, cfg):
+    ours, peer = runs["rpc_bench"]["median"], runs["python_rpc.py"]["median"]
+    calls, tensor_calls = rpc_sizes(cfg)
+    rows, summary = [], {}
+    for label, measure, plabel, pmeasure, unit, higher in RPC_ROWS:
+        mine, theirs = ours.get(measure), peer.get(pmeasure)
+        ratio = advantage(mine, theirs, higher)
+        rows.append((label, plabel, unit, fmt(mine), fmt(theirs), fmt_x(ratio)))
+        summary[f"{measure}_vs_{pmeasure}"] = {"torchpar": mine, "python": theirs, "unit": unit,
+                                               "ratio": ratio}
+    tiny = ours.get("tiny")
+    shared = ours.get("tensor_1m_shared")
+    trows = []
+    for key, label, mine, pmeasure, factor in (
+            ("tiny_vs_python_fn", f"tiny rpc_sync ≤ 1/{RPC_TARGET} of Python's rpc_sync to a Python "
+             "function", tiny, "tiny_python_fn", RPC_TARGET),
+            ("tiny_vs_builtin", "tiny rpc_sync below Python's builtin-op path (torch.add)", tiny,
+             "tiny_builtin", 1),
+            ("shared_1m_vs_fresh", f"1 MiB tensor from torchpar shared memory ≤ 1/{RPC_TARGET} of "
+             "Python's fresh 1 MiB", shared, "tensor_1m_fresh", RPC_TARGET),
+            ("shared_1m_vs_reused", f"(stricter) 1 MiB from shared memory ≤ 1/{RPC_TARGET} of Python "
+             "re-sending one 1 MiB tensor", shared, "tensor_1m_reused", RPC_TARGET)):
+        theirs = peer.get(pmeasure)
+        ratio = advantage(mine, theirs, False)
+        trows.append((label, f"{fmt(mine)} vs {fmt(theirs)} us = {fmt_x(ratio)}", f"≥ {factor}x",
+                      verdict(ratio, factor, True)))
+        summary[f"target_{key}"] = {"ratio": ratio, "target": factor,
+                                    "met": None if ratio is None else ratio >= factor}
+    md = table(["measure (torchpar)", "Python counterpart (torch.distributed.rpc)", "unit", "torchpar",
+                "Python", "torchpar vs Python"], rows, left=3)
+    memcpy_1m = limits.get(f"memcpy/{MiB}") if limits else None
+    md += (f"\n\n2 processes on 127.0.0.1 (fork), a caller and a callee; {calls:,} calls per timed "
+           f"batch ({tensor_calls:,} for 1 MiB) after a warm-up batch, every reply checked. Round "
+           "trips: the median batch time / calls (torchpar over Google Benchmark's batches, Python "
+           f"over {cfg.pick(3, 5)} batches); in flight: all calls / all time. torchpar: rpc_bench is "
+           "rank 0 of a World and forks rank 1, both join one RpcGroup; the callee runs calls on its "
+           "RPC thread pool (4 threads by default). Python: two fork children call rpc.init_rpc (TensorPipe "
+           "backend, env:// rendezvous, 16 worker threads, its defaults). The 1 MiB tensors are "
+           "float32, made with full() inside the timed loop when fresh; the reply is one float. "
+           "torchpar's shared-memory tensor is moved once with share_memory_ before the loop and "
+           "travels as a handle (no copy); Python RPC copies every tensor. Ratios: how many times "
+           "faster torchpar is (> 1: torchpar better)."
+           + (f" For scale, one thread's 1 MiB memcpy takes {fmt(memcpy_1m)} us (limits)."
+              if memcpy_1m else "")
+           + "\n\nRaw TensorPipe ping-pong (the transport's limit): not measured. TensorPipe's "
+           "headers stay inside src/dist/rpc/transport/tensorpipe/, so bench/ cannot drive the "
+           "transport alone.\n\n### Targets (issue 14)\n\n")
+    md += table(["target", "measured", "goal", "met"], trows) + "\n\n![rpc](rpc.png)"
+    return md, summary
+
+
+def plot_rpc(runs, out):
+    ours, peer = runs["rpc_bench"]["median"], runs["python_rpc.py"]["median"]
+    tenth = lambda v: v / RPC_TARGET if v else None
+    panels = [
+        ("rpc_sync, tiny (us/call)", [("torchpar", ours.get("tiny")),
+                                      ("Python\nfunction", peer.get("tiny_python_fn")),
+                                      ("Python\nbuiltin op", peer.get("tiny_builtin"))],
+         tenth(peer.get("tiny_python_fn")), False),
+        ("rpc_sync, fresh 1 MiB (us/call)", [("torchpar", ours.get("tensor_1m_fresh")),
+                                             ("Python", peer.get("tensor_1m_fresh"))], None, False),
+        ("rpc_sync, 1 MiB, ours in shared memory (us/call)",
+         [("torchpar\nshared", ours.get("tensor_1m_shared")),
+          ("Python\nfresh", peer.get("tensor_1m_fresh")),
+          ("Python\nre-sent", peer.get("tensor_1m_reused"))],
+         tenth(peer.get("tensor_1m_fresh")), False),
+        ("rpc_async, 64 in flight (calls/s)", [("torchpar", ours.get("inflight_64")),
+                                               ("Python", peer.get("inflight_64"))], None, True),
+    ]
+    bar_grid(out / "rpc.png", "RPC: torchpar RpcGroup vs torch.distributed.rpc (TensorPipe)", panels,
+             cols=4)
+
+
+# ----------------------------------------------------------------------------------------------
 # collectives: coll_bench vs torch_dist_collectives.py vs Open MPI
 
 COLL_OURS = ("torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp")
@@ -953,6 +1086,7 @@ def draw_plots(cfg, results):
     plotters = {"handoff": lambda r: plot_handoff(r, cfg.out),
                 "pools": lambda r: plot_pools(r, cfg.out),
                 "manager": lambda r: plot_manager(r, cfg.out),
+                "rpc": lambda r: plot_rpc(r, cfg.out),
                 "collectives": lambda r: plot_collectives(r, cfg.out, cfg),
                 "train": lambda r: plot_train(r, cfg.out)}
     for bench, runs in results.items():
@@ -1002,7 +1136,7 @@ def machine_facts(cfg):
 
 
 TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "Process pools",
-          "manager": "Manager",
+          "manager": "Manager", "rpc": "RPC",
           "collectives": "Collectives", "train": "Training"}
 
 
@@ -1048,10 +1182,10 @@ def update_latest(out):
 
 
 RUNNERS = {"limits": runners_limits, "handoff": runners_handoff, "pools": runners_pools,
-           "manager": runners_manager,
+           "manager": runners_manager, "rpc": runners_rpc,
            "collectives": runners_collectives, "train": runners_train}
 REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_pools,
-           "manager": report_manager,
+           "manager": report_manager, "rpc": report_rpc,
            "collectives": report_collectives, "train": report_train}
 
 
