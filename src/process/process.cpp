@@ -169,6 +169,9 @@ void start_fork(ProcessImpl& p) {
   void* slot = p.slot.data();
   const pid_t parent = ::getpid();
   pid_t pid = -1;
+  // As Python's Process.start: buffered output is written once, by the parent, not again by
+  // the child when it exits.
+  std::fflush(nullptr);
   run_forking([&] {
     pid = ::fork();
     if (pid < 0) throw_system_error("fork", errno, p.options.name);
