@@ -18,6 +18,7 @@ PACKAGES=(
   dataset-fashion-mnist   # the data set of the main job
   libssl-dev              # OpenSSL libcrypto: HMAC of the auth handshake
   libgloo-dev             # headers of the Gloo that LibTorch's c10d links
+  libtensorpipe-dev       # TensorPipe: the RPC transport (src/dist/rpc/transport/tensorpipe/)
   iproute2                # ip netns for the two-host collective test
   python3-torch           # interop test (torch.distributed rank) and benchmark peers
   python3-matplotlib      # curves.png of torchpar train, benchmark plots

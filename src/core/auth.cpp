@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/auth_channel.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
@@ -202,26 +203,49 @@ std::string recv_frame(int fd, size_t max_bytes, AuthDeadline deadline) {
   return out;
 }
 
-void deliver_challenge(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
+namespace {
+
+/// multiprocessing.connection's framing on a stream socket: the handshake of auth.h.
+class FdChannel final : public detail::AuthChannel {
+ public:
+  explicit FdChannel(int fd) : fd_(fd) {}
+  void send(std::string_view bytes, AuthDeadline deadline) override {
+    send_frame(fd_, bytes, deadline);
+  }
+  std::string recv(size_t max_bytes, AuthDeadline deadline) override {
+    return recv_frame(fd_, max_bytes, deadline);
+  }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
+namespace detail {
+
+void deliver_challenge(AuthChannel& channel, const AuthKey& key, AuthDeadline deadline,
+                       AuthOptions options) {
   const AuthKey random = random_authkey(kMessageLength);
   std::string message = "{sha256}";
   message.append(reinterpret_cast<const char*>(random.data()), random.size());
-  send_frame(fd, std::string(kChallenge) + message, deadline);
-  const std::string response = recv_frame(fd, kMaxHandshakeFrame, deadline);
+  channel.send(std::string(kChallenge) + message, deadline);
+  const std::string response = channel.recv(kMaxHandshakeFrame, deadline);
   try {
     verify_response(key, message, response, options);
   } catch (const AuthenticationError&) {
     try {
-      send_frame(fd, kFailure, deadline);
+      channel.send(kFailure, deadline);
     } catch (const Error&) {  // the peer may be gone already: the refusal stands
     }
     throw;
   }
-  send_frame(fd, kWelcome, deadline);
+  channel.send(kWelcome, deadline);
 }
 
-void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
-  const std::string msg = recv_frame(fd, kMaxHandshakeFrame, deadline);
+void answer_challenge(AuthChannel& channel, const AuthKey& key, AuthDeadline deadline,
+                      AuthOptions options) {
+  const std::string msg = channel.recv(kMaxHandshakeFrame, deadline);
   if (msg.compare(0, kChallenge.size(), kChallenge) != 0) {
     throw AuthenticationError("authentication: protocol error, expected a challenge");
   }
@@ -235,22 +259,46 @@ void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline, AuthOpt
         "authentication: legacy HMAC-MD5 challenge from a Python <= 3.11 peer: set "
         "allow_legacy_md5 to answer it");
   }
-  send_frame(fd, create_response(key, message), deadline);
-  const std::string reply = recv_frame(fd, kMaxHandshakeFrame, deadline);
+  channel.send(create_response(key, message), deadline);
+  const std::string reply = channel.recv(kMaxHandshakeFrame, deadline);
   if (reply != kWelcome) {
     throw AuthenticationError(
         "authentication: the peer rejected our key (digest sent was rejected)");
   }
 }
 
+void auth_accept(AuthChannel& channel, const AuthKey& key, AuthDeadline deadline,
+                 AuthOptions options) {
+  deliver_challenge(channel, key, deadline, options);
+  answer_challenge(channel, key, deadline, options);
+}
+
+void auth_connect(AuthChannel& channel, const AuthKey& key, AuthDeadline deadline,
+                  AuthOptions options) {
+  answer_challenge(channel, key, deadline, options);
+  deliver_challenge(channel, key, deadline, options);
+}
+
+}  // namespace detail
+
+void deliver_challenge(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
+  FdChannel channel(fd);
+  detail::deliver_challenge(channel, key, deadline, options);
+}
+
+void answer_challenge(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
+  FdChannel channel(fd);
+  detail::answer_challenge(channel, key, deadline, options);
+}
+
 void auth_accept(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
-  deliver_challenge(fd, key, deadline, options);
-  answer_challenge(fd, key, deadline, options);
+  FdChannel channel(fd);
+  detail::auth_accept(channel, key, deadline, options);
 }
 
 void auth_connect(int fd, const AuthKey& key, AuthDeadline deadline, AuthOptions options) {
-  answer_challenge(fd, key, deadline, options);
-  deliver_challenge(fd, key, deadline, options);
+  FdChannel channel(fd);
+  detail::auth_connect(channel, key, deadline, options);
 }
 
 AuthKey random_authkey(size_t n) {

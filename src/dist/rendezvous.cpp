@@ -3,7 +3,6 @@
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <netdb.h>
-#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -18,6 +17,7 @@
 #include <sstream>
 
 #include "core/liveness.h"
+#include "core/signals.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 
@@ -112,13 +112,8 @@ std::string host_key() {
 }
 
 Rendezvous::Rendezvous(WorldOptions options) : opts(std::move(options)) {
-  // Gloo and the store write to sockets without MSG_NOSIGNAL: a peer that died would kill
-  // this process with SIGPIPE instead of failing the operation. Python ignores SIGPIPE;
-  // do the same unless the program chose a disposition of its own.
-  struct sigaction old {};
-  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
-    ::signal(SIGPIPE, SIG_IGN);
-  }
+  // Gloo and the store write to sockets without MSG_NOSIGNAL.
+  detail::ignore_sigpipe_if_default();
   resolve();
   connect();
   try {

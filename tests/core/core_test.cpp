@@ -1,5 +1,6 @@
 // The core primitives on their own: deadlines and futex wait/wake, the robust
-// process-shared mutex (timed lock, owner-death recovery), pid_alive, cpu_relax.
+// process-shared mutex (timed lock, owner-death recovery), pid_alive, cpu_relax, and the
+// SIGPIPE disposition the library sets.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -12,6 +13,7 @@
 #include "core/futex.h"
 #include "core/liveness.h"
 #include "core/robust_mutex.h"
+#include "core/signals.h"
 #include "support/child.h"
 
 namespace tp = torchpar;
@@ -141,4 +143,26 @@ TEST(PidAlive, RunningStoppedExitedAndZombie) {
 TEST(CpuRelax, IsAHint) {
   for (int i = 0; i < 1000; ++i) cpu_relax();
   SUCCEED();
+}
+
+TEST(Signals, SigpipeIsIgnoredOnlyWhenAtItsDefault) {
+  // In children: the disposition is process-wide.
+  auto at_default = tp::testing::fork_child([](int) {
+    ::signal(SIGPIPE, SIG_DFL);
+    ignore_sigpipe_if_default();
+    struct sigaction now {};
+    ::sigaction(SIGPIPE, nullptr, &now);
+    return now.sa_handler == SIG_IGN ? 0 : 1;
+  });
+  EXPECT_EQ(tp::testing::wait_child(at_default, 30s), 0);
+  auto chosen = tp::testing::fork_child([](int) {
+    struct sigaction mine {};
+    mine.sa_handler = [](int) {};
+    ::sigaction(SIGPIPE, &mine, nullptr);
+    ignore_sigpipe_if_default();
+    struct sigaction now {};
+    ::sigaction(SIGPIPE, nullptr, &now);
+    return now.sa_handler == mine.sa_handler ? 0 : 1;
+  });
+  EXPECT_EQ(tp::testing::wait_child(chosen, 30s), 0);
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # make check-sanitizers: builds torchpar twice more, each in its own tree, and runs
 #   build-asan (-DTORCHPAR_SANITIZE=address,undefined): the `fast` set,
-#   build-tsan (-DTORCHPAR_SANITIZE=thread):            the core, ipc, pool and shm-backend
-#                                                       suites (see the filters below),
+#   build-tsan (-DTORCHPAR_SANITIZE=thread):            the core, ipc, pool, shm-backend and
+#                                                       rpc-transport suites (see the filters
+#                                                       below),
 # both without the tests labelled `notsan` (scripts and installed-program checks that run
 # uninstrumented programs or time out under the sanitizers' slow-down).
 # Any report fails the run: halt_on_error=1, and every suppression lives in
@@ -36,7 +37,7 @@ fi
 if [[ $which == all || $which == tsan ]]; then
   build build-tsan thread core_test thread_pool_test parallel_test sync_test shm_queue_test \
         shm_backend_test ipc_test pool_test listener_test manager_test collective_test \
-        rendezvous_test
+        rendezvous_test rpc_transport_test
   # LibTorch's OpenMP threads are not instrumented, so TSan cannot see their
   # synchronisation: run at:: kernels on the calling thread (OMP_NUM_THREADS=1).
   # die_after_fork=0: pool workers and forked ranks start threads after fork(); the child
@@ -49,7 +50,7 @@ if [[ $which == all || $which == tsan ]]; then
   #   TSan keeps the parent's thread registry across fork); spawn and forkserver run.
   # - ipc_test without HundredProducerProcesses: 100 forked TSan processes exhaust the
   #   machine and the producers stall in TSan's post-fork runtime.
-  # - collective_test and rendezvous_test start their ranks with spawn
+  # - collective_test, rendezvous_test and rpc_transport_test start their ranks with spawn
   #   (TORCHPAR_TEST_RANKS_START_METHOD, tests/support/ranks.h): a rank forked from the
   #   threaded test process inherits TSan's thread registry and the state of mutexes other
   #   threads held, so TSan reports its own bookkeeping there; a spawned rank is a fresh,
@@ -71,5 +72,6 @@ if [[ $which == all || $which == tsan ]]; then
   run manager_test
   TORCHPAR_TEST_RANKS_START_METHOD=spawn run collective_test
   TORCHPAR_TEST_RANKS_START_METHOD=spawn run rendezvous_test
+  TORCHPAR_TEST_RANKS_START_METHOD=spawn run rpc_transport_test
   exit $failed
 fi

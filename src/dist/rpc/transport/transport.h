@@ -95,7 +95,12 @@ class Transport {
 
 /// A TensorPipe transport (uv = TCP, plus shm when options.shm; channels cma and basic)
 /// listening on options.bind_host, port chosen by the kernel.
-/// Errors: ValueError for an empty key or name; SystemError when it cannot listen.
+/// Errors: ValueError for an empty key or name (or one over 256 bytes); SystemError when it
+/// cannot listen.
+/// Process: sets SIGPIPE to "ignore" when it is at its default (libuv writes without
+/// MSG_NOSIGNAL), as World does. TensorPipe aborts the process on garbage sent to its TCP
+/// port before any handshake can run: keep bind_host on loopback or a trusted network
+/// (docs/wire_format.md, "RPC transport").
 std::unique_ptr<Transport> create_tensorpipe_transport(TransportOptions options,
                                                        TransportHandlers handlers);
 

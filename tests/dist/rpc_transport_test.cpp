@@ -1,0 +1,605 @@
+// The RPC transport over TensorPipe (src/dist/rpc/transport/): messages with header, body and
+// storages between two transports in one process (shm and TCP only) and between processes; a
+// reply over the accepted connection; order under many senders; the handshake refusing another
+// key; a SIGKILLed peer reported lost; stray and stalled connections that must not stop the
+// listener or delay a good peer; layout and size violations closing the connection; close()
+// with messages in flight. And one known limitation of TensorPipe, pinned: garbage of eight
+// bytes or more on its TCP port aborts the process (docs/wire_format.md, "RPC transport").
+#include "dist/rpc/transport/transport.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "dist/rpc/transport/tensorpipe/testing.h"
+#include "support/ranks.h"
+#include "support/raw_socket.h"
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+namespace rpc = torchpar::rpc;
+using namespace std::chrono_literals;
+using Seconds = std::chrono::duration<double>;
+
+namespace {
+
+const tp::AuthKey kKey = {'r', 'p', 'c', '-', 'k', 'e', 'y', '-', '0', '1'};
+const tp::AuthKey kOtherKey = {'o', 't', 'h', 'e', 'r', '-', 'k', 'e', 'y'};
+
+std::chrono::steady_clock::time_point in(Seconds d) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(d);
+}
+
+/// What a transport's handlers received, with waits that time out.
+class Inbox {
+ public:
+  rpc::TransportHandlers handlers() {
+    return {.on_message =
+                [this](const std::string& peer, rpc::Message msg) {
+                  std::lock_guard<std::mutex> lock(mu_);
+                  if (sealed_) late_ = true;
+                  messages_.emplace_back(peer, std::move(msg));
+                  cv_.notify_all();
+                },
+            .on_peer_lost =
+                [this](const std::string& peer, const std::string& why) {
+                  std::lock_guard<std::mutex> lock(mu_);
+                  if (sealed_) late_ = true;
+                  lost_.emplace_back(peer, why);
+                  cv_.notify_all();
+                }};
+  }
+
+  /// The next message, or nullopt after `timeout`.
+  std::optional<std::pair<std::string, rpc::Message>> next(Seconds timeout = 30s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [&] { return !messages_.empty(); })) return std::nullopt;
+    auto m = std::move(messages_.front());
+    messages_.pop_front();
+    return m;
+  }
+
+  /// Waits until `n` losses were reported; returns them (fewer after `timeout`).
+  std::vector<std::pair<std::string, std::string>> lost(size_t n, Seconds timeout = 30s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, timeout, [&] { return lost_.size() >= n; });
+    return lost_;
+  }
+
+  size_t message_count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return messages_.size();
+  }
+
+  /// From now on any handler call is a failure (after close() returned).
+  void seal() {
+    std::lock_guard<std::mutex> lock(mu_);
+    sealed_ = true;
+  }
+  bool late() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return late_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::string, rpc::Message>> messages_;
+  std::vector<std::pair<std::string, std::string>> lost_;
+  bool sealed_ = false;
+  bool late_ = false;
+};
+
+rpc::TransportOptions options(const std::string& name, bool shm = true,
+                              const tp::AuthKey& key = kKey) {
+  return rpc::TransportOptions{.name = name, .authkey = key, .shm = shm};
+}
+
+/// `n` bytes, byte i = (i * 31 + seed) mod 256.
+c10::Storage patterned(size_t n, uint8_t seed) {
+  c10::Storage s(c10::Storage::use_byte_size_t(), n, c10::GetCPUAllocator(), false);
+  auto* p = static_cast<uint8_t*>(s.data());
+  for (size_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(i * 31 + seed);
+  return s;
+}
+
+/// Whether `s` holds patterned(n, seed); the first differing byte otherwise.
+::testing::AssertionResult is_patterned(const c10::Storage& s, size_t n, uint8_t seed) {
+  if (s.nbytes() != n) {
+    return ::testing::AssertionFailure() << "length " << s.nbytes() << ", expected " << n;
+  }
+  if (n > 0 && s.device().type() != c10::DeviceType::CPU) {
+    return ::testing::AssertionFailure() << "not a CPU storage";
+  }
+  const auto* p = static_cast<const uint8_t*>(s.data());
+  for (size_t i = 0; i < n; ++i) {
+    if (p[i] != static_cast<uint8_t>(i * 31 + seed)) {
+      return ::testing::AssertionFailure() << "byte " << i << " differs";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+rpc::Message message(std::string header, std::string body, std::vector<c10::Storage> s = {}) {
+  return rpc::Message{
+      .header = std::move(header), .body = std::move(body), .storages = std::move(s)};
+}
+
+// ---- one process ------------------------------------------------------------------------------
+
+class RpcTransport : public ::testing::TestWithParam<bool> {
+ protected:
+  bool shm() const { return GetParam(); }
+};
+
+TEST_P(RpcTransport, ExchangesHeaderBodyAndStorages) {
+  Inbox a_in, b_in;
+  auto a = rpc::create_tensorpipe_transport(options("a", shm()), a_in.handlers());
+  auto b = rpc::create_tensorpipe_transport(options("b", shm()), b_in.handlers());
+  EXPECT_EQ(b->address().rfind("tcp://127.0.0.1:", 0), 0u) << b->address();
+
+  constexpr size_t kBig = size_t{64} << 20;
+  a->send("b", b->address(),
+          message("header-1", std::string(100000, 'x'),
+                  {patterned(kBig, 7), patterned(0, 0), patterned(3, 9)}),
+          in(30s));
+  auto got = b_in.next();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->first, "a");
+  EXPECT_EQ(got->second.header, "header-1");
+  EXPECT_EQ(got->second.body, std::string(100000, 'x'));
+  ASSERT_EQ(got->second.storages.size(), 3u);
+  EXPECT_TRUE(is_patterned(got->second.storages[0], kBig, 7));
+  EXPECT_TRUE(is_patterned(got->second.storages[1], 0, 0));
+  EXPECT_TRUE(is_patterned(got->second.storages[2], 3, 9));
+
+  // No storages, empty header and body.
+  a->send("b", b->address(), message("", ""), in(30s));
+  got = b_in.next();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->second.header, "");
+  EXPECT_EQ(got->second.body, "");
+  EXPECT_TRUE(got->second.storages.empty());
+
+  a->close();
+  b->close();
+  EXPECT_TRUE(a_in.lost(0).empty());
+}
+
+TEST_P(RpcTransport, ReplyTravelsOverTheAcceptedConnection) {
+  Inbox a_in, b_in;
+  auto a = rpc::create_tensorpipe_transport(options("a", shm()), a_in.handlers());
+  auto b = rpc::create_tensorpipe_transport(options("b", shm()), b_in.handlers());
+  a->send("b", b->address(), message("ping", "1"), in(30s));
+  ASSERT_TRUE(b_in.next());
+  // Nobody listens on port 1: only the connection a opened can carry this.
+  b->send("a", "tcp://127.0.0.1:1", message("pong", "2", {patterned(4096, 3)}), in(30s));
+  auto got = a_in.next();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->first, "b");
+  EXPECT_EQ(got->second.header, "pong");
+  ASSERT_EQ(got->second.storages.size(), 1u);
+  EXPECT_TRUE(is_patterned(got->second.storages[0], 4096, 3));
+}
+
+TEST_P(RpcTransport, ManySendersKeepEachSendersOrder) {
+  Inbox a_in, b_in;
+  auto a = rpc::create_tensorpipe_transport(options("a", shm()), a_in.handlers());
+  auto b = rpc::create_tensorpipe_transport(options("b", shm()), b_in.handlers());
+  // 4 threads x 16 messages with a 256 KiB storage each, all in flight at once; the first
+  // sends race to connect (one pipe results, see FirstSendsShareOneConnection).
+  constexpr int kThreads = 4, kEach = 16;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kEach; ++i) {
+        try {
+          a->send("b", b->address(),
+                  message(fmt::format("{} {}", t, i), "", {patterned(256 << 10, uint8_t(t + i))}),
+                  in(30s));
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << e.what();
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  ASSERT_EQ(failures.load(), 0);
+  std::vector<int> next(kThreads, 0);
+  for (int k = 0; k < kThreads * kEach; ++k) {
+    auto got = b_in.next();
+    ASSERT_TRUE(got) << "message " << k << " missing";
+    int t = -1, i = -1;
+    ASSERT_EQ(std::sscanf(got->second.header.c_str(), "%d %d", &t, &i), 2);
+    ASSERT_TRUE(t >= 0 && t < kThreads);
+    EXPECT_EQ(i, next[t]++) << "thread " << t << "'s messages out of order";
+    EXPECT_TRUE(is_patterned(got->second.storages.at(0), 256 << 10, uint8_t(t + i)));
+  }
+  // Thousands of tiny ones, in order.
+  constexpr int kTiny = 5000;
+  for (int i = 0; i < kTiny; ++i)
+    a->send("b", b->address(), message(std::to_string(i), "t"), in(30s));
+  for (int i = 0; i < kTiny; ++i) {
+    auto got = b_in.next();
+    ASSERT_TRUE(got) << "tiny message " << i << " missing";
+    ASSERT_EQ(got->second.header, std::to_string(i));
+  }
+}
+
+TEST_P(RpcTransport, FirstSendsShareOneConnection) {
+  Inbox a_in, b_in;
+  auto a = rpc::create_tensorpipe_transport(options("a", shm()), a_in.handlers());
+  auto b = rpc::create_tensorpipe_transport(options("b", shm()), b_in.handlers());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] { a->send("b", b->address(), message("hi", ""), in(30s)); });
+  }
+  for (auto& th : threads) th.join();
+  for (int k = 0; k < 8; ++k) ASSERT_TRUE(b_in.next());
+  // b loses each connection a had open once: exactly one.
+  a->close();
+  EXPECT_EQ(b_in.lost(1).size(), 1u);
+  EXPECT_EQ(b_in.lost(2, 1s).size(), 1u);
+}
+
+TEST_P(RpcTransport, LostPeerIsReportedAndALaterSendReconnects) {
+  Inbox a_in;
+  auto a = rpc::create_tensorpipe_transport(options("a", shm()), a_in.handlers());
+  {
+    Inbox b_in;
+    auto b = rpc::create_tensorpipe_transport(options("b", shm()), b_in.handlers());
+    a->send("b", b->address(), message("1", ""), in(30s));
+    ASSERT_TRUE(b_in.next());
+    b->close();
+  }
+  const auto lost = a_in.lost(1, 10s);
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].first, "b");
+  EXPECT_FALSE(lost[0].second.empty());
+  Inbox b2_in;
+  auto b2 = rpc::create_tensorpipe_transport(options("b", shm()), b2_in.handlers());
+  a->send("b", b2->address(), message("2", ""), in(30s));
+  auto got = b2_in.next();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->second.header, "2");
+}
+
+TEST_P(RpcTransport, LimitsCloseTheConnectionBeforeAnythingIsAllocated) {
+  Inbox a_in, b_in;
+  auto a = rpc::create_tensorpipe_transport(options("a", shm()), a_in.handlers());
+  auto strict = options("b", shm());
+  strict.max_header_bytes = 16;
+  strict.max_storages = 2;
+  strict.max_message_bytes = 1 << 20;
+  auto b = rpc::create_tensorpipe_transport(strict, b_in.handlers());
+  const std::vector<std::pair<rpc::Message, std::string>> cases = {
+      {message(std::string(17, 'h'), ""), "header of 17 bytes"},
+      {message("h", "", {patterned(1, 0), patterned(1, 0), patterned(1, 0)}), "3 storages"},
+      {message("h", std::string(1 << 19, 'b'), {patterned(1 << 19, 0)}), "max_message_bytes"},
+  };
+  size_t n = 0;
+  for (const auto& [msg, why] : cases) {
+    a->send("b", b->address(), msg, in(30s));  // (a new connection each time: the last is lost)
+    ++n;
+    const auto lost = b_in.lost(n, 10s);
+    ASSERT_EQ(lost.size(), n) << why;
+    EXPECT_EQ(lost.back().first, "a");
+    EXPECT_NE(lost.back().second.find("protocol error"), std::string::npos) << lost.back().second;
+    EXPECT_NE(lost.back().second.find(why), std::string::npos) << lost.back().second;
+    ASSERT_EQ(a_in.lost(n, 10s).size(), n) << "a sees its connection end";
+  }
+  // At the limits exactly: accepted.
+  a->send("b", b->address(),
+          message(std::string(16, 'h'), std::string((1 << 19) - 16, 'b'), {patterned(1 << 19, 1)}),
+          in(30s));
+  auto got = b_in.next();
+  ASSERT_TRUE(got);
+  EXPECT_TRUE(is_patterned(got->second.storages.at(0), 1 << 19, 1));
+  EXPECT_EQ(b_in.message_count(), 0u);
+}
+
+TEST_P(RpcTransport, CloseWithMessagesInFlight) {
+  Inbox a_in, b_in;
+  auto a = rpc::create_tensorpipe_transport(options("a", shm()), a_in.handlers());
+  auto b = rpc::create_tensorpipe_transport(options("b", shm()), b_in.handlers());
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> senders;
+  for (int t = 0; t < 2; ++t) {
+    senders.emplace_back([&] {
+      while (!stop) {
+        try {
+          a->send("b", b->address(), message("x", "", {patterned(1 << 20, 0)}), in(10s));
+        } catch (const tp::ClosedError&) {
+          return;  // a or b closed: expected
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << e.what();
+          return;
+        }
+      }
+    });
+  }
+  ASSERT_TRUE(b_in.next());
+  const auto t0 = std::chrono::steady_clock::now();
+  b->close();
+  b_in.seal();
+  a->close();
+  a_in.seal();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  stop = true;
+  for (auto& th : senders) th.join();
+  EXPECT_THROW(a->send("b", b->address(), message("late", ""), in(5s)), tp::ClosedError);
+  EXPECT_THROW(b->send("a", a->address(), message("late", ""), in(5s)), tp::ClosedError);
+  a->close();  // idempotent
+  std::this_thread::sleep_for(200ms);
+  EXPECT_FALSE(a_in.late()) << "a handler ran after close returned";
+  EXPECT_FALSE(b_in.late()) << "a handler ran after close returned";
+}
+
+std::string transport_name(const ::testing::TestParamInfo<bool>& shm) {
+  return shm.param ? "Shm" : "TcpOnly";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, RpcTransport, ::testing::Values(true, false), transport_name);
+
+TEST(RpcTransportErrors, BadArgumentsAreValueErrors) {
+  Inbox in_;
+  EXPECT_THROW(rpc::create_tensorpipe_transport(options("a", true, {}), in_.handlers()),
+               tp::ValueError);
+  EXPECT_THROW(rpc::create_tensorpipe_transport(options(""), in_.handlers()), tp::ValueError);
+  EXPECT_THROW(rpc::create_tensorpipe_transport(options(std::string(257, 'n')), in_.handlers()),
+               tp::ValueError);
+  auto a = rpc::create_tensorpipe_transport(options("a"), in_.handlers());
+  const auto meta = at::empty({4}, at::TensorOptions().device(at::kMeta)).storage();
+  EXPECT_THROW(a->send("b", "tcp://127.0.0.1:1", message("h", "", {meta}), in(5s)), tp::ValueError);
+  EXPECT_THROW(a->send("b", "tcp://127.0.0.1:1", message("h", "", {c10::Storage()}), in(5s)),
+               tp::ValueError);
+  for (const char* bad : {"127.0.0.1:5000", "tcp://localhost:5000", "tcp://127.0.0.1", "tcp://"}) {
+    EXPECT_THROW(a->send("b", bad, message("h", ""), in(5s)), tp::ValueError) << bad;
+  }
+  // Nobody listens: the peer is gone before anything is queued.
+  EXPECT_THROW(a->send("b", "tcp://127.0.0.1:1", message("h", ""), in(10s)), tp::ClosedError);
+}
+
+TEST(RpcTransportAuth, AnotherKeyIsRefusedAndNothingIsDelivered) {
+  Inbox a_in, b_in, c_in;
+  auto a = rpc::create_tensorpipe_transport(options("a", true, kOtherKey), a_in.handlers());
+  auto b = rpc::create_tensorpipe_transport(options("b"), b_in.handlers());
+  EXPECT_THROW(a->send("b", b->address(), message("intruder", "x"), in(10s)),
+               tp::AuthenticationError);
+  EXPECT_THROW(a->send("b", b->address(), message("intruder", "x"), in(10s)),
+               tp::AuthenticationError);
+  // A member with the key still gets through.
+  auto c = rpc::create_tensorpipe_transport(options("c"), c_in.handlers());
+  c->send("b", b->address(), message("member", "y"), in(10s));
+  auto got = b_in.next(10s);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->first, "c");
+  EXPECT_EQ(got->second.header, "member");
+  EXPECT_FALSE(b_in.next(500ms)) << "the intruder's message was delivered";
+  EXPECT_TRUE(b_in.lost(1, 100ms).empty()) << "an unauthenticated connection was reported";
+}
+
+TEST(RpcTransportAuth, LayoutViolationsAfterTheHandshakeCloseTheConnection) {
+  Inbox b_in;
+  auto b = rpc::create_tensorpipe_transport(options("b"), b_in.handlers());
+  const std::vector<std::pair<rpc::testing::RawMessage, std::string>> cases = {
+      {{.payloads = 3}, "3 payloads"},
+      {{.payloads = 1}, "1 payloads"},
+      {{.tagged = false}, "not an RPC message"},
+  };
+  size_t n = 0;
+  for (const auto& [shape, why] : cases) {
+    rpc::testing::RawPeer raw;
+    raw.send_raw(b->address(), kKey, "raw", shape, 10s);
+    ++n;
+    const auto lost = b_in.lost(n, 10s);
+    ASSERT_EQ(lost.size(), n) << why;
+    EXPECT_EQ(lost.back().first, "raw");
+    EXPECT_NE(lost.back().second.find("protocol error"), std::string::npos) << lost.back().second;
+    EXPECT_NE(lost.back().second.find(why), std::string::npos) << lost.back().second;
+    EXPECT_TRUE(raw.closed_by_peer(10s));
+  }
+  EXPECT_EQ(b_in.message_count(), 0u);
+}
+
+// ---- stray and stalled connections ------------------------------------------------------------
+
+/// Sends one message from a new member to `to` (new transports each try, up to `within`):
+/// how many tries it took, 0 if none got through.
+int deliver_from_new_member(const std::string& to, Inbox& to_in, Seconds within = 10s) {
+  const auto give_up = in(within);
+  for (int attempt = 1; std::chrono::steady_clock::now() < give_up; ++attempt) {
+    Inbox in_;
+    auto good = rpc::create_tensorpipe_transport(options("good"), in_.handlers());
+    try {
+      good->send("b", to, message("good", ""), in(2s));
+    } catch (const tp::Error&) {
+      std::this_thread::sleep_for(50ms);
+      continue;
+    }
+    auto got = to_in.next(5s);
+    if (got && got->second.header == "good") return attempt;
+  }
+  return 0;
+}
+
+TEST(RpcTransportStray, StrayConnectionsDoNotStopTheListener) {
+  Inbox b_in;
+  auto b = rpc::create_tensorpipe_transport(options("b"), b_in.handlers());
+  const std::string address = b->address();
+  // TensorPipe's listener fails for good on any connection that ends during its own setup;
+  // the transport listens again on the same port.
+  for (const std::string& stray : {std::string(), std::string("abc")}) {
+    {
+      auto fd = tp::testing::raw_connect(address);
+      if (!stray.empty()) tp::testing::send_raw(fd.get(), stray);
+    }  // closed
+    EXPECT_GT(deliver_from_new_member(address, b_in), 0) << "after a stray \"" << stray << "\"";
+    EXPECT_EQ(b->address(), address);
+  }
+  // A connection that stays open and silent blocks nobody either.
+  auto held = tp::testing::raw_connect(address);
+  EXPECT_EQ(deliver_from_new_member(address, b_in), 1);
+  held.reset();
+  EXPECT_GT(deliver_from_new_member(address, b_in), 0);
+}
+
+TEST(RpcTransportStray, StalledHandshakeDelaysNoOtherPeer) {
+  Inbox a_in, b_in;
+  auto slow = options("b");
+  slow.handshake_timeout = 3s;
+  auto b = rpc::create_tensorpipe_transport(slow, b_in.handlers());
+  rpc::testing::RawPeer raw;
+  raw.connect_silent(b->address());  // accepted, then silent in the handshake
+  std::this_thread::sleep_for(200ms);
+  auto a = rpc::create_tensorpipe_transport(options("a"), a_in.handlers());
+  const auto t0 = std::chrono::steady_clock::now();
+  a->send("b", b->address(), message("not delayed", ""), in(10s));
+  auto got = b_in.next(10s);
+  ASSERT_TRUE(got);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  // After its deadline the stalled one is dropped (logged), and b goes on.
+  std::this_thread::sleep_for(3500ms);
+  a->send("b", b->address(), message("still there", ""), in(10s));
+  ASSERT_TRUE(b_in.next(10s));
+  EXPECT_TRUE(b_in.lost(1, 100ms).empty());
+}
+
+// ---- processes ------------------------------------------------------------------------------
+
+/// A child member: sends "hello" with storages to `parent`, expects "reply", closes.
+void echo_child(std::string parent_address, bool shm) {
+  Inbox in_;
+  auto t = rpc::create_tensorpipe_transport(options("child", shm), in_.handlers());
+  t->send("parent", parent_address,
+          message("hello", "from child", {patterned(8 << 20, 5), patterned(0, 0)}), in(30s));
+  auto got = in_.next(30s);
+  TORCHPAR_RCHECK(got.has_value(), "no reply");
+  TORCHPAR_RCHECK(got->first == "parent" && got->second.header == "reply", "wrong reply {}",
+                  got->second.header);
+  TORCHPAR_RCHECK(
+      got->second.storages.size() == 1 && is_patterned(got->second.storages[0], 1 << 20, 6),
+      "reply storage differs");
+  t->close();
+}
+
+/// A child member that says hello, then waits to be killed.
+void hello_then_hang(std::string parent_address) {
+  Inbox in_;
+  auto t = rpc::create_tensorpipe_transport(options("doomed"), in_.handlers());
+  t->send("parent", parent_address, message("hello", ""), in(30s));
+  std::this_thread::sleep_for(60s);
+}
+
+tp::ProcessOptions child_options() {
+  tp::ProcessOptions po;
+  po.start_method = tp::testing::ranks_start_method();
+  return po;
+}
+
+TEST_P(RpcTransport, TwoProcessesExchange) {
+  Inbox in_;
+  auto parent = rpc::create_tensorpipe_transport(options("parent", shm()), in_.handlers());
+  tp::Process child(child_options(), echo_child, parent->address(), shm());
+  child.start();
+  auto got = in_.next(60s);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->first, "child");
+  EXPECT_EQ(got->second.header, "hello");
+  EXPECT_EQ(got->second.body, "from child");
+  ASSERT_EQ(got->second.storages.size(), 2u);
+  EXPECT_TRUE(is_patterned(got->second.storages[0], 8 << 20, 5));
+  EXPECT_TRUE(is_patterned(got->second.storages[1], 0, 0));
+  parent->send("child", "tcp://127.0.0.1:1", message("reply", "", {patterned(1 << 20, 6)}),
+               in(30s));
+  ASSERT_TRUE(child.join(60s));
+  EXPECT_EQ(child.exitcode(), 0) << (child.error() ? child.error()->second : "");
+  const auto lost = in_.lost(1, 10s);  // the child closed
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].first, "child");
+}
+
+TEST(RpcTransportProcess, KilledPeerIsReportedLost) {
+  Inbox in_;
+  auto parent = rpc::create_tensorpipe_transport(options("parent"), in_.handlers());
+  tp::Process child(child_options(), hello_then_hang, parent->address());
+  child.start();
+  ASSERT_TRUE(in_.next(60s));
+  const auto t0 = std::chrono::steady_clock::now();
+  child.kill();
+  const auto lost = in_.lost(1, 5s);
+  ASSERT_EQ(lost.size(), 1u) << "no on_peer_lost within 5 s of SIGKILL";
+  EXPECT_EQ(lost[0].first, "doomed");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_TRUE(child.join(30s));
+  EXPECT_EQ(child.exitcode(), -SIGKILL);
+  // Sending to it now fails at once instead of hanging.
+  EXPECT_THROW(parent->send("doomed", "tcp://127.0.0.1:1", message("x", ""), in(10s)),
+               tp::ClosedError);
+}
+
+/// A transport in a child process that publishes its address and waits.
+void garbage_target(tp::Connection conn) {
+  const rlimit no_core{0, 0};
+  ::setrlimit(RLIMIT_CORE, &no_core);
+  Inbox in_;
+  auto t = rpc::create_tensorpipe_transport(options("target"), in_.handlers());
+  conn.send(t->address());
+  std::this_thread::sleep_for(20s);
+}
+
+// TensorPipe reads a 64-bit length first on every new TCP connection and allocates that many
+// bytes, then decodes its setup message, throwing on the loop thread when either fails: eight
+// bytes or more of garbage abort the process before any handshake can refuse them. This pins
+// the limitation (docs/wire_format.md); if it starts failing, TensorPipe survives garbage now.
+TEST(RpcTransportKnownLimitation, GarbageOnTheTcpPortAbortsTheProcess) {
+  auto [mine, theirs] = tp::Pipe();
+  tp::Process child(child_options(), garbage_target, theirs);
+  child.start();
+  const auto address = mine.recv<std::string>(60s);
+  {
+    auto fd = tp::testing::raw_connect(address);
+    tp::testing::send_raw(fd.get(), "GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    ASSERT_TRUE(child.join(15s)) << "the transport survived garbage: update this test and docs";
+  }
+  // SIGABRT (std::terminate); under ASan or TSan their allocator ends it at the allocation.
+  EXPECT_NE(child.exitcode(), 0);
+}
+
+// ---- slow: over 2 GiB (rpc_transport_slow_test runs these) -------------------------------------
+
+TEST_P(RpcTransport, DISABLED_MessageOver2GiB) {
+  Inbox a_in, b_in;
+  auto a = rpc::create_tensorpipe_transport(options("a", shm()), a_in.handlers());
+  auto b = rpc::create_tensorpipe_transport(options("b", shm()), b_in.handlers());
+  const size_t big = (size_t{9} << 28);  // 2.25 GiB
+  a->send("b", b->address(), message("big", std::string(size_t{1} << 20, 'b'), {patterned(big, 4)}),
+          in(120s));
+  auto got = b_in.next(300s);
+  ASSERT_TRUE(got);
+  EXPECT_TRUE(is_patterned(got->second.storages.at(0), big, 4));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tp::init(argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
