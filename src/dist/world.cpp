@@ -266,10 +266,8 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(options.timeout);
   std::vector<std::string> keys;
   for (const auto& m : members) keys.push_back(join(m));
-  const int missing = agent->with_store([&](c10d::Store& s) {
-    s.set(join(me), std::vector<uint8_t>{1});
-    return detail::store_wait_keys(s, keys, deadline);
-  });
+  agent->with_store([&](c10d::Store& s) { s.set(join(me), std::vector<uint8_t>{1}); });
+  const int missing = agent->poll_keys(keys, deadline);
   if (missing != -1) {
     agent->close_group(group_name);
     throw TimeoutError(fmt::format("World::create_rpc_group('{}'): member '{}' did not join within {} s",

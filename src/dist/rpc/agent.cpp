@@ -233,19 +233,26 @@ std::string RpcAgent::address_of(const std::string& member) {
   }
   const std::string key = "torchpar/rpc/addr/" + member;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(opts_.store_timeout);
-  std::vector<uint8_t> v;
-  with_store([&](c10d::Store& s) {
-    if (store_wait_keys(s, {key}, deadline) != -1) {
-      throw TimeoutError(fmt::format(
-          "rpc: member '{}' published no address within {} s (did it create an RpcGroup?)", member,
-          opts_.store_timeout.count()));
-    }
-    v = s.get(key);
-  });
+  if (poll_keys({key}, deadline) != -1) {
+    throw TimeoutError(fmt::format(
+        "rpc: member '{}' published no address within {} s (did it create an RpcGroup?)", member,
+        opts_.store_timeout.count()));
+  }
+  const std::vector<uint8_t> v = opts_.store->get(key);
   std::string addr(v.begin(), v.end());
   std::lock_guard<std::mutex> g(mu_);
   addresses_[member] = addr;
   return addr;
+}
+
+int RpcAgent::poll_keys(const std::vector<std::string>& keys, Clock::time_point deadline) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    while (!opts_.store->check({keys[i]})) {
+      if (Clock::now() > deadline) return static_cast<int>(i);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  return -1;
 }
 
 void RpcAgent::send(const std::string& to, const Header& h, RpcValue body,

@@ -68,12 +68,17 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent> {
   /// ValueError when `member` is not a World member.
   bool same_host(const std::string& member) const;
 
-  /// The World's store, serialized (one call at a time).
+  /// Runs fn(store) on the World's store. The store's client is thread-safe but runs one
+  /// request at a time, so nothing here may wait inside the store (c10d's wait): waits
+  /// poll with short requests (poll_keys, store_barrier), leaving the store to the other
+  /// threads of this process (a reply's address lookup, another group's registration).
   template <class Fn>
   auto with_store(Fn fn) {
-    std::lock_guard<std::mutex> g(store_mu_);
     return fn(*opts_.store);
   }
+  /// Waits until every key is set, polling; -1, or the index of the first key missing at
+  /// `deadline`.
+  int poll_keys(const std::vector<std::string>& keys, std::chrono::steady_clock::time_point deadline);
   std::chrono::duration<double> store_timeout() const { return opts_.store_timeout; }
 
   void open_group(const std::string& group);
@@ -138,7 +143,6 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent> {
   std::unique_ptr<ThreadPoolCore> pool_;
   std::string address_;
 
-  mutable std::mutex store_mu_;
   mutable std::mutex mu_;
   std::condition_variable timer_cv_;
   bool closed_ = false;
