@@ -113,6 +113,7 @@ std::shared_ptr<RpcAgent> RpcAgent::create(RpcAgentOptions options) {
   topts.bind_host = agent->opts_.bind_host;
   topts.authkey = agent->opts_.authkey;
   topts.shm = agent->opts_.shm;
+  topts.inline_handlers = true;  // on_message only queues work and completes futures
   rpc::TransportHandlers handlers;
   // The handlers hold the agent weakly: the agent owns the transport.
   handlers.on_message = [weak](const std::string& peer, rpc::Message msg) {

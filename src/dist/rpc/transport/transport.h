@@ -53,6 +53,12 @@ struct TransportOptions {
   size_t max_storages = 1 << 16;
   /// Largest header (bytes); more closes the connection.
   size_t max_header_bytes = 64 << 10;
+  /// The handlers neither block nor call this transport: run on_message on TensorPipe's
+  /// own thread as each message is read (in order), instead of handing it to the
+  /// transport's dispatch thread. Saves a thread hand-off per message (the RPC agent's
+  /// handlers only queue work and complete futures). on_peer_lost still runs on the
+  /// dispatch thread.
+  bool inline_handlers = false;
 };
 
 /// Callbacks of a transport. Both run on the transport's own thread: they must not block

@@ -229,6 +229,8 @@ class TensorPipeTransport final : public Transport {
   // Handlers.
   void post(Event event);
   void dispatch_loop();
+  /// Runs on_message, logging (not propagating) what it throws.
+  void deliver(const std::string& peer, Message msg) noexcept;
 
   bool closed() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -710,7 +712,11 @@ void TensorPipeTransport::on_descriptor(const std::shared_ptr<Conn>& conn,
         lose(conn, error_text(error));
         return;
       }
-      post(Event{.peer = conn->peer, .message = std::move(*msg), .why = {}});
+      if (options_.inline_handlers && handlers_.on_message) {
+        if (!closed()) deliver(conn->peer, std::move(*msg));
+      } else {
+        post(Event{.peer = conn->peer, .message = std::move(*msg), .why = {}});
+      }
       arm_read(conn);
     });
   });
@@ -815,6 +821,17 @@ void TensorPipeTransport::post(Event event) {
   events_cv_.notify_one();
 }
 
+void TensorPipeTransport::deliver(const std::string& peer, Message msg) noexcept {
+  try {
+    if (handlers_.on_message) handlers_.on_message(peer, std::move(msg));
+  } catch (const std::exception& e) {
+    log_line(fmt::format("rpc transport {}: a handler threw (ignored): {}",
+                         printable(options_.name), e.what()));
+  } catch (...) {
+    log_line(fmt::format("rpc transport {}: a handler threw (ignored)", printable(options_.name)));
+  }
+}
+
 void TensorPipeTransport::dispatch_loop() {
   for (;;) {
     Event event;
@@ -825,12 +842,12 @@ void TensorPipeTransport::dispatch_loop() {
       event = std::move(events_.front());
       events_.pop_front();
     }
+    if (event.message) {
+      deliver(event.peer, std::move(*event.message));
+      continue;
+    }
     try {
-      if (event.message) {
-        if (handlers_.on_message) handlers_.on_message(event.peer, std::move(*event.message));
-      } else if (handlers_.on_peer_lost) {
-        handlers_.on_peer_lost(event.peer, event.why);
-      }
+      if (handlers_.on_peer_lost) handlers_.on_peer_lost(event.peer, event.why);
     } catch (const std::exception& e) {
       log_line(fmt::format("rpc transport {}: a handler threw (ignored): {}",
                            printable(options_.name), e.what()));
