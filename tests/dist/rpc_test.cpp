@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <stdexcept>
 #include <thread>
 
@@ -198,7 +199,7 @@ void values_rank(int rank, int port) {
     for (int i = 0; i < 64; ++i) TORCHPAR_RCHECK(fs[i].wait() == i + 1, "future {}", i);
 
     // Dropped RRefs free their values on the owner.
-    for (int i = 0; i < 20000; ++i) (void)g.remote<int>("1", "add", std::tuple{i, 0});
+    for (int i = 0; i < 100000; ++i) (void)g.remote<int>("1", "add", std::tuple{i, 0});
     auto last = g.remote<int>("1", "add", std::tuple{1, 0});
     TORCHPAR_RCHECK(last.to_here() == 1, "last remote");
   }
@@ -245,7 +246,14 @@ TEST(RpcGroup, AMemberKilledMidCallFailsItsCallsAtOnce) {
   EXPECT_EQ(res[1].exitcode, -SIGKILL) << "rank 1 should have killed itself: " << res[1].error;
 }
 
+int thread_count() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
 void destroy_rank(int rank, int port) {
+  const int threads_before = thread_count();
   auto w = make_world(rank, 2, port);
   auto g = w.create_rpc_group("destroy", {"0", "1"});
   if (rank == 0) {
@@ -263,6 +271,11 @@ void destroy_rank(int rank, int port) {
   std::this_thread::sleep_for(rank == 1 ? 3.5s : 0s);
   auto& dg = w.default_group();
   dg.barrier();
+  // The World's end stops the RPC agent: its transport, timer and pool threads are joined.
+  w.destroy();
+  const int threads_after = thread_count();
+  TORCHPAR_RCHECK(threads_after <= threads_before, "{} threads before the World, {} after destroy",
+                  threads_before, threads_after);
 }
 
 TEST(RpcGroup, DestroyFailsCallsInFlight) { expect_ok(run_ranks(2, 120, &destroy_rank, free_port())); }
