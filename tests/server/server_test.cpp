@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "support/ranks.h"
+#include "support/rpc.h"
 #include "torchpar/dist/rpc_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/server/ordered_server.h"
@@ -29,6 +30,9 @@ namespace tp = torchpar;
 using namespace std::chrono_literals;
 using tp::testing::free_port;
 using tp::testing::run_ranks;
+using tp::testing::expect_throw;
+constexpr auto make_world = tp::testing::make_named_world;
+constexpr auto expect_ok = tp::testing::expect_ranks_ok;
 
 namespace {
 
@@ -37,34 +41,6 @@ const bool kDie = tp::register_function(
       ::kill(::getpid(), SIGKILL);
       return 0;
     });
-
-tp::World make_world(int rank, int world, int port) {
-  return tp::World(tp::WorldOptions{.name = std::to_string(rank),
-                                    .rank = rank,
-                                    .world_size = world,
-                                    .master_addr = "127.0.0.1",
-                                    .master_port = port,
-                                    .timeout = 60s});
-}
-
-void expect_ok(const std::vector<tp::testing::RankResult>& res) {
-  for (size_t r = 0; r < res.size(); ++r) {
-    EXPECT_EQ(res[r].exitcode, 0) << "rank " << r << ": " << res[r].error;
-  }
-}
-
-template <class E, class Fn>
-E expect_throw(Fn fn, const char* what) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e;
-  } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("{}: threw {} ({}), not the expected type", what,
-                                         c10::demangle(typeid(e).name()), e.what()));
-  }
-  throw std::runtime_error(fmt::format("{}: did not throw", what));
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -321,6 +321,10 @@ class RpcGroup {
  public:
   RpcGroup();
   ~RpcGroup();
+  /// Copies share the group (machin's RpcGroup is a shared handle too); destroy() on any
+  /// copy destroys it for all.
+  RpcGroup(const RpcGroup&);
+  RpcGroup& operator=(const RpcGroup&);
   RpcGroup(RpcGroup&&) noexcept;
   RpcGroup& operator=(RpcGroup&&) noexcept;
 

@@ -39,6 +39,8 @@ void RpcGroup::Impl::check_open() const {
 RpcGroup::RpcGroup() = default;
 RpcGroup::RpcGroup(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RpcGroup::~RpcGroup() = default;
+RpcGroup::RpcGroup(const RpcGroup&) = default;
+RpcGroup& RpcGroup::operator=(const RpcGroup&) = default;
 RpcGroup::RpcGroup(RpcGroup&&) noexcept = default;
 RpcGroup& RpcGroup::operator=(RpcGroup&&) noexcept = default;
 
