@@ -1,8 +1,10 @@
 #!/usr/bin/python3
 """`torchpar train` end to end: the data loader on the real files and on a truncated and a
 wrong-magic copy; a short run of each strategy (metrics.json fields, accuracy clearly above
-chance, model.pt, curves.png); a ddp worker SIGKILLed mid-run ends the run naming it, with no
-process left behind.  usage: train_test.py BIN_DIR"""
+chance and, for pserver, within 3 points of single; model.pt, curves.png); a ddp worker and
+the pserver server SIGKILLed mid-run end the run naming them (pserver: the trainers fail on
+their own, naming the server, within the timeout), with no process left behind.
+usage: train_test.py BIN_DIR"""
 import gzip
 import json
 import os
@@ -31,6 +33,55 @@ def train(*args, timeout=300):
     p = subprocess.run([TORCHPAR, "train", *args], capture_output=True, text=True,
                        timeout=timeout)
     return p.returncode, p.stdout, p.stderr
+
+
+def children(pid):
+    """The child processes of `pid`, in the order they started."""
+    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    started = {}
+    for k in kids:
+        try:
+            stat = open(f"/proc/{k}/stat").read()
+        except OSError:
+            continue
+        started[int(k)] = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22: starttime
+    return sorted(started, key=lambda k: (started[k], k))
+
+
+def kill_mid_run(log_name, args, pick):
+    """Starts `torchpar train args`, SIGKILLs pick(children) once training is under way.
+    Returns (exit code or None, seconds from the kill to the exit, output, children, victim);
+    victim is None when there were no children to pick from (the run is killed)."""
+    log = open(os.path.join(tmp, log_name), "w+")
+    p = subprocess.Popen([TORCHPAR, "train", *args], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        log.seek(0)
+        if "samples/s" in log.read():  # training is under way
+            break
+        time.sleep(0.2)
+    kids = children(p.pid)
+    victim = pick(kids) if kids else None
+    if victim is None:
+        p.kill()
+        p.wait()
+        return None, 0, "", kids, None
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.time()
+    try:
+        code = p.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        code = None
+    took = time.time() - t0
+    log.seek(0)
+    return code, took, log.read(), kids, victim
+
+
+def left_behind(pids):
+    time.sleep(0.3)
+    return [w for w in pids if os.path.exists(f"/proc/{w}") and
+            open(f"/proc/{w}/stat").read().split()[2] != "Z"]
 
 
 tmp = tempfile.mkdtemp(prefix="torchpar_train_test_")
@@ -87,7 +138,8 @@ try:
           "metacharacters: curves.png drawn (plot started with an argv)")
 
     # ---- a short run of each strategy
-    for strategy in ("single", "hogwild", "ddp"):
+    accuracy = {}
+    for strategy in ("single", "hogwild", "ddp", "pserver"):
         out = os.path.join(tmp, "run_" + strategy)
         code, so, err = train("--strategy", strategy, "--workers", "2", "--limit", "6000",
                               "--lr", "0.05", "--batch-size", "32", "--out", out)
@@ -103,47 +155,55 @@ try:
               f"{strategy}: per-epoch fields")
         check(m["strategy"] == strategy and m["status"] == "completed", f"{strategy}: status")
         check(e["test_accuracy"] > 30, f"{strategy}: accuracy {e['test_accuracy']:.1f}% > 30% (chance 10%)")
+        accuracy[strategy] = e["test_accuracy"]
         check(os.path.getsize(os.path.join(out, "model.pt")) > 50000, f"{strategy}: model.pt written")
         check(os.path.exists(os.path.join(out, "curves.png")), f"{strategy}: curves.png drawn")
         check("test accuracy" in so, f"{strategy}: prints test accuracy")
 
+    if "single" in accuracy and "pserver" in accuracy:
+        gap = accuracy["pserver"] - accuracy["single"]
+        check(abs(gap) <= 3, f"pserver: accuracy {accuracy['pserver']:.2f}% within 3 points of "
+                             f"single's {accuracy['single']:.2f}% ({gap:+.2f})")
+    code, _, err = train("--strategy", "pserver", "--workers", "1", "--out", os.path.join(tmp, "o1"))
+    check(code == 2 and "--workers 2 or more" in err, f"pserver with 1 worker: exit {code}: {err.strip()[:160]}")
+
     # ---- SIGKILL a ddp worker mid-run
     out = os.path.join(tmp, "run_killed")
-    log = open(os.path.join(tmp, "killed.log"), "w+")
-    p = subprocess.Popen([TORCHPAR, "train", "--strategy", "ddp", "--workers", "2",
-                          "--timeout", "30", "--out", out], stdout=log, stderr=subprocess.STDOUT)
-    workers = []
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        log.seek(0)
-        if "samples/s" in log.read():  # training is under way
-            break
-        time.sleep(0.2)
-    kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
-    workers = [int(k) for k in kids]
+    code, took, text, workers, victim = kill_mid_run(
+        "killed.log", ["--strategy", "ddp", "--workers", "2", "--timeout", "30", "--out", out],
+        lambda kids: kids[-1])
     check(len(workers) >= 2, f"ddp run has its workers ({workers})")
-    if workers:
-        os.kill(workers[-1], signal.SIGKILL)
-        t0 = time.time()
-        try:
-            code = p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            code = None
-        took = time.time() - t0
-        log.seek(0)
-        text = log.read()
+    if victim:
         check(code == 1, f"killed worker: the run exits 1 (got {code}) after {took:.1f} s")
-        check(f"(pid {workers[-1]}) was killed by signal 9" in text,
+        check(f"(pid {victim}) was killed by signal 9" in text,
               "killed worker: the error names the worker: " + text.strip().splitlines()[-1][:200])
-        time.sleep(0.3)
-        left = [w for w in workers if os.path.exists(f"/proc/{w}") and
-                open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+        left = left_behind(workers)
         check(not left, f"killed worker: no worker left behind ({left})")
         m = json.load(open(os.path.join(out, "metrics.json")))
         check(m["status"] == "failed" and "worker" in m.get("error", ""), "killed worker: metrics.json says failed")
-    else:
-        p.kill()
+
+    # ---- SIGKILL the pserver server (worker 0, the World's rank 0: the first child started)
+    out = os.path.join(tmp, "run_server_killed")
+    rpc_timeout = 10
+    code, took, text, workers, victim = kill_mid_run(
+        "server_killed.log", ["--strategy", "pserver", "--workers", "3", "--timeout",
+                              str(rpc_timeout), "--out", out],
+        lambda kids: kids[0])
+    check(len(workers) == 3, f"pserver run has a server and 2 trainers ({workers})")
+    if victim:
+        check(code == 1 and took < rpc_timeout + 20,
+              f"killed server: the run exits 1 (got {code}) after {took:.1f} s (< {rpc_timeout + 20} s)")
+        check(f"(parameter server, pid {victim}) was killed by signal 9" in text,
+              "killed server: the error names the server: " + text.strip()[-300:])
+        for t in workers[1:]:
+            line = next((l for l in text.splitlines() if f"(trainer, pid {t}) raised" in l), "")
+            check("'server'" in line,
+                  f"killed server: trainer {t} failed on its own with an error naming the server: {line[:240]}")
+        left = left_behind(workers)
+        check(not left, f"killed server: no worker left behind ({left})")
+        m = json.load(open(os.path.join(out, "metrics.json")))
+        check(m["status"] == "failed" and "parameter server" in m.get("error", ""),
+              "killed server: metrics.json says failed, naming the server")
 finally:
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -2,12 +2,14 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -19,6 +21,7 @@
 
 #include "fashion_mnist.h"
 #include "net.h"
+#include "torchpar/server/push_pull_grad_server.h"
 #include "torchpar/torchpar.h"
 
 namespace torchpar::train {
@@ -46,11 +49,12 @@ at::Tensor shard(int64_t n, int64_t seed, int epoch, int part, int parts) {
 }
 
 /// One pass over `idx`; calls report(samples, loss_sum, batches) every kReportEvery batches
-/// and at the end with the increments since the last call. `sync_grads` runs between
-/// backward and step (ddp's all_reduce).
-template <class Report, class Sync>
-void train_epoch(Net& net, torch::optim::SGD& opt, const Split& data, const at::Tensor& idx,
-                 int batch_size, Report&& report, Sync&& sync_grads) {
+/// and at the end with the increments since the last call. `update()` runs after each
+/// backward and applies the gradients: an optimizer step (ddp averages them first; pserver
+/// pushes them to the server and pulls its newest parameters).
+template <class Report, class Update>
+void train_epoch(Net& net, const Split& data, const at::Tensor& idx, int batch_size,
+                 Report&& report, Update&& update) {
   net->train();
   int64_t samples = 0, batches = 0;
   double loss_sum = 0;
@@ -59,11 +63,10 @@ void train_epoch(Net& net, torch::optim::SGD& opt, const Split& data, const at::
     const auto b = idx.slice(0, first, std::min(n, first + batch_size));
     const auto x = normalize(data.images.index_select(0, b));
     const auto y = data.labels.index_select(0, b);
-    opt.zero_grad();
+    net->zero_grad();  // in place, as Optimizer::zero_grad
     auto loss = torch::nll_loss(net->forward(x), y);
     loss.backward();
-    sync_grads();
-    opt.step();
+    update();
     samples += b.numel();
     loss_sum += loss.item<double>();
     if (++batches == kReportEvery) {
@@ -99,35 +102,51 @@ Eval evaluate(Net& net, const Split& test) {
 
 /// ddp averages the gradients of `workers` batches per step: with lr_scaling "linear" its
 /// learning rate is lr x workers (the linear scaling rule, Goyal et al. 2017), so an epoch
-/// of ddp learns as much as an epoch of single with the same --lr.
+/// of ddp learns as much as an epoch of single with the same --lr. pserver steps once per
+/// push while the server keeps up (see grad_server_options): no scaling.
 double effective_lr(const TrainConfig& c) {
   return c.strategy == "ddp" && c.lr_scaling == "linear" ? c.lr * c.workers : c.lr;
 }
 
+torch::optim::SGDOptions sgd_options(const TrainConfig& c) {
+  return torch::optim::SGDOptions(effective_lr(c)).momentum(c.momentum);
+}
+
 torch::optim::SGD make_sgd(Net& net, const TrainConfig& c) {
-  return torch::optim::SGD(net->parameters(),
-                           torch::optim::SGDOptions(effective_lr(c)).momentum(c.momentum));
+  return torch::optim::SGD(net->parameters(), sgd_options(c));
+}
+
+/// The workers that train: all of them, but for pserver's rank 0 (the server).
+int trainers(const TrainConfig& c) { return c.strategy == "pserver" ? c.workers - 1 : c.workers; }
+/// The index of the first worker that trains.
+int first_trainer(const TrainConfig& c) { return c.strategy == "pserver" ? 1 : 0; }
+/// ddp and pserver workers form a World.
+bool uses_world(const TrainConfig& c) { return c.strategy == "ddp" || c.strategy == "pserver"; }
+
+std::vector<at::Tensor> clone_parameters(Net& net) {
+  std::vector<at::Tensor> copy;
+  for (auto& p : net->parameters()) copy.push_back(p.detach().clone());
+  return copy;
 }
 
 // ---- workers (spawned) ---------------------------------------------------------------------
 
 /// A worker after its setup: reports ready, then trains one epoch of its shard per `go`
-/// message until kStop, reporting progress. after_epoch() runs before the epoch is reported
-/// done.
-template <class Sync, class AfterEpoch>
+/// message until kStop, reporting progress; update() applies each batch's gradients (see
+/// train_epoch). after_epoch() runs before the epoch is reported done.
+template <class Update, class AfterEpoch>
 void serve_epochs(int index, const TrainConfig& cfg, Net& net, const Split& data, Queue<Msg>& msgs,
-                  Queue<int>& go, Sync&& sync_grads, AfterEpoch&& after_epoch) {
-  auto opt = make_sgd(net, cfg);
+                  Queue<int>& go, Update&& update, AfterEpoch&& after_epoch) {
   msgs.put({kReady, index, 0, 0, 0.0, 0});
   for (int epoch = 1;; ++epoch) {
     if (go.get(Seconds(24 * 3600)) == kStop) return;
-    const auto idx = shard(data.size(), cfg.seed, epoch, index, cfg.workers);
+    const auto idx = shard(data.size(), cfg.seed, epoch, index - first_trainer(cfg), trainers(cfg));
     train_epoch(
-        net, opt, data, idx, cfg.batch_size,
+        net, data, idx, cfg.batch_size,
         [&](int64_t s, double l, int64_t b) {
           msgs.put({kProgress, index, epoch, s, l, b});
         },
-        sync_grads);
+        update);
     after_epoch();
     msgs.put({kEpochDone, index, epoch, 0, 0.0, 0});
   }
@@ -139,32 +158,143 @@ void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared, 
   Net net;
   auto params = net->parameters();
   for (size_t i = 0; i < params.size(); ++i) params[i].set_data(shared[i]);  // alias shm
+  auto opt = make_sgd(net, cfg);
   serve_epochs(
-      index, cfg, net, Split{images, labels}, msgs, go, [] {}, [] {});
+      index, cfg, net, Split{images, labels}, msgs, go, [&] { opt.step(); }, [] {});
 }
 
-void ddp_worker(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tensor labels,
-                Queue<Msg> msgs, Queue<int> go, Queue<std::vector<at::Tensor>> params_out) {
+/// Rank `rank` of the World of ddp / pserver; rank 0 hosts its store. pserver's members are
+/// named "server" and "trainer<rank>", so RPC errors name the role.
+World join_world(int rank, const TrainConfig& cfg, int port) {
   WorldOptions wo;
+  if (cfg.strategy == "pserver") wo.name = rank == 0 ? "server" : fmt::format("trainer{}", rank);
   wo.rank = rank;
   wo.world_size = cfg.workers;
   wo.master_addr = "127.0.0.1";
   wo.master_port = port;
   wo.timeout = Seconds(cfg.timeout);
-  World world(wo);
+  return World(wo);
+}
+
+void ddp_worker(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tensor labels,
+                Queue<Msg> msgs, Queue<int> go, Queue<std::vector<at::Tensor>> params_out) {
+  World world = join_world(rank, cfg, port);
   torch::manual_seed(cfg.seed + rank);
   Net net;
   // Every rank starts from rank 0's parameters; each step averages the gradients.
   DistributedDataParallel ddp(*net,
                               world.create_collective_group({}, backend_from_string(cfg.backend)));
+  auto opt = make_sgd(net, cfg);
   serve_epochs(
-      rank, cfg, net, Split{images, labels}, msgs, go, [&] { ddp.synchronize_gradients(); },
+      rank, cfg, net, Split{images, labels}, msgs, go,
       [&] {
-        if (rank != 0) return;
-        std::vector<at::Tensor> copy;
-        for (auto& p : net->parameters()) copy.push_back(p.detach().clone());
-        params_out.put(copy);
+        ddp.synchronize_gradients();
+        opt.step();
+      },
+      [&] {
+        if (rank == 0) params_out.put(clone_parameters(net));
       });
+}
+
+// pserver: rank 0 hosts the gradient server `kGradServer` in the RPC group of every rank.
+constexpr const char* kGradServer = "grad";
+constexpr const char* kServerMember = "server";
+
+RpcGroup join_rpc_group(World& world, const TrainConfig& cfg) {
+  return world.create_rpc_group("train", world.get_names(),
+                                RpcGroupOptions{.timeout = Seconds(cfg.timeout)});
+}
+
+/// The server is the primary and only secondary reducer: trainers push to it and it steps.
+/// Means at both levels. The reducer never waits for a batch to fill (flush_after 0): a step
+/// averages the pushes that arrived while the previous one ran, at most reduce_batch_size a
+/// level, so while the server keeps up every push is one step (as single and hogwild step
+/// once per batch) and the same --lr learns as much per epoch. machin's default, waiting for
+/// full batches, would average up to reduce_batch_size^2 pushes a step: that many times
+/// fewer steps per epoch.
+PushPullGradServerOptions grad_server_options(const TrainConfig& cfg) {
+  PushPullGradServerOptions o;
+  o.primary_reducer = kServerMember;
+  o.secondary_reducers = {kServerMember};
+  o.reduce_method = "mean";
+  o.reduce_batch_size = cfg.reduce_batch_size;
+  o.max_queue_size = cfg.max_queue_size;
+  o.flush_after = Seconds(0);
+  o.timeout = Seconds(cfg.timeout);
+  return o;
+}
+
+/// Waits until the reducer has applied the pushes it holds: its counters stay still for three
+/// 10 ms polls (every trainer's last push has returned, so nothing new arrives). The server
+/// has no "drained" query; its reducer works as pushes arrive, so this takes tens of ms.
+void wait_until_drained(const PushPullGradServerImpl& server, Seconds limit) {
+  const auto deadline = Clock::now() + limit;
+  auto last = server.stats();
+  for (int still = 0; still < 3 && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    server.watch();
+    const auto now = server.stats();
+    const bool same = now.received == last.received && now.reductions == last.reductions &&
+                      now.steps == last.steps;
+    still = same ? still + 1 : 0;
+    last = now;
+  }
+}
+
+/// pserver's rank 0: the gradient server, owning the model and its optimizer; its reducer
+/// thread does the training work. This thread answers the parent's requests for the newest
+/// parameters (after each epoch, once the pushes are applied) until kStop, and fails the
+/// process when the reducer stops on an error.
+void pserver_server(TrainConfig cfg, int port, Queue<Msg> msgs, Queue<int> requests,
+                    Queue<std::vector<at::Tensor>> params_out) {
+  World world = join_world(0, cfg, port);
+  RpcGroup group = join_rpc_group(world, cfg);
+  torch::manual_seed(cfg.seed);
+  Net net;  // the parent's initial model (same seed), published as version 0
+  PushPullGradServerImpl server(kGradServer, group, grad_server_options(cfg));
+  server.manage_model(net.ptr(),
+                      std::make_shared<torch::optim::SGD>(net->parameters(), sgd_options(cfg)));
+  server.start();
+  group.barrier(Seconds(cfg.timeout));  // trainers connect after it
+  // The reducer owns `net` while it runs: the parameters are read back as a trainer would.
+  auto client = PushPullGradServer::connect(group, kGradServer, nullptr, Seconds(cfg.timeout));
+  Net newest;
+  VersionedModule vnewest(newest);
+  msgs.put({kReady, 0, 0, 0, 0.0, 0});
+  for (;;) {
+    int request = 0;
+    try {
+      request = requests.get(Seconds(0.5));
+    } catch (const Empty&) {
+      server.watch();
+      continue;
+    }
+    if (request == kStop) break;
+    wait_until_drained(server, Seconds(cfg.timeout));
+    client.pull(vnewest, Seconds(cfg.timeout));
+    params_out.put(clone_parameters(newest));
+  }
+  server.close();
+  group.destroy();
+}
+
+/// pserver's ranks 1..workers-1: train on their shard; each step pushes the gradients to the
+/// server and pulls its newest parameters (PushPullGradServer::push does both). A server
+/// that is gone fails the push or pull within cfg.timeout, naming member 'server'.
+void pserver_trainer(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tensor labels,
+                     Queue<Msg> msgs, Queue<int> go) {
+  World world = join_world(rank, cfg, port);
+  RpcGroup group = join_rpc_group(world, cfg);
+  group.barrier(Seconds(cfg.timeout));  // the server exists after it
+  auto server = PushPullGradServer::connect(group, kGradServer, nullptr, Seconds(cfg.timeout));
+  torch::manual_seed(cfg.seed + rank);
+  Net net;
+  VersionedModule vnet(net);
+  server.pull(vnet, Seconds(cfg.timeout));  // the server's version 0
+  serve_epochs(
+      rank, cfg, net, Split{images, labels}, msgs, go,
+      [&] { server.push(vnet, Seconds(cfg.timeout)); }, [] {});
+  group.destroy();
 }
 
 // ---- the parent ------------------------------------------------------------------------------
@@ -263,6 +393,12 @@ nlohmann::json metrics_json(const Run& run) {
   j["strategy"] = cfg.strategy;
   j["workers"] = cfg.strategy == "single" ? 1 : cfg.workers;
   if (cfg.strategy == "ddp") j["backend"] = cfg.backend;
+  if (cfg.strategy == "pserver") {
+    j["trainers"] = trainers(cfg);
+    j["reduce_method"] = "mean";
+    j["reduce_batch_size"] = cfg.reduce_batch_size;
+    j["max_queue_size"] = cfg.max_queue_size;
+  }
   j["batch_size"] = cfg.batch_size;
   j["lr"] = cfg.lr;
   j["lr_effective"] = effective_lr(cfg);
@@ -332,18 +468,25 @@ void write_outputs(const Run& run, Net& net, bool with_model) {
   if (!run.epochs.empty()) draw_curves(dir);
 }
 
-/// A worker that ended: how, in words. Empty while it runs (or ended well when allowed).
-std::string worker_failure(Process& p, int index, bool exit_ok) {
+/// A worker as reports name it: index, role (pserver) and pid.
+std::string worker_label(const TrainConfig& cfg, Process& p, int index) {
+  if (cfg.strategy == "pserver") {
+    return fmt::format("worker {} ({}, pid {})", index, index == 0 ? "parameter server" : "trainer",
+                       p.pid());
+  }
+  return fmt::format("worker {} (pid {})", index, p.pid());
+}
+
+/// A worker that ended: how, in words. Empty while it runs.
+std::string worker_failure(const TrainConfig& cfg, Process& p, int index) {
   auto code = p.exitcode();
-  if (!code || (*code == 0 && exit_ok)) return "";
-  if (auto e = p.error()) {
-    return fmt::format("worker {} (pid {}) raised {}: {}", index, p.pid(), e->first, e->second);
-  }
+  if (!code) return "";
+  const std::string who = worker_label(cfg, p, index);
+  if (auto e = p.error()) return fmt::format("{} raised {}: {}", who, e->first, e->second);
   if (*code < 0) {
-    return fmt::format("worker {} (pid {}) was killed by signal {} ({})", index, p.pid(), -*code,
-                       ::strsignal(-*code));
+    return fmt::format("{} was killed by signal {} ({})", who, -*code, ::strsignal(-*code));
   }
-  return fmt::format("worker {} (pid {}) exited with code {}", index, p.pid(), *code);
+  return fmt::format("{} exited with code {}", who, *code);
 }
 
 class Failed : public std::runtime_error {
@@ -355,52 +498,78 @@ class Interrupted : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// The spawned workers of hogwild and ddp, and the queues between them and the parent.
+/// The spawned workers of hogwild, ddp and pserver, and the queues between them and the
+/// parent.
 struct Workers {
   std::vector<Process> procs;
   Queue<Msg> msgs;
-  Queue<int> go;
-  Queue<std::vector<at::Tensor>> params;  // ddp: rank 0's parameters after each epoch
+  Queue<int> go;                          // an epoch to train, or kStop (one per trainer)
+  Queue<int> requests;                    // pserver: the parent asks the server for parameters
+  Queue<std::vector<at::Tensor>> params;  // ddp: rank 0's parameters; pserver: the server's
   Clock::time_point last_heard = Clock::now();
 };
 
-/// Waits for worker messages, checking signals and that workers live. Returns nullopt
-/// after 100 ms without a message.
-std::optional<Msg> next_msg(Workers& w, double timeout) {
+/// After a worker ended: how long the others get to end on their own, so that their errors
+/// join the report. pserver trainers fail within their RPC timeout once the server is gone;
+/// a server does not notice a lost trainer and ddp ranks may sit out a collective timeout, so
+/// those are not waited for.
+Seconds settle_time(const TrainConfig& cfg, Workers& w) {
+  if (cfg.strategy == "pserver" && w.procs[0].exitcode()) return Seconds(cfg.timeout + 5);
+  return Seconds(0.2);
+}
+
+/// Throws Failed when a worker has ended: after settle_time, naming the killed workers first
+/// (the others usually fail because of them), then the others that ended, a line each.
+void check_workers(Workers& w, const TrainConfig& cfg) {
+  auto ended = [](Process& p) { return p.exitcode().has_value(); };
+  if (std::none_of(w.procs.begin(), w.procs.end(), ended)) return;
+  const auto deadline = Clock::now() + settle_time(cfg, w);
+  while (Clock::now() < deadline && g_stop_signal == 0 &&
+         !std::all_of(w.procs.begin(), w.procs.end(), ended)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::vector<std::string> lines;
+  ptrdiff_t killed = 0;
+  for (size_t i = 0; i < w.procs.size(); ++i) {
+    std::string f = worker_failure(cfg, w.procs[i], static_cast<int>(i));
+    if (f.empty()) continue;
+    if (w.procs[i].exitcode().value_or(0) < 0) {
+      lines.insert(lines.begin() + killed++, std::move(f));
+    } else {
+      lines.push_back(std::move(f));
+    }
+  }
+  throw Failed(fmt::format("{}", fmt::join(lines, "\n  ")));
+}
+
+/// The next item the workers put in `q` (msgs, params), checking signals and that the
+/// workers live. Returns nullopt after 100 ms without one.
+template <class T>
+std::optional<T> poll(Queue<T>& q, Workers& w, const TrainConfig& cfg) {
   if (g_stop_signal != 0) throw Interrupted(fmt::format("signal {}", int(g_stop_signal)));
   try {
-    auto m = w.msgs.get(Seconds(0.1));
+    auto m = q.get(Seconds(0.1));
     w.last_heard = Clock::now();
     return m;
   } catch (const Empty&) {
   }
-  // Killed workers first: the others usually fail *because* of them.
-  std::string first, killed;
-  for (size_t i = 0; i < w.procs.size(); ++i) {
-    const std::string f = worker_failure(w.procs[i], static_cast<int>(i), false);
-    if (f.empty()) continue;
-    if (first.empty()) first = f;
-    if (killed.empty() && w.procs[i].exitcode().value_or(0) < 0) killed = f;
-  }
-  if (!first.empty()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let the rest settle
-    for (size_t i = 0; i < w.procs.size() && killed.empty(); ++i) {
-      if (w.procs[i].exitcode().value_or(0) < 0) {
-        killed = worker_failure(w.procs[i], static_cast<int>(i), false);
-      }
-    }
-    throw Failed(killed.empty() ? first : killed);
-  }
-  if (Seconds(Clock::now() - w.last_heard).count() > timeout) {
-    throw Failed(fmt::format("no word from any worker for {:.0f} s", timeout));
+  check_workers(w, cfg);
+  if (Seconds(Clock::now() - w.last_heard).count() > cfg.timeout) {
+    throw Failed(fmt::format("no word from any worker for {:.0f} s", cfg.timeout));
   }
   return std::nullopt;
 }
 
-void stop_workers(Workers& w) {
-  for (size_t i = 0; i < w.procs.size(); ++i) {
+void stop_workers(Workers& w, const TrainConfig& cfg) {
+  for (int i = 0; i < trainers(cfg); ++i) {
     try {
       w.go.put(kStop, Seconds(1));
+    } catch (const std::exception&) {
+    }
+  }
+  if (cfg.strategy == "pserver") {
+    try {
+      w.requests.put(kStop, Seconds(1));
     } catch (const std::exception&) {
     }
   }
@@ -423,11 +592,12 @@ void kill_workers(std::optional<Workers>& w) {
 // ---- run_train's steps ---------------------------------------------------------------------
 
 /// What a run works on: its options (run.cfg) and results, the data, and the parent's model
-/// (trained by single; for hogwild the workers' shared one, for ddp a copy of rank 0's).
+/// (trained by single; for hogwild the workers' shared one, for ddp a copy of rank 0's, for
+/// pserver a copy of the server's).
 struct Session {
   Run run;
   FashionMnist data;
-  int64_t per_epoch = 0;  // training samples of an epoch: the same number for every worker
+  int64_t per_epoch = 0;  // training samples of an epoch: the same number for every trainer
   Net net{nullptr};
   const TrainConfig& cfg() const { return run.cfg; }
 };
@@ -446,16 +616,36 @@ struct EpochProgress {
   double loss_sum = 0;
 };
 
-/// Fills in the defaults. Returns 2 (after a message) for a bad strategy or backend, else 0.
+/// Fills in the defaults. Returns 2 (after a message) for a bad strategy, backend or worker
+/// count, else 0.
 int complete_config(TrainConfig& cfg) {
-  if (cfg.strategy != "single" && cfg.strategy != "hogwild" && cfg.strategy != "ddp") {
-    std::fprintf(stderr, "torchpar train: unknown strategy '%s' (single, hogwild or ddp)\n",
+  const bool pserver = cfg.strategy == "pserver";
+  if (cfg.strategy != "single" && cfg.strategy != "hogwild" && cfg.strategy != "ddp" && !pserver) {
+    std::fprintf(stderr,
+                 "torchpar train: unknown strategy '%s' (single, hogwild, ddp or pserver)\n",
                  cfg.strategy.c_str());
     return 2;
   }
-  if (cfg.workers <= 0)
-    cfg.workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (cfg.workers <= 0) {
+    cfg.workers =
+        static_cast<int>(std::max(pserver ? 2u : 1u, std::thread::hardware_concurrency()));
+  }
   if (cfg.strategy == "single") cfg.workers = 1;
+  if (pserver && cfg.workers < 2) {
+    std::fprintf(stderr,
+                 "torchpar train: pserver needs --workers 2 or more: 1 parameter server and at "
+                 "least 1 trainer (got %d)\n",
+                 cfg.workers);
+    return 2;
+  }
+  if (cfg.reduce_batch_size < 1 || cfg.max_queue_size < cfg.reduce_batch_size) {
+    std::fprintf(stderr,
+                 "torchpar train: need 1 <= --reduce-batch-size (%lld) <= --max-queue-size "
+                 "(%lld)\n",
+                 static_cast<long long>(cfg.reduce_batch_size),
+                 static_cast<long long>(cfg.max_queue_size));
+    return 2;
+  }
   if (cfg.data.empty()) cfg.data = kDefaultDataDir;
   if (cfg.out.empty()) cfg.out = "runs/" + now_stamp();
   try {
@@ -482,7 +672,7 @@ int load_data(Session& s) {
     train.images = train.images.slice(0, 0, cfg.limit).contiguous();
     train.labels = train.labels.slice(0, 0, cfg.limit).contiguous();
   }
-  s.per_epoch = train.size() / cfg.workers * cfg.workers;
+  s.per_epoch = train.size() / trainers(cfg) * trainers(cfg);
   return 0;
 }
 
@@ -504,10 +694,14 @@ int check_out_writable(const TrainConfig& cfg) {
 
 void print_plan(const Session& s) {
   const TrainConfig& cfg = s.cfg();
+  const std::string roles = cfg.strategy == "pserver"
+                                ? fmt::format(" (1 parameter server, {} trainer{})", trainers(cfg),
+                                              trainers(cfg) == 1 ? "" : "s")
+                                : "";
   std::printf(
-      "torchpar train: %s, %d worker%s, %d epoch%s, %lld training samples, batch %d, "
+      "torchpar train: %s, %d worker%s%s, %d epoch%s, %lld training samples, batch %d, "
       "lr %g, momentum %g -> %s\n",
-      cfg.strategy.c_str(), cfg.workers, cfg.workers == 1 ? "" : "s", cfg.epochs,
+      cfg.strategy.c_str(), cfg.workers, cfg.workers == 1 ? "" : "s", roles.c_str(), cfg.epochs,
       cfg.epochs == 1 ? "" : "s", static_cast<long long>(s.per_epoch), cfg.batch_size,
       effective_lr(cfg), cfg.momentum, cfg.out.c_str());
   std::fflush(stdout);
@@ -542,19 +736,20 @@ void train_single(Session& s) {
     EpochProgress progress(s, epoch);
     const auto idx = shard(s.data.train.size(), cfg.seed, epoch, 0, 1);
     train_epoch(
-        s.net, opt, s.data.train, idx, cfg.batch_size,
+        s.net, s.data.train, idx, cfg.batch_size,
         [&](int64_t n, double l, int64_t b) {
           if (g_stop_signal != 0) throw Interrupted("signal");
           progress.add(n, l, b);
         },
-        [] {});
+        [&] { opt.step(); });
     progress.bar.finish();
     record_epoch(s, epoch, Seconds(Clock::now() - t0).count(), progress);
   }
 }
 
-/// hogwild / ddp: shares the training data (hogwild: the model too) with cfg.workers spawned
-/// workers and waits until every one is ready.
+/// hogwild / ddp / pserver: shares the training data (hogwild: the model too) with cfg.workers
+/// spawned workers (pserver: worker 0 is the server, the others train) and waits until every
+/// one is ready.
 void start_workers(Session& s, Workers& w) {
   const TrainConfig& cfg = s.cfg();
   auto& train = s.data.train;
@@ -565,7 +760,7 @@ void start_workers(Session& s, Workers& w) {
     share_memory(*s.net);  // the parameters every worker updates in place
     for (auto& p : s.net->parameters()) shared.push_back(p.detach());
   }
-  const int port = cfg.strategy == "ddp" ? find_free_port() : 0;
+  const int port = uses_world(cfg) ? find_free_port() : 0;
   ProcessOptions po{.name = "",
                     .daemon = false,
                     .start_method = StartMethod::kSpawn,
@@ -575,29 +770,35 @@ void start_workers(Session& s, Workers& w) {
     if (cfg.strategy == "hogwild") {
       w.procs.emplace_back(po, &hogwild_worker, i, cfg, shared, train.images, train.labels, w.msgs,
                            w.go);
-    } else {
+    } else if (cfg.strategy == "ddp") {
       w.procs.emplace_back(po, &ddp_worker, i, cfg, port, train.images, train.labels, w.msgs, w.go,
                            w.params);
+    } else if (i == 0) {  // pserver
+      w.procs.emplace_back(po, &pserver_server, cfg, port, w.msgs, w.requests, w.params);
+    } else {
+      w.procs.emplace_back(po, &pserver_trainer, i, cfg, port, train.images, train.labels, w.msgs,
+                           w.go);
     }
     w.procs.back().start();
   }
   w.last_heard = Clock::now();
   for (int ready = 0; ready < cfg.workers;) {
-    if (auto m = next_msg(w, cfg.timeout)) {
+    if (auto m = poll(w.msgs, w, cfg)) {
       if (std::get<0>(*m) == kReady) ++ready;
     }
   }
 }
 
-/// One epoch of hogwild / ddp: starts every worker on it and draws their progress; for ddp
-/// the parent's model then takes rank 0's parameters. Evaluates the parent's model.
+/// One epoch of hogwild / ddp / pserver: starts every trainer on it and draws their progress;
+/// for ddp the parent's model then takes rank 0's parameters, for pserver the server's newest.
+/// Evaluates the parent's model.
 void train_workers_epoch(Session& s, Workers& w, int epoch) {
   const TrainConfig& cfg = s.cfg();
   const auto t0 = Clock::now();
-  for (int i = 0; i < cfg.workers; ++i) w.go.put(epoch);
+  for (int i = 0; i < trainers(cfg); ++i) w.go.put(epoch);
   EpochProgress progress(s, epoch);
-  for (int finished = 0; finished < cfg.workers;) {
-    auto m = next_msg(w, cfg.timeout);
+  for (int finished = 0; finished < trainers(cfg);) {
+    auto m = poll(w.msgs, w, cfg);
     if (!m) continue;
     const auto [kind, who, ep, n, l, b] = *m;
     if (kind == kProgress) {
@@ -608,11 +809,13 @@ void train_workers_epoch(Session& s, Workers& w, int epoch) {
   }
   const double secs = Seconds(Clock::now() - t0).count();
   progress.bar.finish();
-  if (cfg.strategy == "ddp") {
-    auto p = w.params.get(Seconds(cfg.timeout));
+  if (uses_world(cfg)) {
+    if (cfg.strategy == "pserver") w.requests.put(epoch);
+    auto p = poll(w.params, w, cfg);
+    while (!p) p = poll(w.params, w, cfg);
     torch::NoGradGuard no_grad;
     auto mine = s.net->parameters();
-    for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_(p[i]);
+    for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_((*p)[i]);
   }
   record_epoch(s, epoch, secs, progress);
 }
@@ -620,7 +823,7 @@ void train_workers_epoch(Session& s, Workers& w, int epoch) {
 void train_with_workers(Session& s, Workers& w) {
   start_workers(s, w);
   for (int epoch = 1; epoch <= s.cfg().epochs; ++epoch) train_workers_epoch(s, w, epoch);
-  stop_workers(w);
+  stop_workers(w, s.cfg());
 }
 
 /// Writes the outputs (with the model when the run completed or finished an epoch) and, for
