@@ -312,7 +312,9 @@ void model_rank(int rank, int port) {
                           "after a failed push the module holds version {}: {}", v, show(*net));
         }
       }
-      TORCHPAR_RCHECK(successes > 0 && successes <= 10, "{} successful pushes", successes);
+      // The other trainer may win every race: only the upper bound is certain here (the
+      // pull below checks that exactly ten pushes were made in all).
+      TORCHPAR_RCHECK(successes <= 10, "{} successful pushes", successes);
     }
     g.barrier();
     // Every member (the host locally) pulls version 10 into a fresh model.
