@@ -16,6 +16,9 @@ Benchmarks (names for --only), run in this order:
   rpc          rpc_bench vs peers/python_rpc.py (torch.distributed.rpc, TensorPipe backend): rpc_sync
                round trips (tiny; 1 MiB tensor fresh, and ours from shared memory), 64 rpc_async
                calls in flight; raw TensorPipe ping-pong is not measured
+  pserver      pserver_bench vs peers/python_pserver.py (the same gradient server written with
+               torch.distributed.rpc): push+pull cycles/s for the mnist_hogwild model and a 16 MiB
+               model, 1 server + 1 trainer and 1 server + 3 trainers
   collectives  coll_bench (torchpar-shm, torchpar-gloo, c10d-gloo-cpp) vs
                peers/torch_dist_collectives.py and peers/mpi_collectives.c (Open MPI, compiled
                with mpicc into <out>/raw/ when the benchmark starts)
@@ -59,7 +62,7 @@ REPO = BENCH_DIR.parent
 PEERS = BENCH_DIR / "peers"
 RESULTS = BENCH_DIR / "results"
 PY = "/usr/bin/python3"
-BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "collectives", "train")
+BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "pserver", "collectives", "train")
 KiB, MiB = 1 << 10, 1 << 20
 TIME_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
@@ -807,6 +810,110 @@ def plot_rpc(runs, out):
 
 
 # ----------------------------------------------------------------------------------------------
+# pserver: pserver_bench vs python_pserver.py
+
+# model key, label, the benchmark's model argument, parameter bytes
+PS_MODELS = (("mnist", "mnist_hogwild Net (85 KiB)", 0, 21840 * 4),
+             ("16m", "4 x Linear(1024, 1024) (16 MiB)", 1, 16 * MiB))
+PS_TRAINERS = (1, 3)
+
+
+def pserver_sizes(cfg):
+    """Cycles per trainer per batch, {model: cycles}, the same for ours and the peer."""
+    return {"mnist": cfg.pick(100, 300), "16m": cfg.pick(4, 10)}
+
+
+def parse_pserver_bench(out):
+    """pserver_bench -> {'<model>/<T>': cycles/s, '.../steps': steps/s, '.../dropped': per push}."""
+    g = gbench(out)
+    res = {}
+    for model, _, arg, _ in PS_MODELS:
+        for t in PS_TRAINERS:
+            bname = f"BM_PushPull/model:{arg}/trainers:{t}/real_time"
+            b = pick_bench(g, bname)
+            for key, counter in (("", "cycles_per_s"), ("/steps", "steps_per_s"),
+                                 ("/dropped", "dropped_per_push")):
+                if counter not in b:
+                    raise RunError(f"{bname}: no {counter} counter")
+                res[f"{model}/{t}{key}"] = b[counter]
+    return res
+
+
+def parse_python_pserver(out):
+    return {r["name"]: r["value"] for r in json_lines(out)}
+
+
+def runners_pserver(cfg):
+    cycles = pserver_sizes(cfg)
+    ours = [cfg.bin / "pserver_bench", "--benchmark_format=json", "--cycles", cycles["mnist"],
+            "--cycles-16m", cycles["16m"], f"--benchmark_min_time={cfg.pick(0.1, 0.5)}"]
+    timeout = cfg.pick(180, 600)
+    peer = [PY, PEERS / "python_pserver.py", "--cycles", cycles["mnist"], "--cycles-16m",
+            cycles["16m"], "--batches", cfg.pick(3, 5), "--timeout", timeout - 30]
+    return [Runner("pserver_bench", True, ours, parse_pserver_bench, timeout),
+            Runner("python_pserver.py", False, peer, parse_python_pserver, timeout)]
+
+
+def report_pserver(runs, limits, cfg):
+    ours, peer = runs["pserver_bench"]["median"], runs["python_pserver.py"]["median"]
+    cycles = pserver_sizes(cfg)
+    rows, summary = [], {}
+    for model, label, _, nbytes in PS_MODELS:
+        for t in PS_TRAINERS:
+            key = f"{model}/{t}"
+            mine, theirs = ours.get(key), peer.get(key)
+            ratio = advantage(mine, theirs, True)
+            drops = [ours.get(f"{key}/dropped"), peer.get(f"{key}/dropped")]
+            rows.append((label, f"1 + {t}", fmt(mine), fmt(theirs), fmt_x(ratio),
+                         fmt(ours.get(f"{key}/steps")), fmt(peer.get(f"{key}/steps")),
+                         " / ".join(fmt_pct(d) for d in drops)))
+            summary[key] = {"torchpar": mine, "python": theirs, "unit": "cycles/s", "ratio": ratio,
+                            "torchpar_steps_per_s": ours.get(f"{key}/steps"),
+                            "python_steps_per_s": peer.get(f"{key}/steps"),
+                            "torchpar_dropped_per_push": drops[0],
+                            "python_dropped_per_push": drops[1],
+                            "model_bytes": nbytes}
+    md = table(["model", "server + trainers", "torchpar cycles/s", "Python cycles/s",
+                "torchpar vs Python", "torchpar steps/s", "Python steps/s",
+                "dropped per push (torchpar / Python)"], rows, left=2)
+    cores = len(os.sched_getaffinity(0))
+    md += (f"\n\nOne server process and 1 or 3 trainer processes on 127.0.0.1 (fork); 1 + 3 "
+           f"processes on this machine's {cores} cores"
+           + (" oversubscribe it" if cores < 4 else "") + ". A cycle of a trainer: every gradient "
+           "filled with 1e-4 (no forward/backward, so the measure is the server path), then "
+           "push + pull: two round trips, the gradients to the server's queue, then the newest "
+           "state dict back (loaded when newer). cycles/s: all trainers' cycles over the wall "
+           f"time of whole batches ({cycles['mnist']:,} cycles per trainer per batch for mnist, "
+           f"{cycles['16m']:,} for 16 MiB, after a warm-up batch), timed in the server; torchpar "
+           f"over Google Benchmark's batches, Python over {cfg.pick(3, 5)}. The server reduces in "
+           "the background, on both sides as torchpar's PushPullGradServerImpl with its defaults: "
+           "batches of 4 pushes stacked and summed, batches of 4 of those set as gradients, SGD "
+           "step (lr 0.01), a copy of the new state dict published; queues of 64 drop their "
+           "oldest entry when full; a queue whose oldest entry waited 1 s is reduced short. "
+           "steps/s: the server's optimizer steps in the timed batches (about cycles/s / 16 when "
+           "it keeps up); dropped: queue entries dropped per push. torchpar: pserver_bench is "
+           "rank 0 (\"server\": the PushPullGradServerImpl and its ordered server) of a World and "
+           "forks the 3 trainers; a trainer's PushPullGradServer::push(module) copies the "
+           "gradients, sends them with registered_sync, then pulls the ordered server's newest "
+           "version. Python: python_pserver.py, the same server written with "
+           "torch.distributed.rpc (TensorPipe, its defaults) and a reducer thread in the server "
+           "process; trainers call rpc_sync(push, {name: grad}), then rpc_sync(pull) and "
+           "load_state_dict. Ratios: how many times faster torchpar is (> 1: torchpar better). "
+           "No target (the issue sets none).\n\n![pserver](pserver.png)")
+    return md, summary
+
+
+def plot_pserver(runs, out):
+    ours, peer = runs["pserver_bench"]["median"], runs["python_pserver.py"]["median"]
+    panels = [(f"{label}, 1 + {t} (cycles/s)",
+               [("torchpar", ours.get(f"{model}/{t}")), ("Python\nrpc", peer.get(f"{model}/{t}"))],
+               None, True)
+              for model, label, _, _ in PS_MODELS for t in PS_TRAINERS]
+    bar_grid(out / "pserver.png", "Parameter server push+pull: torchpar vs torch.distributed.rpc",
+             panels, cols=4)
+
+
+# ----------------------------------------------------------------------------------------------
 # collectives: coll_bench vs torch_dist_collectives.py vs Open MPI
 
 COLL_OURS = ("torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp")
@@ -1087,6 +1194,7 @@ def draw_plots(cfg, results):
                 "pools": lambda r: plot_pools(r, cfg.out),
                 "manager": lambda r: plot_manager(r, cfg.out),
                 "rpc": lambda r: plot_rpc(r, cfg.out),
+                "pserver": lambda r: plot_pserver(r, cfg.out),
                 "collectives": lambda r: plot_collectives(r, cfg.out, cfg),
                 "train": lambda r: plot_train(r, cfg.out)}
     for bench, runs in results.items():
@@ -1136,7 +1244,7 @@ def machine_facts(cfg):
 
 
 TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "Process pools",
-          "manager": "Manager", "rpc": "RPC",
+          "manager": "Manager", "rpc": "RPC", "pserver": "Parameter server",
           "collectives": "Collectives", "train": "Training"}
 
 
@@ -1182,10 +1290,10 @@ def update_latest(out):
 
 
 RUNNERS = {"limits": runners_limits, "handoff": runners_handoff, "pools": runners_pools,
-           "manager": runners_manager, "rpc": runners_rpc,
+           "manager": runners_manager, "rpc": runners_rpc, "pserver": runners_pserver,
            "collectives": runners_collectives, "train": runners_train}
 REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_pools,
-           "manager": report_manager, "rpc": report_rpc,
+           "manager": report_manager, "rpc": report_rpc, "pserver": report_pserver,
            "collectives": report_collectives, "train": report_train}
 
 

@@ -24,12 +24,13 @@ Command add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench",
       "Run every benchmark and its peers (torch.multiprocessing, multiprocessing.Pool and Manager, "
-      "torch.distributed.rpc, torch.distributed gloo, c10d Gloo, OpenMPI, the PyTorch training "
-      "recipes) interleaved, and write a report with ratios and plots to bench/results/<date>/.");
+      "torch.distributed.rpc and a parameter server written with it, torch.distributed gloo, c10d "
+      "Gloo, OpenMPI, the PyTorch training recipes) interleaved, and write a report with ratios "
+      "and plots to bench/results/<date>/.");
   cmd->add_flag("--quick", o->quick, "small sizes and 2 rounds: a smoke check (< 3 min)");
   cmd->add_option("--only", o->only,
-                  "comma-separated subset of handoff, pools, manager, rpc, collectives, train, "
-                  "limits");
+                  "comma-separated subset of handoff, pools, manager, rpc, pserver, collectives, "
+                  "train, limits");
   cmd->add_option("--out", o->out, "output directory (default bench/results/<date>)");
   cmd->add_option("--rounds", o->rounds, "interleaved rounds per benchmark (default 5)")
       ->check(CLI::Range(1, 100));
