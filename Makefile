@@ -23,7 +23,7 @@ build: configure
 # `fast` (the iteration set, ~2 min), `fault` (processes killed or stopped on purpose) and
 # `slow` (torchpar train end to end).
 test: build
-	@cd $(BUILD) && ctest -LE 'fuzz|bench_smoke' --output-on-failure --timeout 900
+	@cd $(BUILD) && ctest -LE 'fuzz|bench_smoke|big' --output-on-failure --timeout 900
 
 # The iteration set while developing (CTest label `fast`).
 test-fast: build
