@@ -14,7 +14,8 @@
 
 namespace {
 // Functions travel by name: every process registers the same ones.
-const bool kAdd = torchpar::register_function("add", +[](int a, int b) { return a + b; });
+const bool kAdd = torchpar::register_function(
+    "add", +[](int a, int b) { return a + b; });
 const bool kNorm = torchpar::register_function(
     "norm", +[](at::Tensor t) { return t.norm().item<double>(); });
 }  // namespace

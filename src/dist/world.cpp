@@ -50,7 +50,7 @@ struct World::Impl {
   std::optional<CollectiveGroup> default_group;
   bool destroyed = false;
   std::shared_ptr<detail::RpcAgent> rpc_agent;  // made by the first create_rpc_group
-  std::set<std::string> rpc_groups;     // names created in this process
+  std::set<std::string> rpc_groups;             // names created in this process
 
   CollectiveGroup make_group(std::vector<int> ranks, Backend backend,
                              std::optional<Seconds> timeout) {
@@ -213,28 +213,32 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
   auto& w = *impl_;
   const std::string& me = w.rdv.name;
   if (group_name.empty() || group_name.find('/') != std::string::npos)
-    throw ValueError(fmt::format("World::create_rpc_group: invalid group name '{}' (empty or with '/')",
-                                 group_name));
+    throw ValueError(fmt::format(
+        "World::create_rpc_group: invalid group name '{}' (empty or with '/')", group_name));
   std::sort(members.begin(), members.end());
   if (members.empty()) throw ValueError("World::create_rpc_group: no members");
   if (std::adjacent_find(members.begin(), members.end()) != members.end())
-    throw ValueError(fmt::format("World::create_rpc_group('{}'): a member is listed twice", group_name));
+    throw ValueError(
+        fmt::format("World::create_rpc_group('{}'): a member is listed twice", group_name));
   for (const auto& m : members) {
     if (std::find(w.rdv.names.begin(), w.rdv.names.end(), m) == w.rdv.names.end())
-      throw ValueError(fmt::format("World::create_rpc_group('{}'): '{}' is not a World member "
-                                   "(members: {})",
-                                   group_name, m, fmt::join(w.rdv.names, ", ")));
+      throw ValueError(
+          fmt::format("World::create_rpc_group('{}'): '{}' is not a World member "
+                      "(members: {})",
+                      group_name, m, fmt::join(w.rdv.names, ", ")));
   }
   if (!std::binary_search(members.begin(), members.end(), me))
-    throw ValueError(fmt::format("World::create_rpc_group('{}'): this member ('{}') is not in the "
-                                 "group; only members create it",
-                                 group_name, me));
+    throw ValueError(
+        fmt::format("World::create_rpc_group('{}'): this member ('{}') is not in the "
+                    "group; only members create it",
+                    group_name, me));
   std::shared_ptr<detail::RpcAgent> agent;
   {
     std::lock_guard<std::mutex> g(w.mu);
     if (w.destroyed) throw ClosedError("World: destroyed");
     if (!w.rpc_groups.insert(group_name).second)
-      throw ValueError(fmt::format("World::create_rpc_group: group '{}' exists in this process", group_name));
+      throw ValueError(
+          fmt::format("World::create_rpc_group: group '{}' exists in this process", group_name));
     if (!w.rpc_agent) {
       detail::RpcAgentOptions o;
       o.name = me;
@@ -262,17 +266,18 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
   agent->open_group(group_name);
   // Collective: every member announces itself, then waits for the others.
   const auto join = [&](const std::string& m) { return impl->key("join", m); };
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(options.timeout);
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(options.timeout);
   std::vector<std::string> keys;
   for (const auto& m : members) keys.push_back(join(m));
   agent->with_store([&](c10d::Store& s) { s.set(join(me), std::vector<uint8_t>{1}); });
   const int missing = agent->poll_keys(keys, deadline);
   if (missing != -1) {
     agent->close_group(group_name);
-    throw TimeoutError(fmt::format("World::create_rpc_group('{}'): member '{}' did not join within {} s",
-                                   group_name, members[static_cast<size_t>(missing)],
-                                   options.timeout.count()));
+    throw TimeoutError(
+        fmt::format("World::create_rpc_group('{}'): member '{}' did not join within {} s",
+                    group_name, members[static_cast<size_t>(missing)], options.timeout.count()));
   }
   return RpcGroup(std::move(impl));
 }

@@ -212,13 +212,13 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       const auto index = read<uint32_t>(ar);
       const auto* table = ar.options().storages;
       if (table == nullptr || index >= table->size())
-        throw SerializationError(fmt::format(
-            "tensor refers to out-of-band storage #{} but the payload came with {}", index,
-            table == nullptr ? 0 : table->size()));
+        throw SerializationError(
+            fmt::format("tensor refers to out-of-band storage #{} but the payload came with {}",
+                        index, table == nullptr ? 0 : table->size()));
       if ((*table)[index].nbytes() != nbytes)
-        throw SerializationError(fmt::format(
-            "out-of-band storage #{} has {} bytes, the payload says {}", index,
-            (*table)[index].nbytes(), nbytes));
+        throw SerializationError(
+            fmt::format("out-of-band storage #{} has {} bytes, the payload says {}", index,
+                        (*table)[index].nbytes(), nbytes));
       storages.push_back((*table)[index]);
     } else if (mode == static_cast<uint8_t>(StorageMode::kFd) ||
                mode == static_cast<uint8_t>(StorageMode::kName)) {

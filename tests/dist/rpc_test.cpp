@@ -20,33 +20,37 @@
 
 namespace tp = torchpar;
 using namespace std::chrono_literals;
+using tp::testing::expect_throw;
 using tp::testing::free_port;
 using tp::testing::run_ranks;
-using tp::testing::expect_throw;
 constexpr auto make_world = tp::testing::make_named_world;
 constexpr auto expect_ok = tp::testing::expect_ranks_ok;
 
 namespace {
 
 // Functions by name: registered in every process of the binary (static initializers).
-const bool kAdd = tp::register_function("add", +[](int a, int b) { return a + b; });
+const bool kAdd = tp::register_function(
+    "add", +[](int a, int b) { return a + b; });
 const bool kScale = tp::register_function(
     "scale", +[](at::Tensor t, double f) { return t * f; });
-const bool kFillInPlace = tp::register_function("fill_in_place", +[](at::Tensor t, double v) {
-  t.fill_(v);  // the caller sees it only when t arrived as a shared-memory handle
-  return t.data_ptr<float>()[0];
-});
-const bool kThrow = tp::register_function("throw", +[](std::string what) -> int {
-  throw std::invalid_argument("bad argument: " + what);
-});
-const bool kSleep = tp::register_function("sleep", +[](double seconds) {
-  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-  return seconds;
-});
-const bool kDie = tp::register_function("die", +[]() -> int {
-  ::kill(::getpid(), SIGKILL);
-  return 0;
-});
+const bool kFillInPlace = tp::register_function(
+    "fill_in_place", +[](at::Tensor t, double v) {
+      t.fill_(v);  // the caller sees it only when t arrived as a shared-memory handle
+      return t.data_ptr<float>()[0];
+    });
+const bool kThrow = tp::register_function(
+    "throw",
+    +[](std::string what) -> int { throw std::invalid_argument("bad argument: " + what); });
+const bool kSleep = tp::register_function(
+    "sleep", +[](double seconds) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+      return seconds;
+    });
+const bool kDie = tp::register_function(
+    "die", +[]() -> int {
+      ::kill(::getpid(), SIGKILL);
+      return 0;
+    });
 
 // ---- machin's test_world.py --------------------------------------------------------------
 
@@ -156,14 +160,18 @@ void values_rank(int rank, int port) {
     TORCHPAR_RCHECK(e.message() == "bad argument: x", "remote message '{}'", e.message());
     expect_throw<tp::RpcKeyNotFoundError>(
         [&] { g.rpc_sync<int>("1", "no_such_function", std::tuple{}); }, "unknown function");
-    expect_throw<tp::ValueError>([&] { g.rpc_sync<int>("7", "add", std::tuple{1, 2}); },
-                                 "unknown member");
+    expect_throw<tp::ValueError>(
+        [&] {
+          g.rpc_sync<int>("7", "add", std::tuple{1, 2});
+        },
+        "unknown member");
 
     // A timeout fails the call in about its time; the late reply is dropped.
     const auto t0 = std::chrono::steady_clock::now();
     expect_throw<tp::TimeoutError>([&] { g.rpc_sync<double>("1", "sleep", std::tuple{1.5}, 0.2s); },
                                    "timeout");
-    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     TORCHPAR_RCHECK(took < 1.4, "the timed-out call took {} s", took);
     std::this_thread::sleep_for(1.6s);  // the late reply arrives and is dropped
     TORCHPAR_RCHECK(g.debug_info().pending_calls == 0, "pending calls after the late reply");
@@ -207,8 +215,8 @@ void killed_rank(int rank, int port) {
   }
   auto slow = g.rpc_async<double>("1", "sleep", std::tuple{30.0}, 40s);
   const auto t0 = std::chrono::steady_clock::now();
-  auto e = expect_throw<tp::RpcPeerLostError>([&] { g.rpc_sync<int>("1", "die", std::tuple{}, 30s); },
-                                             "a call to a member that dies");
+  auto e = expect_throw<tp::RpcPeerLostError>(
+      [&] { g.rpc_sync<int>("1", "die", std::tuple{}, 30s); }, "a call to a member that dies");
   TORCHPAR_RCHECK(e.member() == "1", "the error names member '{}'", e.member());
   expect_throw<tp::RpcPeerLostError>([&] { slow.wait(); }, "a pending call to a dead member");
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -240,8 +248,11 @@ void destroy_rank(int rank, int port) {
     const double took =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     TORCHPAR_RCHECK(took < 2, "destroy with a call in flight took {} s", took);
-    expect_throw<tp::ClosedError>([&] { g.rpc_sync<int>("1", "add", std::tuple{1, 1}); },
-                                  "a call after destroy");
+    expect_throw<tp::ClosedError>(
+        [&] {
+          g.rpc_sync<int>("1", "add", std::tuple{1, 1});
+        },
+        "a call after destroy");
   }
   // Both wait for rank 1's sleeping call to end before the World goes.
   std::this_thread::sleep_for(rank == 1 ? 3.5s : 0s);
@@ -254,6 +265,8 @@ void destroy_rank(int rank, int port) {
                   threads_before, threads_after);
 }
 
-TEST(RpcGroup, DestroyFailsCallsInFlight) { expect_ok(run_ranks(2, 120, &destroy_rank, free_port())); }
+TEST(RpcGroup, DestroyFailsCallsInFlight) {
+  expect_ok(run_ranks(2, 120, &destroy_rank, free_port()));
+}
 
 }  // namespace

@@ -9,9 +9,9 @@
 // bytes of a given length), then the body.
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <map>
-#include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -34,7 +34,8 @@ void try_decode(const tp::detail::RpcValue& v) {
   }
 }
 
-void write_seed(std::string& out, const tp::detail::RpcHeader& h, const tp::detail::RpcValue& body) {
+void write_seed(std::string& out, const tp::detail::RpcHeader& h,
+                const tp::detail::RpcValue& body) {
   const std::string hb = tp::detail::encode_rpc_header(h);
   out.push_back(static_cast<char>(hb.size() >> 8));
   out.push_back(static_cast<char>(hb.size() & 0xff));
@@ -48,7 +49,6 @@ void write_seed(std::string& out, const tp::detail::RpcHeader& h, const tp::deta
 }
 
 }  // namespace
-
 
 // Seeds: a call of add(1, 2), a call with a small tensor, a reply with an error.
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -64,7 +64,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     h.name = "add";
     std::string seed;
     write_seed(seed, h, tp::detail::rpc_encode(std::tuple<int, int>{1, 2}, false));
-    write_seed(seed, h, tp::detail::rpc_encode(std::tuple<at::Tensor, double>{at::ones({4}), 2.0}, false));
+    write_seed(seed, h,
+               tp::detail::rpc_encode(std::tuple<at::Tensor, double>{at::ones({4}), 2.0}, false));
     return 0;
   }
   size_t pos = 0;
@@ -72,7 +73,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   pos = 2;
   if (hlen > size - pos) return 0;
   try {
-    (void)tp::detail::decode_rpc_header(std::string(reinterpret_cast<const char*>(data + pos), hlen));
+    (void)tp::detail::decode_rpc_header(
+        std::string(reinterpret_cast<const char*>(data + pos), hlen));
   } catch (const tp::SerializationError&) {
   }
   pos += hlen;

@@ -37,39 +37,32 @@ ip -n "$B" link set "$VB" up
 # each namespace sees only its own address and the other's over the veth
 ip netns exec "$A" ping -c1 -W2 10.213.7.2 >/dev/null 2>&1 || true
 set +e
-common=(WORLD_SIZE=2 MASTER_ADDR=10.213.7.1 MASTER_PORT=29577 LOCAL_WORLD_SIZE=1 LOCAL_RANK=0)
-ip netns exec "$A" env "${common[@]}" RANK=0 timeout 120 "$BIN/example_all_reduce" --backend gloo >/tmp/tp_rank0.$$ 2>&1 &
-p0=$!
-ip netns exec "$B" env "${common[@]}" RANK=1 timeout 120 "$BIN/example_all_reduce" --backend gloo >/tmp/tp_rank1.$$ 2>&1 &
-p1=$!
-wait $p0; c0=$?
-wait $p1; c1=$?
-cat /tmp/tp_rank0.$$ /tmp/tp_rank1.$$
-ok=0
-grep -q "rank 0 of 2 (gloo): all_reduce sum = 3" /tmp/tp_rank0.$$ || ok=1
-grep -q "rank 1 of 2 (gloo): all_reduce sum = 3" /tmp/tp_rank1.$$ || ok=1
-rm -f /tmp/tp_rank0.$$ /tmp/tp_rank1.$$
-if [ $c0 -ne 0 ] || [ $c1 -ne 0 ] || [ $ok -ne 0 ]; then
-  echo "FAILED: exit codes $c0 $c1, expected output found: $([ $ok -eq 0 ] && echo yes || echo no)"
-  exit 1
-fi
-echo "PASSED: all_reduce across two network namespaces"
-
-# RPC: each rank's listener binds to its namespace's address (TORCHPAR_RPC_ADDR).
-common=(WORLD_SIZE=2 MASTER_ADDR=10.213.7.1 MASTER_PORT=29578 LOCAL_WORLD_SIZE=1 LOCAL_RANK=0)
-ip netns exec "$A" env "${common[@]}" RANK=0 TORCHPAR_RPC_ADDR=10.213.7.1 timeout 120 "$BIN/example_rpc" >/tmp/tp_rank0.$$ 2>&1 &
-p0=$!
-ip netns exec "$B" env "${common[@]}" RANK=1 TORCHPAR_RPC_ADDR=10.213.7.2 timeout 120 "$BIN/example_rpc" >/tmp/tp_rank1.$$ 2>&1 &
-p1=$!
-wait $p0; c0=$?
-wait $p1; c1=$?
-cat /tmp/tp_rank0.$$ /tmp/tp_rank1.$$
-ok=0
-grep -q "rank 0 (rank0): add on rank1 = 40, norm = 3, hello rank0 from rank1, remote = 2" /tmp/tp_rank0.$$ || ok=1
-grep -q "rank 1 (rank1): add on rank0 = 41, norm = 3, hello rank1 from rank0, remote = 2" /tmp/tp_rank1.$$ || ok=1
-rm -f /tmp/tp_rank0.$$ /tmp/tp_rank1.$$
-if [ $c0 -ne 0 ] || [ $c1 -ne 0 ] || [ $ok -ne 0 ]; then
-  echo "FAILED (rpc): exit codes $c0 $c1, expected output found: $([ $ok -eq 0 ] && echo yes || echo no)"
-  exit 1
-fi
-echo "PASSED: rpc across two network namespaces"
+# run_pair WHAT PORT "WANT0" "WANT1" PROGRAM ARGS...: rank 0 in A, rank 1 in B (each with its
+# namespace's address as TORCHPAR_RPC_ADDR, where RPC listeners bind); both must exit 0 and
+# print their WANT line.
+run_pair() {
+  local what=$1 port=$2 want0=$3 want1=$4
+  shift 4
+  local common=(WORLD_SIZE=2 MASTER_ADDR=10.213.7.1 MASTER_PORT=$port LOCAL_WORLD_SIZE=1 LOCAL_RANK=0)
+  ip netns exec "$A" env "${common[@]}" RANK=0 TORCHPAR_RPC_ADDR=10.213.7.1 timeout 120 "$@" >/tmp/tp_rank0.$$ 2>&1 &
+  local p0=$!
+  ip netns exec "$B" env "${common[@]}" RANK=1 TORCHPAR_RPC_ADDR=10.213.7.2 timeout 120 "$@" >/tmp/tp_rank1.$$ 2>&1 &
+  local p1=$!
+  wait $p0; local c0=$?
+  wait $p1; local c1=$?
+  cat /tmp/tp_rank0.$$ /tmp/tp_rank1.$$
+  local ok=0
+  grep -q "$want0" /tmp/tp_rank0.$$ || ok=1
+  grep -q "$want1" /tmp/tp_rank1.$$ || ok=1
+  rm -f /tmp/tp_rank0.$$ /tmp/tp_rank1.$$
+  if [ $c0 -ne 0 ] || [ $c1 -ne 0 ] || [ $ok -ne 0 ]; then
+    echo "FAILED ($what): exit codes $c0 $c1, expected output found: $([ $ok -eq 0 ] && echo yes || echo no)"
+    exit 1
+  fi
+  echo "PASSED: $what across two network namespaces"
+}
+run_pair all_reduce 29577 "rank 0 of 2 (gloo): all_reduce sum = 3" \
+  "rank 1 of 2 (gloo): all_reduce sum = 3" "$BIN/example_all_reduce" --backend gloo
+# RPC: TensorPipe over TCP (its shm transport is only chosen within one network namespace).
+run_pair rpc 29578 "rank 0 (rank0): add on rank1 = 40, norm = 3, hello rank0 from rank1, remote = 2" \
+  "rank 1 (rank1): add on rank0 = 41, norm = 3, hello rank1 from rank0, remote = 2" "$BIN/example_rpc"

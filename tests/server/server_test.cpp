@@ -28,9 +28,9 @@
 
 namespace tp = torchpar;
 using namespace std::chrono_literals;
+using tp::testing::expect_throw;
 using tp::testing::free_port;
 using tp::testing::run_ranks;
-using tp::testing::expect_throw;
 constexpr auto make_world = tp::testing::make_named_world;
 constexpr auto expect_ok = tp::testing::expect_ranks_ok;
 

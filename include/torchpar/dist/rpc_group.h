@@ -71,7 +71,8 @@ class RpcKeyNotOwnedError : public Error {
 /// registered_* / get_paired of a key nobody holds (machin: "... not found on Group ...").
 class RpcKeyNotFoundError : public Error {
  public:
-  RpcKeyNotFoundError(std::string key, std::string msg) : Error(std::move(msg)), key_(std::move(key)) {}
+  RpcKeyNotFoundError(std::string key, std::string msg)
+      : Error(std::move(msg)), key_(std::move(key)) {}
   const std::string& key() const noexcept { return key_; }
 
  private:
@@ -111,8 +112,9 @@ struct RpcValue {
 template <class T>
 RpcValue rpc_encode(const T& value, bool same_host) {
   RpcValue v;
-  v.bytes = dumps(value, {.copy_tensor = true, .storages = &v.storages, .shared_as_handles = same_host})
-                .bytes;
+  v.bytes =
+      dumps(value, {.copy_tensor = true, .storages = &v.storages, .shared_as_handles = same_host})
+          .bytes;
   return v;
 }
 
@@ -161,8 +163,9 @@ struct RpcCallableTraits<R (C::*)(A...) noexcept> : RpcCallableTraits<R (*)(A...
 /// void result travels as an empty value.
 template <class F>
 RpcHandler make_rpc_handler(F fn) {
-  using Traits = RpcCallableTraits<std::conditional_t<std::is_function_v<std::remove_pointer_t<F>>,
-                                                      std::add_pointer_t<std::remove_pointer_t<F>>, F>>;
+  using Traits =
+      RpcCallableTraits<std::conditional_t<std::is_function_v<std::remove_pointer_t<F>>,
+                                           std::add_pointer_t<std::remove_pointer_t<F>>, F>>;
   using Args = typename Traits::Args;
   using R = typename Traits::Result;
   return [fn = std::move(fn)](const RpcValue& raw, bool same_host) mutable -> RpcValue {
@@ -294,7 +297,8 @@ bool RRef<T>::is_owner() const {
 /// callee's registration is what runs). Functions travel by name, never by address, so
 /// every process that may be called must register the same names, typically at namespace
 /// scope:
-///   static const bool kAdd = torchpar::register_function("add", +[](int a, int b) { return a + b; });
+///   static const bool kAdd = torchpar::register_function("add", +[](int a, int b) { return a + b;
+///   });
 /// Arguments are decoded as std::tuple of the parameters' decayed types; the caller's tuple
 /// must have those types (a string literal counts as std::string). Re-registering a name
 /// replaces it. Thread-safe. Returns true (for static initializers).
@@ -419,9 +423,10 @@ class RpcGroup {
     return rpc_async<R>(to, fn, args, timeout).wait();
   }
   template <class R, class... A>
-  RpcFuture<R> rpc_async(const std::string& to, const std::string& fn,
-                         const std::tuple<A...>& args, Timeout timeout = kDefaultRpcTimeout) {
-    return RpcFuture<R>(call_function(to, fn, detail::rpc_encode_args(args, same_host(to)), timeout));
+  RpcFuture<R> rpc_async(const std::string& to, const std::string& fn, const std::tuple<A...>& args,
+                         Timeout timeout = kDefaultRpcTimeout) {
+    return RpcFuture<R>(
+        call_function(to, fn, detail::rpc_encode_args(args, same_host(to)), timeout));
   }
   /// Runs `fn` on `to` and returns at once an RRef to its result, owned by `to`.
   template <class R, class... A>
@@ -452,9 +457,11 @@ class RpcGroup {
   std::shared_ptr<detail::RpcFutureState> call_service(const std::string& key,
                                                        const std::string& owner,
                                                        detail::RpcValue args, Timeout timeout);
-  std::shared_ptr<detail::RRefState> remote_service(const std::string& key, const std::string& owner,
-                                                    detail::RpcValue args, Timeout timeout);
-  std::shared_ptr<detail::RpcFutureState> call_function(const std::string& to, const std::string& fn,
+  std::shared_ptr<detail::RRefState> remote_service(const std::string& key,
+                                                    const std::string& owner, detail::RpcValue args,
+                                                    Timeout timeout);
+  std::shared_ptr<detail::RpcFutureState> call_function(const std::string& to,
+                                                        const std::string& fn,
                                                         detail::RpcValue args, Timeout timeout);
   std::shared_ptr<detail::RRefState> remote_function(const std::string& to, const std::string& fn,
                                                      detail::RpcValue args, Timeout timeout);

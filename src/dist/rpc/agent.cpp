@@ -38,7 +38,8 @@ Clock::time_point deadline_of(Timeout timeout) {
   if (!timeout) return Clock::time_point::max();
   const auto t = std::max(0.0, timeout->count());
   if (t > 1e9) return Clock::time_point::max();
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(t));
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(t));
 }
 
 std::exception_ptr status_error(uint8_t status, const std::string& type, const std::string& msg,
@@ -58,7 +59,9 @@ std::exception_ptr status_error(uint8_t status, const std::string& type, const s
 
 }  // namespace
 
-RpcHeader decode_rpc_header(std::string bytes) { return loads<RpcHeader>(Payload{std::move(bytes), {}}); }
+RpcHeader decode_rpc_header(std::string bytes) {
+  return loads<RpcHeader>(Payload{std::move(bytes), {}});
+}
 std::string encode_rpc_header(const RpcHeader& h) { return dumps(h).bytes; }
 
 // ---- futures and RRef states --------------------------------------------------------------
@@ -90,7 +93,9 @@ RRefState::~RRefState() {
   if (counted && agent) agent->release(*this);
 }
 
-bool rref_is_owner(const RRefState& state) { return state.agent && state.owner == state.agent->name(); }
+bool rref_is_owner(const RRefState& state) {
+  return state.agent && state.owner == state.agent->name();
+}
 
 RpcValue rref_fetch(const RRefState& state, Timeout timeout) {
   if (!state.agent) throw ValueError("RRef: refers to no RPC agent");
@@ -217,8 +222,8 @@ std::shared_ptr<OwnedValue> RpcAgent::find_owned(const std::string& id) const {
 
 size_t RpcAgent::owned_rrefs() const {
   std::lock_guard<std::mutex> g(mu_);
-  return static_cast<size_t>(
-      std::count_if(owned_.begin(), owned_.end(), [](const auto& kv) { return !kv.second->pinned; }));
+  return static_cast<size_t>(std::count_if(owned_.begin(), owned_.end(),
+                                           [](const auto& kv) { return !kv.second->pinned; }));
 }
 
 size_t RpcAgent::pending_calls() const {
@@ -233,7 +238,8 @@ std::string RpcAgent::address_of(const std::string& member) {
     if (it != addresses_.end()) return it->second;
   }
   const std::string key = "torchpar/rpc/addr/" + member;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(opts_.store_timeout);
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(opts_.store_timeout);
   if (poll_keys({key}, deadline) != -1) {
     throw TimeoutError(fmt::format(
         "rpc: member '{}' published no address within {} s (did it create an RpcGroup?)", member,
@@ -326,11 +332,14 @@ std::shared_ptr<RpcFutureState> RpcAgent::call(const std::string& to, Target tar
 RpcValue RpcAgent::fetch(const RRefState& rref, Timeout timeout) {
   if (rref.owner == opts_.name) {
     auto v = find_owned(rref.id);
-    if (!v) throw RpcKeyNotFoundError(rref.id, fmt::format("RRef {} is unknown to its owner '{}'", rref.id, rref.owner));
+    if (!v)
+      throw RpcKeyNotFoundError(
+          rref.id, fmt::format("RRef {} is unknown to its owner '{}'", rref.id, rref.owner));
     std::shared_ptr<RpcFutureState> state = std::make_shared<RpcFutureState>();
     auto complete = [state, v, this] {
       if (v->error_status != kOk) {
-        state->complete({}, status_error(v->error_status, v->error_type, v->error, opts_.name, v->error));
+        state->complete(
+            {}, status_error(v->error_status, v->error_type, v->error, opts_.name, v->error));
       } else if (v->encode) {
         try {
           state->complete(v->encode(true), nullptr);
@@ -351,7 +360,8 @@ RpcValue RpcAgent::fetch(const RRefState& rref, Timeout timeout) {
       }
     }
     if (!state->wait(timeout))
-      throw TimeoutError(fmt::format("RRef {}: the value was not ready within {} s", rref.id, timeout->count()));
+      throw TimeoutError(
+          fmt::format("RRef {}: the value was not ready within {} s", rref.id, timeout->count()));
     if (state->error) std::rethrow_exception(state->error);
     return state->value;
   }
@@ -437,10 +447,11 @@ void RpcAgent::on_message(const std::string& peer, rpc::Message msg) {
       }
       auto self = shared_from_this();
       try {
-        pool_->submit([self, peer, h, body = std::move(body)]() mutable {
-                        self->execute(peer, std::move(h), std::move(body));
-                      },
-                      nullptr);
+        pool_->submit(
+            [self, peer, h, body = std::move(body)]() mutable {
+              self->execute(peer, std::move(h), std::move(body));
+            },
+            nullptr);
       } catch (...) {  // shutting down
       }
       return;
@@ -448,7 +459,8 @@ void RpcAgent::on_message(const std::string& peer, rpc::Message msg) {
     case kFetch: {
       auto self = shared_from_this();
       try {
-        pool_->submit([self, peer, h]() mutable { self->serve_fetch(peer, std::move(h)); }, nullptr);
+        pool_->submit([self, peer, h]() mutable { self->serve_fetch(peer, std::move(h)); },
+                      nullptr);
       } catch (...) {
       }
       return;
@@ -578,10 +590,10 @@ void RpcAgent::serve_fetch(const std::string& peer, Header h) {
     }
   }
   if (!v) {
-    return reply(peer, h.id, kNotFound, "",
-                 fmt::format("RRef {} is unknown to its owner '{}' (freed or unpaired)", h.rref,
-                             opts_.name),
-                 {});
+    return reply(
+        peer, h.id, kNotFound, "",
+        fmt::format("RRef {} is unknown to its owner '{}' (freed or unpaired)", h.rref, opts_.name),
+        {});
   }
   reply_owned(peer, h.id, *v);
 }
@@ -642,8 +654,9 @@ void RpcAgent::timer_loop() {
     if (!expired.empty()) {
       lk.unlock();
       for (auto& p : expired) {
-        p.state->complete({}, std::make_exception_ptr(TimeoutError(fmt::format(
-                                  "rpc {} to member '{}' timed out after {} s", p.what, p.to, p.seconds))));
+        p.state->complete(
+            {}, std::make_exception_ptr(TimeoutError(fmt::format(
+                    "rpc {} to member '{}' timed out after {} s", p.what, p.to, p.seconds))));
       }
       lk.lock();
       continue;

@@ -29,9 +29,9 @@
 namespace torchpar::detail {
 
 struct RpcAgentOptions {
-  std::string name;                  ///< this member
-  std::vector<std::string> names;    ///< every World member, by rank
-  std::vector<std::string> hosts;    ///< their host keys, by rank
+  std::string name;                ///< this member
+  std::vector<std::string> names;  ///< every World member, by rank
+  std::vector<std::string> hosts;  ///< their host keys, by rank
   c10::intrusive_ptr<c10d::Store> store;
   AuthKey authkey;
   std::string bind_host = "127.0.0.1";
@@ -44,14 +44,14 @@ struct RpcAgentOptions {
 struct OwnedValue {
   std::string creator;  ///< who made it (remote() caller; the owner for pairs)
   bool ready = false;
-  RpcValue value;                    ///< remote() result (encoded for another host)
-  std::string error_type, error;     ///< remote() whose function threw
+  RpcValue value;                 ///< remote() result (encoded for another host)
+  std::string error_type, error;  ///< remote() whose function threw
   uint8_t error_status = 0;
-  std::shared_ptr<void> object;      ///< paired value
+  std::shared_ptr<void> object;  ///< paired value
   std::type_index type = typeid(void);
-  std::function<RpcValue(bool)> encode;  ///< paired value: encodes a copy
-  int64_t refs = 0;                  ///< counted user references (remote() results)
-  bool pinned = false;               ///< paired: lives until unpair
+  std::function<RpcValue(bool)> encode;        ///< paired value: encodes a copy
+  int64_t refs = 0;                            ///< counted user references (remote() results)
+  bool pinned = false;                         ///< paired: lives until unpair
   std::vector<std::function<void()>> waiters;  ///< run once ready
 };
 
@@ -78,7 +78,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent> {
   }
   /// Waits until every key is set, polling; -1, or the index of the first key missing at
   /// `deadline`.
-  int poll_keys(const std::vector<std::string>& keys, std::chrono::steady_clock::time_point deadline);
+  int poll_keys(const std::vector<std::string>& keys,
+                std::chrono::steady_clock::time_point deadline);
   std::chrono::duration<double> store_timeout() const { return opts_.store_timeout; }
 
   void open_group(const std::string& group);
@@ -98,8 +99,9 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent> {
   /// Sends a call; the future completes with its reply, its error, or TimeoutError.
   /// `rref_id` non-empty: the callee keeps the result as that RRef and replies nothing
   /// (the returned future is then nullptr).
-  std::shared_ptr<RpcFutureState> call(const std::string& to, Target target, const std::string& group,
-                                       const std::string& name, RpcValue args, Timeout timeout,
+  std::shared_ptr<RpcFutureState> call(const std::string& to, Target target,
+                                       const std::string& group, const std::string& name,
+                                       RpcValue args, Timeout timeout,
                                        const std::string& rref_id = {});
   /// The value of an RRef (see RRef::to_here).
   RpcValue fetch(const RRefState& rref, Timeout timeout);

@@ -60,7 +60,9 @@ bool RpcGroup::is_member(const std::string& name) const {
   return std::binary_search(m.begin(), m.end(), name);
 }
 
-bool RpcGroup::same_host(const std::string& member) const { return get(impl_).agent->same_host(member); }
+bool RpcGroup::same_host(const std::string& member) const {
+  return get(impl_).agent->same_host(member);
+}
 
 void RpcGroup::barrier(Timeout timeout) {
   auto& g = get(impl_);
@@ -79,8 +81,8 @@ void RpcGroup::barrier(Timeout timeout) {
     return detail::store_barrier(s, k, static_cast<int64_t>(g.members.size()), deadline);
   });
   if (!ok) {
-    throw TimeoutError(fmt::format("RpcGroup '{}': barrier #{} on '{}' timed out after {} s", g.group,
-                                   n, g.agent->name(), t));
+    throw TimeoutError(fmt::format("RpcGroup '{}': barrier #{} on '{}' timed out after {} s",
+                                   g.group, n, g.agent->name(), t));
   }
 }
 
@@ -209,7 +211,8 @@ std::shared_ptr<detail::RpcFutureState> RpcGroup::call_service(const std::string
 
 std::shared_ptr<detail::RRefState> RpcGroup::remote_service(const std::string& key,
                                                             const std::string& owner,
-                                                            detail::RpcValue args, Timeout timeout) {
+                                                            detail::RpcValue args,
+                                                            Timeout timeout) {
   auto& g = get(impl_);
   auto state = std::make_shared<detail::RRefState>();
   state->owner = owner;
@@ -249,7 +252,8 @@ std::shared_ptr<detail::RRefState> RpcGroup::remote_function(const std::string& 
 
 // ---- pairs -----------------------------------------------------------------------------------
 
-void RpcGroup::pair_value(const std::string& key, std::type_index type, std::shared_ptr<void> object,
+void RpcGroup::pair_value(const std::string& key, std::type_index type,
+                          std::shared_ptr<void> object,
                           std::function<detail::RpcValue(bool)> encode) {
   auto& g = get(impl_);
   g.check_open();
@@ -320,7 +324,8 @@ std::shared_ptr<detail::RRefState> RpcGroup::paired_state(const std::string& key
   auto& g = get(impl_);
   g.check_open();
   const auto got = g.store_get(g.key("pair", key));
-  if (!got) throw RpcKeyNotFoundError(key, fmt::format("Value {} not found on Group {}", key, g.group));
+  if (!got)
+    throw RpcKeyNotFoundError(key, fmt::format("Value {} not found on Group {}", key, g.group));
   const auto nl = got->find('\n');
   if (nl == std::string::npos)
     throw ProtocolError(fmt::format("RpcGroup '{}': malformed pair record for {}", g.group, key));
