@@ -40,7 +40,7 @@ demo: build
 	@$(BUILD)/bin/torchpar info
 	@$(BUILD)/bin/torchpar train
 
-# libFuzzer on loads for 60 s (needs clang; builds its own tree).
+# libFuzzer on loads, manager requests and RPC messages, 60 s each (gcc with ASan+UBSan; builds its own tree).
 fuzz: build
 	@cd $(BUILD) && ctest -L fuzz --output-on-failure
 
