@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/bench_main.h"
 #include "torchpar/dist/rpc_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
@@ -261,23 +262,7 @@ BENCHMARK(BM_RpcSyncTensor1M)
 BENCHMARK(BM_RpcAsyncInFlight64)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 int main(int argc, char** argv) {
-  tp::init(argc, argv);
-  at::set_num_threads(1);
-  std::vector<char*> rest = {argv[0]};
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--calls") == 0 && i + 1 < argc) {
-      g_calls = std::atoll(argv[++i]);
-    } else if (std::strcmp(argv[i], "--tensor-calls") == 0 && i + 1 < argc) {
-      g_tensor_calls = std::atoll(argv[++i]);
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  int n = static_cast<int>(rest.size());
-  benchmark::Initialize(&n, rest.data());
-  if (benchmark::ReportUnrecognizedArguments(n, rest.data())) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  g_session.reset();  // stops the callee while torchpar's statics are alive
-  benchmark::Shutdown();
-  return 0;
+  return tp::bench::run_benchmarks(argc, argv,
+                                   {{"--calls", &g_calls}, {"--tensor-calls", &g_tensor_calls}},
+                                   [] { g_session.reset(); });  // stops the callee
 }

@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "support/bench_main.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -179,22 +180,5 @@ BENCHMARK(BM_ManagerQueueTensor4K)
     ->UseRealTime();
 
 int main(int argc, char** argv) {
-  tp::init(argc, argv);
-  at::set_num_threads(1);
-  std::vector<char*> rest = {argv[0]};
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--ops") == 0 && i + 1 < argc) {
-      g_ops = std::atoll(argv[++i]);
-    } else if (std::strcmp(argv[i], "--items") == 0 && i + 1 < argc) {
-      g_items = std::atoll(argv[++i]);
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  int n = static_cast<int>(rest.size());
-  benchmark::Initialize(&n, rest.data());
-  if (benchmark::ReportUnrecognizedArguments(n, rest.data())) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return tp::bench::run_benchmarks(argc, argv, {{"--ops", &g_ops}, {"--items", &g_items}});
 }

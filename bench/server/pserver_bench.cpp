@@ -54,6 +54,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/bench_main.h"
 #include "torchpar/dist/rpc_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
@@ -345,23 +346,7 @@ BENCHMARK(BM_PushPull)
     ->UseRealTime();
 
 int main(int argc, char** argv) {
-  tp::init(argc, argv);
-  at::set_num_threads(1);
-  std::vector<char*> rest = {argv[0]};
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--cycles") == 0 && i + 1 < argc) {
-      g_cycles[kMnist] = std::atoll(argv[++i]);
-    } else if (std::strcmp(argv[i], "--cycles-16m") == 0 && i + 1 < argc) {
-      g_cycles[k16M] = std::atoll(argv[++i]);
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  int n = static_cast<int>(rest.size());
-  benchmark::Initialize(&n, rest.data());
-  if (benchmark::ReportUnrecognizedArguments(n, rest.data())) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  g_session.reset();  // stops the trainers while torchpar's statics are alive
-  benchmark::Shutdown();
-  return 0;
+  return tp::bench::run_benchmarks(
+      argc, argv, {{"--cycles", &g_cycles[kMnist]}, {"--cycles-16m", &g_cycles[k16M]}},
+      [] { g_session.reset(); });  // stops the trainers
 }
