@@ -1043,7 +1043,9 @@ def plot_collectives(runs, out, cfg):
 # ----------------------------------------------------------------------------------------------
 # train: torchpar train vs the PyTorch recipes
 
-TRAIN_STRATEGIES = ("single", "hogwild", "ddp")
+TRAIN_STRATEGIES = ("single", "hogwild", "ddp", "pserver")
+# pserver has no PyTorch recipe among the peers: its row shows torchpar alone. With --workers 2
+# it is 1 server + 1 trainer, so its samples/s are one trainer's (no speed-up target).
 TRAIN_PEERS = {"single": ["mnist_hogwild.py", "--workers", "1", "--single"],
                "hogwild": ["mnist_hogwild.py", "--workers", "2"],
                "ddp": ["mnist_ddp.py", "--workers", "2"]}
@@ -1079,13 +1081,15 @@ def runners_train(cfg):
     runners = []
     for s in TRAIN_STRATEGIES:
         runners.append(torchpar_train_runner(cfg, s, limit))
+        if s not in TRAIN_PEERS:
+            continue
         peer = [PY, PEERS / TRAIN_PEERS[s][0]] + TRAIN_PEERS[s][1:] + limit
         runners.append(Runner(f"pytorch {s}", False, peer, parse_peer_train, cfg.pick(300, 900)))
     return runners
 
 
 def report_train(runs, limits, cfg):
-    get = lambda who, s, k: runs[f"{who} {s}"]["median"].get(k)
+    get = lambda who, s, k: runs.get(f"{who} {s}", {}).get("median", {}).get(k)
     ours_single = get("torchpar", "single", "samples_per_s")
     peer_single = get("pytorch", "single", "samples_per_s")
     acc_single = get("torchpar", "single", "test_accuracy")
@@ -1097,7 +1101,7 @@ def report_train(runs, limits, cfg):
                      fmt_x(advantage(p, peer_single, True)), fmt(oa), fmt(pa)))
         summary[s] = {"torchpar_samples_per_s": o, "pytorch_samples_per_s": p,
                       "torchpar_accuracy": oa, "pytorch_accuracy": pa}
-        if s == "single":
+        if s in ("single", "pserver"):
             continue
         speedup = advantage(o, ours_single, True)
         trows.append((f"{s} samples/s ≥ 1.6x torchpar single", fmt_x(speedup), verdict(speedup, 1.6, True)))
@@ -1117,7 +1121,8 @@ def report_train(runs, limits, cfg):
            "warm-up (each run is 5-15 s and starts fresh processes; data loading is outside the "
            "timed phase). samples/s: training phase only. Accuracy: test set after the epoch. "
            "`torchpar train --strategy ddp` scales the lr by the number of workers by default "
-           "(--lr-scaling linear); mnist_ddp.py keeps the recipe's lr.\n\n### Targets (issue 6)\n\n")
+           "(--lr-scaling linear); mnist_ddp.py keeps the recipe's lr. pserver: 1 server + 1 trainer "
+           "(asynchronous push/pull over RpcGroup), no PyTorch peer in this table.\n\n### Targets (issue 6)\n\n")
     md += table(["target", "measured", "met"], trows) + "\n\n![train](train.png)"
     return md, summary
 
@@ -1127,7 +1132,8 @@ def plot_train(runs, out):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     width = 0.38
     for j, who in enumerate(("torchpar", "pytorch")):
-        vals = [runs[f"{who} {s}"]["median"].get("samples_per_s") or 0 for s in TRAIN_STRATEGIES]
+        vals = [runs.get(f"{who} {s}", {}).get("median", {}).get("samples_per_s") or 0
+                for s in TRAIN_STRATEGIES]
         xs = [i + (j - 0.5) * width for i in range(len(TRAIN_STRATEGIES))]
         bars = ax.bar(xs, vals, width, label="torchpar" if who == "torchpar" else "PyTorch recipe")
         ax.bar_label(bars, labels=[fmt(v) if v else "n/a" for v in vals], fontsize=8)
