@@ -343,7 +343,7 @@ class RawEcho : public std::enable_shared_from_this<RawEcho> {
         d.payloads[0].length > kRawMaxRequestBytes || d.tensors.size() > 1 ||
         (tensor &&
          (d.tensors[0].length < kRawReplyBytes || d.tensors[0].length > kRawTensorBytes))) {
-      pipe_->close();  // not this benchmark's caller: the caller then fails, naming the pipe
+      pipe_->close();  // not this benchmark's request: its sender then sees a TensorPipe error
       return;
     }
     request_.resize(d.payloads[0].length);
