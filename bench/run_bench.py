@@ -15,7 +15,8 @@ Benchmarks (names for --only), run in this order:
                an abstract Unix socket (ours) and AF_UNIX and TCP (Python's)
   rpc          rpc_bench vs peers/python_rpc.py (torch.distributed.rpc, TensorPipe backend): rpc_sync
                round trips (tiny; 1 MiB tensor fresh, and ours from shared memory), 64 rpc_async
-               calls in flight; raw TensorPipe ping-pong is not measured
+               calls in flight; and raw TensorPipe ping-pong (tiny, 1 MiB; rpc_bench drives
+               TensorPipe's own API) as the transport's limit
   pserver      pserver_bench vs peers/python_pserver.py (the same gradient server written with
                torch.distributed.rpc): push+pull cycles/s for the mnist_hogwild model and a 16 MiB
                model, 1 server + 1 trainer and 1 server + 3 trainers
@@ -699,7 +700,15 @@ RPC_ROWS = [
 ]
 RPC_BENCH = {"tiny": "BM_RpcSyncTiny/real_time",
              "tensor_1m_fresh": "BM_RpcSyncTensor1M/shared:0/real_time",
-             "tensor_1m_shared": "BM_RpcSyncTensor1M/shared:1/real_time"}
+             "tensor_1m_shared": "BM_RpcSyncTensor1M/shared:1/real_time",
+             "raw_tiny": "BM_RawTensorPipeTiny/real_time",
+             "raw_tensor_1m": "BM_RawTensorPipeTensor1M/real_time"}
+# The transport's limit: label, torchpar's measure, the raw TensorPipe measure (both rpc_bench)
+RPC_LIMIT_ROWS = [
+    ("round trip, tiny (rpc_sync add(int, int); raw: 8 bytes there, 4 back)", "tiny", "raw_tiny"),
+    ("round trip, fresh 1 MiB float32 tensor there, first element back", "tensor_1m_fresh",
+     "raw_tensor_1m"),
+]
 RPC_TARGET = 10  # x Python (issue 14): tiny vs a Python function, 1 MiB shared vs Python's 1 MiB
 
 
@@ -764,6 +773,13 @@ def report_rpc(runs, limits, cfg):
                       verdict(ratio, factor, True)))
         summary[f"target_{key}"] = {"ratio": ratio, "target": factor,
                                     "met": None if ratio is None else ratio >= factor}
+    lrows = []
+    for label, measure, raw in RPC_LIMIT_ROWS:
+        mine, limit = ours.get(measure), ours.get(raw)
+        ratio = mine / limit if mine and limit else None
+        lrows.append((label, fmt(mine), fmt(limit), fmt_x(ratio)))
+        summary[f"{measure}_vs_{raw}"] = {"torchpar": mine, "raw_tensorpipe": limit, "unit": "us/call",
+                                          "torchpar_over_raw": ratio}
     md = table(["measure (torchpar)", "Python counterpart (torch.distributed.rpc)", "unit", "torchpar",
                 "Python", "torchpar vs Python"], rows, left=3)
     memcpy_1m = limits.get(f"memcpy/{MiB}") if limits else None
@@ -780,9 +796,16 @@ def report_rpc(runs, limits, cfg):
            "faster torchpar is (> 1: torchpar better)."
            + (f" For scale, one thread's 1 MiB memcpy takes {fmt(memcpy_1m)} us (limits)."
               if memcpy_1m else "")
-           + "\n\nRaw TensorPipe ping-pong (the transport's limit): not measured. TensorPipe's "
-           "headers stay inside src/dist/rpc/transport/tensorpipe/, so bench/ cannot drive the "
-           "transport alone.\n\n### Targets (issue 14)\n\n")
+           + "\n\n### The transport's limit: raw TensorPipe ping-pong\n\n"
+           + table(["round trip (2 processes, one host)", "torchpar rpc_sync (us/call)",
+                    "raw TensorPipe (us/call)", "torchpar / raw"], lrows)
+           + "\n\nrpc_bench's BM_RawTensorPipe* drive TensorPipe's own API (tensorpipe/tensorpipe.h) "
+           "between the benchmark and a spawned peer, with the context torchpar's transport uses (uv "
+           "and shm transports, cma and basic channels; shm and cma on one host): no handshake, "
+           "framing, serialization, thread pool or future. The 1 MiB tensor is a fresh full() each "
+           "call as in torchpar's row; the peer reads it into one reused buffer and answers its first "
+           "4 bytes. torchpar / raw: how many raw round trips one of torchpar's takes (1x: at the "
+           "transport's limit; the rest is torchpar's RPC layer).\n\n### Targets (issue 14)\n\n")
     md += table(["target", "measured", "goal", "met"], trows) + "\n\n![rpc](rpc.png)"
     return md, summary
 
@@ -793,10 +816,13 @@ def plot_rpc(runs, out):
     panels = [
         ("rpc_sync, tiny (us/call)", [("torchpar", ours.get("tiny")),
                                       ("Python\nfunction", peer.get("tiny_python_fn")),
-                                      ("Python\nbuiltin op", peer.get("tiny_builtin"))],
+                                      ("Python\nbuiltin op", peer.get("tiny_builtin")),
+                                      ("raw\nTensorPipe", ours.get("raw_tiny"))],
          tenth(peer.get("tiny_python_fn")), False),
         ("rpc_sync, fresh 1 MiB (us/call)", [("torchpar", ours.get("tensor_1m_fresh")),
-                                             ("Python", peer.get("tensor_1m_fresh"))], None, False),
+                                             ("Python", peer.get("tensor_1m_fresh")),
+                                             ("raw\nTensorPipe", ours.get("raw_tensor_1m"))],
+         None, False),
         ("rpc_sync, 1 MiB, ours in shared memory (us/call)",
          [("torchpar\nshared", ours.get("tensor_1m_shared")),
           ("Python\nfresh", peer.get("tensor_1m_fresh")),

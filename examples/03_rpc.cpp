@@ -1,9 +1,14 @@
 // RPC between ranks started by `torchpar run` (or by hand with RANK, WORLD_SIZE,
-// MASTER_ADDR, MASTER_PORT): every rank registers a function by name and a service of its
-// own, then calls the next rank's function, the previous rank's service, and fetches a
-// remote() result.
+// MASTER_ADDR, MASTER_PORT and the job's key): every rank registers a function by name and a
+// service of its own, then calls the next rank's function, the previous rank's service, and
+// fetches a remote() result.
 //
 //   torchpar run -n 3 -- example_rpc
+//
+// RPC needs the job's key: `torchpar run` gives its ranks a fresh one in TORCHPAR_AUTHKEY
+// (hex); started by hand, give every rank the same TORCHPAR_AUTHKEY (for instance
+// `export TORCHPAR_AUTHKEY=$(openssl rand -hex 32)`) or set WorldOptions::authkey. Without
+// one, create_rpc_group throws ValueError saying so.
 //
 // The RPC listener binds to 127.0.0.1 unless TORCHPAR_RPC_ADDR names an address of this
 // host (the two-host test sets it to each network namespace's address).

@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "support/bench_main.h"
+#include "torchpar/core/auth.h"
 #include "torchpar/dist/rpc_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
@@ -113,13 +114,15 @@ std::shared_ptr<torch::nn::Module> make_model(int model) {
   return std::make_shared<Net16M>();
 }
 
-tp::WorldOptions world_options(int rank, int port) {
+/// `key`: the job's key, fresh per run (Session makes it, as `torchpar run` does per job).
+tp::WorldOptions world_options(int rank, int port, tp::AuthKey key) {
   return tp::WorldOptions{.name = rank == 0 ? kServer : trainer_name(rank),
                           .rank = rank,
                           .world_size = kMaxTrainers + 1,
                           .master_addr = "127.0.0.1",
                           .master_port = port,
-                          .timeout = kWait};
+                          .timeout = kWait,
+                          .authkey = std::move(key)};
 }
 
 /// A trainer's copy of one model and its accessor of that model's server.
@@ -140,8 +143,8 @@ void cycle(TrainerModel& m) {
 
 /// Ranks 1-3: run the cycles the server asks for ({model, cycles}; model -1 stops) and
 /// answer each batch with "" or the error that ended it.
-void trainer_main(int rank, int port, tp::Connection ctl) {
-  tp::World world(world_options(rank, port));
+void trainer_main(int rank, int port, tp::AuthKey key, tp::Connection ctl) {
+  tp::World world(world_options(rank, port, std::move(key)));
   tp::RpcGroup group = world.create_rpc_group(kGroup, members());
   {
     std::map<int, TrainerModel> models;
@@ -187,7 +190,7 @@ struct ServerModel {
 /// hosts.
 class Session {
  public:
-  Session() : Session(tp::find_free_port()) {}
+  Session() : Session(tp::find_free_port(), tp::random_authkey()) {}
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
   ~Session() { close(); }
@@ -263,16 +266,16 @@ class Session {
     return o;
   }
 
-  explicit Session(int port) {
+  Session(int port, const tp::AuthKey& key) {
     ctl_.reserve(kMaxTrainers);
     trainers_.reserve(kMaxTrainers);
     for (int r = 1; r <= kMaxTrainers; ++r) {
       auto [mine, theirs] = tp::Pipe();
       ctl_.push_back(std::move(mine));
-      trainers_.emplace_back(trainer_options(r), trainer_main, r, port, std::move(theirs));
+      trainers_.emplace_back(trainer_options(r), trainer_main, r, port, key, std::move(theirs));
       trainers_.back().start();
     }
-    world_.emplace(world_options(0, port));
+    world_.emplace(world_options(0, port, key));
     group_ = world_->create_rpc_group(kGroup, members());
   }
 

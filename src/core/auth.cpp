@@ -399,17 +399,35 @@ void make_private_dir(const std::string& dir) {
 
 }  // namespace
 
-AuthKey default_authkey() {
-  if (const char* hex = std::getenv("TORCHPAR_AUTHKEY"); hex && *hex) {
-    try {
-      AuthKey k = from_hex(hex);
-      if (k.empty()) throw Error("empty");
-      return k;
-    } catch (const Error& e) {
-      throw Error(fmt::format("TORCHPAR_AUTHKEY must be the job's key in hex: {}",
-                              e.what_without_backtrace()));
-    }
+std::optional<AuthKey> authkey_from_env() {
+  const char* value = std::getenv(kAuthKeyEnv);
+  if (!value) return std::nullopt;
+  const std::string_view hex(value);
+  // The messages name positions, never characters: the value is the job's secret.
+  if (hex.empty()) {
+    throw ValueError(
+        fmt::format("{} is set but empty: it must be the job's key in hex "
+                    "(e.g. 64 hex digits for 32 bytes)",
+                    kAuthKeyEnv));
   }
+  const auto bad = std::find_if_not(hex.begin(), hex.end(), [](char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+  });
+  if (bad != hex.end()) {
+    throw ValueError(
+        fmt::format("{} must be the job's key in hex: character {} of {} is not "
+                    "a hex digit",
+                    kAuthKeyEnv, bad - hex.begin() + 1, hex.size()));
+  }
+  if (hex.size() % 2 != 0) {
+    throw ValueError(fmt::format("{} must be the job's key in hex: {} digits, an odd number",
+                                 kAuthKeyEnv, hex.size()));
+  }
+  return from_hex(hex);
+}
+
+AuthKey default_authkey() {
+  if (const char* hex = std::getenv(kAuthKeyEnv); hex && *hex) return *authkey_from_env();
   const std::string path = default_authkey_path();
   const std::string dir = path.substr(0, path.rfind('/'));
   make_private_dir(dir.substr(0, dir.rfind('/')));  // ~/.cache may be missing

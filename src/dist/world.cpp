@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "dist/backend/gloo/backend.h"
@@ -36,6 +38,48 @@ std::string join(const std::vector<int>& v) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
   return s;
+}
+
+/// What to do about a missing or bad RPC key (every such error says it).
+constexpr const char* kRpcKeyAdvice =
+    "set WorldOptions::authkey or TORCHPAR_AUTHKEY (hex), as `torchpar run` does";
+
+/// The value a member that refuses to start RPC writes under its join key instead of
+/// joining, so that the others fail at once, naming it, rather than at the group's
+/// timeout. Never a secret.
+constexpr const char* kRefusedJoin = "refused: no usable job key";
+
+/// The key of this process's RPC agent: WorldOptions::authkey, else TORCHPAR_AUTHKEY. Unlike
+/// the store and the Manager, RPC never falls back to the per-user key file: a job's ranks
+/// get a fresh key from their launcher, and without one RPC does not start. Every member
+/// decides from its own options and environment, so ranks started alike decide alike.
+/// Errors: ValueError (no key; TORCHPAR_AUTHKEY set but empty or not hex).
+AuthKey rpc_authkey(const AuthKey& given, const std::string& group) {
+  if (!given.empty()) return given;
+  std::optional<AuthKey> env;
+  try {
+    env = authkey_from_env();
+  } catch (const ValueError& e) {
+    throw ValueError(fmt::format("World::create_rpc_group('{}'): {}; {}", group,
+                                 e.what_without_backtrace(), kRpcKeyAdvice));
+  }
+  if (!env) {
+    throw ValueError(
+        fmt::format("World::create_rpc_group('{}'): RPC needs the job's key and this member "
+                    "has none: {} (RPC does not use the per-user key file)",
+                    group, kRpcKeyAdvice));
+  }
+  return *std::move(env);
+}
+
+/// Marks `me` as refusing to join `group` (see kRefusedJoin). Best effort: the store may be
+/// gone too, and the caller's own error is what this member reports.
+void announce_refusal(c10d::Store& store, const std::string& group,
+                      const std::string& me) noexcept {
+  try {
+    store.set(RpcGroup::Impl::store_key(group, "join", me), detail::store_bytes(kRefusedJoin));
+  } catch (...) {  // the others then time out, naming this member
+  }
 }
 
 }  // namespace
@@ -233,19 +277,31 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
                     "group; only members create it",
                     group_name, me));
   std::shared_ptr<detail::RpcAgent> agent;
+  std::exception_ptr refused;  // no usable key: this member does not start RPC
   {
     std::lock_guard<std::mutex> g(w.mu);
     if (w.destroyed) throw ClosedError("World: destroyed");
     if (!w.rpc_groups.insert(group_name).second)
       throw ValueError(
           fmt::format("World::create_rpc_group: group '{}' exists in this process", group_name));
+    AuthKey key;
     if (!w.rpc_agent) {
+      // Before anything listens. Once the agent runs, its key stays (a process may unset
+      // TORCHPAR_AUTHKEY after its first group, to keep it from its own children).
+      try {
+        key = rpc_authkey(w.rdv.opts.authkey, group_name);
+      } catch (const ValueError&) {
+        w.rpc_groups.erase(group_name);
+        refused = std::current_exception();
+      }
+    }
+    if (!w.rpc_agent && !refused) {
       detail::RpcAgentOptions o;
       o.name = me;
       o.names = w.rdv.names;
       for (const auto& m : w.rdv.members) o.hosts.push_back(m.host);
       o.store = w.rdv.store;
-      o.authkey = w.rdv.opts.authkey.empty() ? default_authkey() : w.rdv.opts.authkey;
+      o.authkey = std::move(key);
       const char* addr = std::getenv("TORCHPAR_RPC_ADDR");
       o.bind_host = addr && *addr ? addr : "127.0.0.1";
       o.shm = w.rdv.world_size <= 16;  // pytorch/tensorpipe#397: more fail on shm
@@ -258,6 +314,10 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
       }
     }
     agent = w.rpc_agent;
+  }
+  if (refused) {
+    announce_refusal(*w.rdv.store, group_name, me);
+    std::rethrow_exception(refused);
   }
   auto impl = std::make_shared<RpcGroup::Impl>();
   impl->agent = agent;
@@ -278,6 +338,19 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
     throw TimeoutError(
         fmt::format("World::create_rpc_group('{}'): member '{}' did not join within {} s",
                     group_name, members[static_cast<size_t>(missing)], options.timeout.count()));
+  }
+  // Every key is set (get does not wait); a member without a key set kRefusedJoin instead.
+  for (const auto& m : members) {
+    if (m == me) continue;
+    const std::string v =
+        agent->with_store([&](c10d::Store& s) { return detail::store_string(s.get(join(m))); });
+    if (v == kRefusedJoin) {
+      agent->close_group(group_name);
+      throw ValueError(
+          fmt::format("World::create_rpc_group('{}'): member '{}' refused to start RPC: it has "
+                      "no usable job key; {} on every member",
+                      group_name, m, kRpcKeyAdvice));
+    }
   }
   return RpcGroup(std::move(impl));
 }

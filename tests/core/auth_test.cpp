@@ -127,6 +127,28 @@ TEST(Auth, HexRoundTripAndKeyFile) {
   ::rmdir(dir);
 }
 
+TEST(Auth, KeyFromTheEnvironment) {
+  ::unsetenv("TORCHPAR_AUTHKEY");
+  EXPECT_FALSE(tp::authkey_from_env().has_value());
+  ::setenv("TORCHPAR_AUTHKEY", "00fF10", 1);
+  EXPECT_EQ(tp::authkey_from_env(), (tp::AuthKey{0, 255, 16}));
+  // Set but unusable: a ValueError naming the variable, never echoing the secret.
+  for (const char* bad : {"", "abc", "00zq", "0x00"}) {
+    ::setenv("TORCHPAR_AUTHKEY", bad, 1);
+    try {
+      (void)tp::authkey_from_env();
+      ADD_FAILURE() << "TORCHPAR_AUTHKEY=\"" << bad << "\" was accepted";
+    } catch (const tp::ValueError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("TORCHPAR_AUTHKEY"), std::string::npos) << what;
+      if (*bad) {
+        EXPECT_EQ(what.find(bad), std::string::npos) << "the value leaked: " << what;
+      }
+    }
+  }
+  ::unsetenv("TORCHPAR_AUTHKEY");
+}
+
 TEST(Auth, LegacyMd5ChallengeIsAnsweredOnlyWhenAllowed) {
   // A Python <= 3.11 server's challenge: 20 random bytes, no digest prefix.
   const std::string legacy = "#CHALLENGE#" + std::string(20, 'r');

@@ -1,16 +1,19 @@
 // RpcGroup across real processes: machin's test_world.py cases in C++ (3 members named
 // "0", "1", "2"), tensors by value and by shared-memory handle, remote errors, timeouts,
-// RRef reference counting, a member killed mid-call and a group destroyed with calls in
-// flight.
+// RRef reference counting, a member killed mid-call, a group destroyed with calls in
+// flight, and the job's key (none, malformed, one member without it, another key).
 
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <stdexcept>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "support/ranks.h"
 #include "support/rpc.h"
@@ -269,4 +272,131 @@ TEST(RpcGroup, DestroyFailsCallsInFlight) {
   expect_ok(run_ranks(2, 120, &destroy_rank, free_port()));
 }
 
+// ---- the job's key -------------------------------------------------------------------------
+
+constexpr const char* kKeyAdvice =
+    "set WorldOptions::authkey or TORCHPAR_AUTHKEY (hex), as `torchpar run` does";
+/// Far above what refusing takes: a member that waits for it has hung.
+constexpr auto kJoinTimeout = 90s;
+constexpr double kRefusalBound = 30;  // seconds
+
+/// A FileStore path of its own for one test (run_on_file_store removes it before and after).
+std::string store_path(const char* test) {
+  return fmt::format("/tmp/torchpar_rpc_{}_{}", test, ::getpid());
+}
+
+/// Runs fn(rank, path, args...) as `n` ranks on a fresh FileStore path.
+template <class Fn, class... Args>
+std::vector<tp::testing::RankResult> run_on_file_store(const char* test, int n, Fn fn,
+                                                       Args... args) {
+  const std::string path = store_path(test);
+  ::unlink(path.c_str());
+  auto res = run_ranks(n, 120, fn, path, args...);
+  ::unlink(path.c_str());
+  return res;
+}
+
+/// Rank `rank` of a `world`-rank World on the FileStore `path`: the store needs no key, so
+/// each rank's RPC key is whatever `key` and its environment say.
+tp::World file_world(int rank, int world, const std::string& path, tp::AuthKey key = {}) {
+  return tp::World(tp::WorldOptions{.name = std::to_string(rank),
+                                    .rank = rank,
+                                    .world_size = world,
+                                    .init_method = "file://" + path,
+                                    .timeout = 60s,
+                                    .authkey = std::move(key)});
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// create_rpc_group(name, members) must throw a ValueError containing `want` well before
+/// kJoinTimeout; returns its message.
+std::string expect_refused(tp::World& w, const std::string& name,
+                           const std::vector<std::string>& members, const std::string& want) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto e = expect_throw<tp::ValueError>(
+      [&] { w.create_rpc_group(name, members, tp::RpcGroupOptions{.timeout = kJoinTimeout}); },
+      "create_rpc_group");
+  const std::string what = e.what();
+  TORCHPAR_RCHECK(what.find(want) != std::string::npos, "the error lacks \"{}\": {}", want, what);
+  const double took = seconds_since(t0);
+  TORCHPAR_RCHECK(took < kRefusalBound, "refusing took {} s (group timeout {} s)", took,
+                  kJoinTimeout.count());
+  return what;
+}
+
+void no_key_rank(int rank, std::string path, std::string key_hex) {
+  ::unsetenv("TORCHPAR_AUTHKEY");  // no key from the launcher, none in WorldOptions
+  auto w = file_world(rank, 3, path);
+  const int threads = thread_count();
+  expect_refused(w, "nokey", {"0", "1", "2"}, kKeyAdvice);
+  TORCHPAR_RCHECK(thread_count() == threads, "the refused group started threads ({} -> {})",
+                  threads, thread_count());
+  // Given the key, the same World starts RPC.
+  ::setenv("TORCHPAR_AUTHKEY", key_hex.c_str(), 1);
+  auto g = w.create_rpc_group("withkey", {"0", "1", "2"});
+  TORCHPAR_RCHECK(g.rpc_sync<int>(std::to_string((rank + 1) % 3), "add", std::tuple{1, 2}) == 3,
+                  "rpc_sync once the key is set");
+  g.barrier();
+  g.destroy();
+}
+
+TEST(RpcGroupKey, NoKeyIsAValueErrorOnEveryMemberAtOnce) {
+  const std::string key = tp::to_hex(tp::random_authkey());
+  expect_ok(run_on_file_store("nokey", 3, &no_key_rank, key));
+}
+
+void one_without_key_rank(int rank, std::string path, std::string key_hex) {
+  ::unsetenv("TORCHPAR_AUTHKEY");
+  // Ranks 0 and 1 have the key; rank 2 was started without one.
+  auto w = file_world(rank, 3, path, rank == 2 ? tp::AuthKey{} : tp::from_hex(key_hex));
+  const std::string what = expect_refused(w, "partial", {"0", "1", "2"}, kKeyAdvice);
+  if (rank != 2) {
+    TORCHPAR_RCHECK(what.find("member '2'") != std::string::npos,
+                    "the error does not name the member without a key: {}", what);
+  }
+}
+
+TEST(RpcGroupKey, AMemberWithoutTheKeyFailsTheOthersAtOnce) {
+  const std::string key = tp::to_hex(tp::random_authkey());
+  expect_ok(run_on_file_store("partial", 3, &one_without_key_rank, key));
+}
+
+void malformed_key_rank(int rank, std::string path) {
+  // Set, but not a key: empty on rank 0, not hex on rank 1. Never the key file instead.
+  ::setenv("TORCHPAR_AUTHKEY", rank == 0 ? "" : "00fg", 1);
+  auto w = file_world(rank, 2, path);
+  const std::string what = expect_refused(w, "malformed", {"0", "1"}, "TORCHPAR_AUTHKEY");
+  TORCHPAR_RCHECK(what.find(rank == 0 ? "empty" : "not a hex digit") != std::string::npos,
+                  "the error does not say what is wrong: {}", what);
+  TORCHPAR_RCHECK(what.find(kKeyAdvice) != std::string::npos, "no advice: {}", what);
+}
+
+TEST(RpcGroupKey, MalformedKeyInTheEnvironmentIsAValueError) {
+  expect_ok(run_on_file_store("malformed", 2, &malformed_key_rank));
+}
+
+void other_key_rank(int rank, std::string path) {
+  // Each rank its own key: the group forms (through the FileStore), but no connection does.
+  auto w = file_world(rank, 2, path, tp::random_authkey());
+  auto g = w.create_rpc_group("otherkey", {"0", "1"});
+  const std::string other = rank == 0 ? "1" : "0";
+  // "die" SIGKILLs whoever runs it: a rank that executed the other's call exits -9.
+  expect_throw<tp::AuthenticationError>([&] { g.rpc_sync<int>(other, "die", std::tuple{}, 20s); },
+                                        "a call to a member with another key");
+  expect_throw<tp::AuthenticationError>(
+      [&] { g.rpc_async<int>(other, "die", std::tuple{}, 20s).wait(); },
+      "a second call to a member with another key");
+  g.barrier(60s);  // both tried before either leaves
+  g.destroy();
+}
+
+TEST(RpcGroupKey, AMemberWithAnotherKeyIsRefusedAndNothingItSentRuns) {
+  expect_ok(run_on_file_store("otherkey", 2, &other_key_rank));
+}
+
 }  // namespace
+
+int main(int argc, char** argv) { return tp::testing::rpc_test_main(argc, argv); }

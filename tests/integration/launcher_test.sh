@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `torchpar run`: 3 ranks all_reduce and print with rank prefixes; a rank exiting 3 makes the
 # launcher exit 3 and stops the others; SIGINT is forwarded; killing the launcher with
-# SIGKILL leaves no rank behind. usage: launcher_test.sh BIN_DIR
+# SIGKILL leaves no rank behind; the ranks get the job's key. usage: launcher_test.sh BIN_DIR
 set -u
 BIN=$1
 fail() {
@@ -67,4 +67,24 @@ done
 # 5. bad use: no program
 "$BIN/torchpar" run -n 2 >"$out" 2>&1 && fail "run without a program succeeded"
 grep -q "program" "$out" || fail "no message naming the missing program"
+
+# 6. the job's key: every rank of a one-node job gets the same fresh 32-byte TORCHPAR_AUTHKEY
+# (64 hex digits), a new one per job; the caller's own key is passed on; a malformed one stops
+# the launch (exit 2) without echoing it
+job_key() {
+  env -u TORCHPAR_AUTHKEY timeout 60 "$BIN/torchpar" run --no-prefix -n 2 -- printenv TORCHPAR_AUTHKEY
+}
+keys=$(job_key) || fail "run -n 2 -- printenv TORCHPAR_AUTHKEY failed"
+[ "$(printf '%s\n' "$keys" | wc -l)" -eq 2 ] || fail "expected a key line from each of 2 ranks: $keys"
+[ "$(printf '%s\n' "$keys" | sort -u | wc -l)" -eq 1 ] || fail "the ranks got different keys"
+printf '%s\n' "$keys" | head -1 | grep -Eqx "[0-9a-f]{64}" || fail "the key is not 64 hex digits"
+again=$(job_key | head -1)
+[ "$again" != "$(printf '%s\n' "$keys" | head -1)" ] || fail "two jobs got the same key"
+given=$(TORCHPAR_AUTHKEY=00ff10 timeout 60 "$BIN/torchpar" run --no-prefix -n 1 -- printenv TORCHPAR_AUTHKEY)
+[ "$given" = "00ff10" ] || fail "the caller's TORCHPAR_AUTHKEY was not passed on (got '$given')"
+TORCHPAR_AUTHKEY=notakey timeout 60 "$BIN/torchpar" run -n 1 -- true >"$out" 2>&1
+code=$?
+[ $code -eq 2 ] || fail "a malformed TORCHPAR_AUTHKEY made the launcher exit $code, expected 2"
+grep -q "TORCHPAR_AUTHKEY" "$out" || fail "no message naming TORCHPAR_AUTHKEY: $(cat "$out")"
+grep -q "notakey" "$out" && fail "the malformed key was echoed"
 echo "PASSED: torchpar run"

@@ -39,14 +39,18 @@ ip netns exec "$A" ping -c1 -W2 10.213.7.2 >/dev/null 2>&1 || true
 set +e
 # run_pair WHAT PORT "WANT0" "WANT1" PROGRAM ARGS...: rank 0 in A, rank 1 in B (each with its
 # namespace's address as TORCHPAR_RPC_ADDR, where RPC listeners bind); both must exit 0 and
-# print their WANT line.
+# print their WANT line. Both get one fresh job key, as a multi-node job's launchers must be
+# given the same TORCHPAR_AUTHKEY (RPC refuses to start without one).
 run_pair() {
   local what=$1 port=$2 want0=$3 want1=$4
   shift 4
+  local key
+  key=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
   local common=(WORLD_SIZE=2 MASTER_ADDR=10.213.7.1 MASTER_PORT=$port LOCAL_WORLD_SIZE=1 LOCAL_RANK=0)
-  ip netns exec "$A" env "${common[@]}" RANK=0 TORCHPAR_RPC_ADDR=10.213.7.1 timeout 120 "$@" >/tmp/tp_rank0.$$ 2>&1 &
+  # The key goes in the environment (inherited through ip and env), never on a command line.
+  TORCHPAR_AUTHKEY=$key ip netns exec "$A" env "${common[@]}" RANK=0 TORCHPAR_RPC_ADDR=10.213.7.1 timeout 120 "$@" >/tmp/tp_rank0.$$ 2>&1 &
   local p0=$!
-  ip netns exec "$B" env "${common[@]}" RANK=1 TORCHPAR_RPC_ADDR=10.213.7.2 timeout 120 "$@" >/tmp/tp_rank1.$$ 2>&1 &
+  TORCHPAR_AUTHKEY=$key ip netns exec "$B" env "${common[@]}" RANK=1 TORCHPAR_RPC_ADDR=10.213.7.2 timeout 120 "$@" >/tmp/tp_rank1.$$ 2>&1 &
   local p1=$!
   wait $p0; local c0=$?
   wait $p1; local c1=$?

@@ -608,3 +608,5 @@ TEST(PushPullGradServer, AKilledServerMemberFailsPushesInTime) {
 }
 
 }  // namespace
+
+int main(int argc, char** argv) { return tp::testing::rpc_test_main(argc, argv); }

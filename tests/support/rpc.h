@@ -1,22 +1,38 @@
 #pragma once
-// Helpers of the multi-process RPC and server suites: a World per rank named "0", "1", ...,
-// every rank's exit checked, and "this call throws exactly E" inside a rank.
+// Helpers of the multi-process RPC and server suites: their main (a fresh job key, as
+// `torchpar run` gives its ranks), a World per rank named "0", "1", ..., every rank's exit
+// checked, and "this call throws exactly E" inside a rank.
 
 #include <c10/util/Type.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "support/ranks.h"
+#include "torchpar/core/auth.h"
 #include "torchpar/dist/world.h"
+#include "torchpar/process/start_method.h"
 
 namespace torchpar::testing {
 
+/// The main of an RPC suite: torchpar::init, then a fresh random TORCHPAR_AUTHKEY for this
+/// test program and every rank it starts (forked and spawned ranks inherit the
+/// environment), as `torchpar run` makes one per job: RPC refuses to start without a job
+/// key and never reads the per-user key file. Then the tests.
+inline int rpc_test_main(int argc, char** argv) {
+  init(argc, argv);
+  ::setenv(kAuthKeyEnv, to_hex(random_authkey()).c_str(), 1);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
+
 /// Rank `rank` of a `world`-rank World on 127.0.0.1:`port`, named std::to_string(rank).
+/// Its key (for the store and RPC) is TORCHPAR_AUTHKEY, which rpc_test_main sets.
 inline World make_named_world(int rank, int world, int port) {
   return World(WorldOptions{.name = std::to_string(rank),
                             .rank = rank,

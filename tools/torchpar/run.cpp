@@ -18,6 +18,7 @@
 
 #include "commands.h"
 #include "torchpar/core/auth.h"
+#include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/process/exec.h"
@@ -208,7 +209,8 @@ Command add_run(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "run",
       "Start N ranks of a program with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
-      "MASTER_ADDR, MASTER_PORT set (like torchrun). Output lines get a \"[rank]: \" prefix; "
+      "MASTER_ADDR, MASTER_PORT set (like torchrun), and TORCHPAR_AUTHKEY: the caller's, else a "
+      "fresh random key per one-node job (RPC needs it). Output lines get a \"[rank]: \" prefix; "
       "the first failing rank's exit code ends the run after the others are stopped; "
       "SIGINT/SIGTERM are forwarded.");
   cmd->add_option("-n,--nproc-per-node", o->nproc_per_node, "ranks on this node")
@@ -238,9 +240,26 @@ Command add_run(CLI::App& app) {
     ::sigaction(SIGINT, &sa, nullptr);
     ::sigaction(SIGTERM, &sa, nullptr);
     // The job's key reaches the ranks in their environment, never through the store: the
-    // caller's TORCHPAR_AUTHKEY (the same on every node), else a fresh key for a one-node job.
-    if (!std::getenv("TORCHPAR_AUTHKEY") && o->nnodes == 1) {
-      ::setenv("TORCHPAR_AUTHKEY", to_hex(random_authkey()).c_str(), 1);
+    // caller's TORCHPAR_AUTHKEY (the same on every node), else 32 fresh random bytes for a
+    // one-node job (kept across --max-restarts: one job, one key). A key that is set but
+    // unusable stops the launch here instead of in every rank.
+    try {
+      if (!authkey_from_env()) {
+        if (o->nnodes == 1) {
+          ::setenv(kAuthKeyEnv, to_hex(random_authkey(32)).c_str(), 1);
+        } else {
+          std::fprintf(stderr,
+                       "torchpar run: warning: --nnodes %d without TORCHPAR_AUTHKEY: nodes cannot "
+                       "agree on a fresh key, so the ranks' store falls back to the per-user key "
+                       "file (a shared home directory) and RPC refuses to start; give every "
+                       "node's launcher the same TORCHPAR_AUTHKEY (64 hex digits, e.g. from "
+                       "`openssl rand -hex 32`)\n",
+                       o->nnodes);
+        }
+      }
+    } catch (const ValueError& e) {
+      std::fprintf(stderr, "torchpar run: %s\n", e.what());
+      return 2;
     }
     int code = 0;
     bool interrupted = false;

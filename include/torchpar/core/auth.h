@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -84,6 +85,21 @@ AuthKey random_authkey(size_t n = 32);
 std::string to_hex(const AuthKey& key);
 AuthKey from_hex(std::string_view hex);
 
+/// Name of the environment variable that carries the job's key in hex (`torchpar run` sets
+/// it for its ranks: 32 fresh random bytes per job).
+inline constexpr const char* kAuthKeyEnv = "TORCHPAR_AUTHKEY";
+
+/// The job's key from TORCHPAR_AUTHKEY (hex, either case), or nullopt when the variable is
+/// not set at all. Never looks at the per-user key file (RPC uses this: it refuses to start
+/// without a job key, see World::create_rpc_group).
+///
+/// Errors:  ValueError when the variable is set but empty, of odd length, or holds a
+///          character that is not a hex digit; the message names the variable and the
+///          position, never the value (it is a secret).
+/// Safety:  reads the environment (std::getenv): do not call it while another thread
+///          changes the environment.
+std::optional<AuthKey> authkey_from_env();
+
 /// The key of this job when none is given explicitly:
 ///   1. TORCHPAR_AUTHKEY (hex), as `torchpar run` sets it for its ranks (a fresh random key
 ///      per job);
@@ -92,8 +108,11 @@ AuthKey from_hex(std::string_view hex);
 ///      a file or directory that others can read, or that another user owns, is refused).
 ///      Every process of this user on this host (and on hosts sharing the home directory)
 ///      gets the same key; ranks on hosts without a shared home need TORCHPAR_AUTHKEY.
-/// Errors:  torchpar::Error naming the variable or file and why (bad hex, unsafe mode,
-///          no HOME). Safety: thread- and process-safe (the file is created atomically).
+/// An empty TORCHPAR_AUTHKEY counts as unset here (the Manager and the World's store keep
+/// that fallback; RPC does not, see authkey_from_env).
+/// Errors:  torchpar::Error naming the variable or file and why: ValueError for a
+///          TORCHPAR_AUTHKEY that is not hex; Error for an unsafe mode or no HOME.
+/// Safety:  thread- and process-safe (the file is created atomically).
 AuthKey default_authkey();
 
 /// Path of the per-user key file default_authkey() uses (it may not exist yet).

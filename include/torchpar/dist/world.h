@@ -37,11 +37,14 @@ struct WorldOptions {
   /// rank (same LibTorch version) joins default_group() with backend gloo. Skips the
   /// world-size cross-check, which Python ranks would not answer.
   bool python_compatible = false;
-  /// The job's key: every connection to rank 0's store must prove it (the handshake of
-  /// Python's multiprocessing.connection; see torchpar/core/auth.h). Empty: default_authkey()
-  /// (TORCHPAR_AUTHKEY in hex, as `torchpar run` sets it, else the per-user key file).
-  /// Ranks with different keys cannot join one World. Unused with python_compatible (c10d's
-  /// TCPStore has no authentication) and with file:// (the file's permissions guard it).
+  /// The job's key: every connection to rank 0's store and every RPC connection must prove
+  /// it (the handshake of Python's multiprocessing.connection; see torchpar/core/auth.h).
+  /// Empty: TORCHPAR_AUTHKEY (hex), as `torchpar run` sets it for its ranks (32 fresh random
+  /// bytes per job). Without either, the store falls back to the per-user key file
+  /// (default_authkey()) but RPC does not start: create_rpc_group throws ValueError.
+  /// Ranks with different keys cannot join one World (nor call each other over RPC). The
+  /// store does not use it with python_compatible (c10d's TCPStore has no authentication)
+  /// nor with file:// (the file's permissions guard it); RPC always does.
   AuthKey authkey{};
   /// Address rank 0's store listens on. Empty: TORCHPAR_STORE_BIND_ADDR, else the master
   /// address itself (loopback for a one-host job, so the job is not reachable from the
@@ -97,13 +100,31 @@ class World {
   /// with the same name and members; it returns once all joined). The first group of a
   /// process starts its RPC agent: a TensorPipe listener on 127.0.0.1 (TORCHPAR_RPC_ADDR
   /// names another host or IP), whose address is published in the World's store, and
-  /// which accepts only peers proving the World's key (WorldOptions::authkey, else
-  /// default_authkey()). Include "torchpar/dist/rpc_group.h" to use the result.
+  /// which accepts only peers proving the job's key. Include "torchpar/dist/rpc_group.h"
+  /// to use the result.
   ///
-  /// Errors:  ValueError for an empty name or one with '/', unknown or repeated members, a
-  ///          caller that is not a member, a name already created in this process;
-  ///          TimeoutError naming a member that did not join within options.timeout;
-  ///          ClosedError after destroy(); SystemError when the listener cannot start.
+  /// Key:     WorldOptions::authkey, else TORCHPAR_AUTHKEY (hex), which `torchpar run` sets
+  ///          to a fresh 32-byte key per job. Never the per-user key file: without a key
+  ///          RPC does not start. Each member decides from its own options and environment
+  ///          before anything listens; a member that refuses marks itself in the store, so
+  ///          the others fail at once with a ValueError naming it instead of waiting for
+  ///          options.timeout. The key is read when the process's agent starts (its first
+  ///          group); later groups use the same agent and key.
+  ///          ```cpp
+  ///          World world(WorldOptions{.authkey = my_job_key});  // or TORCHPAR_AUTHKEY
+  ///          auto group = world.create_rpc_group("workers", world.get_names());
+  ///          ```
+  /// Units:   options.timeout, seconds: how long to wait for every member to join.
+  /// Errors:  ValueError when this member has no key ("set WorldOptions::authkey or
+  ///          TORCHPAR_AUTHKEY (hex), as `torchpar run` does"), when TORCHPAR_AUTHKEY is
+  ///          set but empty or not hex, or when another member refused for that reason
+  ///          (naming it); a member that refused starts no listener. ValueError
+  ///          also for an empty name or one with '/', unknown or repeated members, a caller
+  ///          that is not a member, a name already created in this process; TimeoutError
+  ///          naming a member that did not join within options.timeout; ClosedError after
+  ///          destroy(); SystemError when the listener cannot start. A peer proving another
+  ///          key is refused at connection time: calls to or from it fail with
+  ///          AuthenticationError, and nothing it sent runs.
   /// Safety:  thread-safe. Source: machin.parallel.distributed.World.create_rpc_group.
   RpcGroup create_rpc_group(const std::string& group_name, std::vector<std::string> members);
   RpcGroup create_rpc_group(const std::string& group_name, std::vector<std::string> members,

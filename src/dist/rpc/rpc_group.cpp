@@ -20,8 +20,13 @@ std::string string_of(const std::vector<uint8_t>& v) { return {v.begin(), v.end(
 
 }  // namespace
 
-std::string RpcGroup::Impl::key(const char* kind, const std::string& k) const {
+std::string RpcGroup::Impl::store_key(const std::string& group, const char* kind,
+                                      const std::string& k) {
   return fmt::format("torchpar/rpc/group/{}/{}/{}", group, kind, k);
+}
+
+std::string RpcGroup::Impl::key(const char* kind, const std::string& k) const {
+  return store_key(group, kind, k);
 }
 
 std::optional<std::string> RpcGroup::Impl::store_get(const std::string& k) const {

@@ -26,7 +26,9 @@ struct RpcGroup::Impl {
   int barriers = 0;
   bool destroyed = false;
 
-  /// The store key of `k` of `kind` (service, pair, barrier, join) in this group.
+  /// The store key of `k` of `kind` (service, pair, barrier, join) in `group`.
+  static std::string store_key(const std::string& group, const char* kind, const std::string& k);
+  /// store_key in this group.
   std::string key(const char* kind, const std::string& k) const;
   std::optional<std::string> store_get(const std::string& k) const;
   /// ClosedError after destroy().

@@ -164,8 +164,10 @@ void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared, 
 }
 
 /// Rank `rank` of the World of ddp / pserver; rank 0 hosts its store. pserver's members are
-/// named "server" and "trainer<rank>", so RPC errors name the role.
-World join_world(int rank, const TrainConfig& cfg, int port) {
+/// named "server" and "trainer<rank>", so RPC errors name the role. `key`: the run's job key
+/// (start_workers makes a fresh one per run, as `torchpar run` does per job; the store and
+/// pserver's RPC connections prove it).
+World join_world(int rank, const TrainConfig& cfg, int port, AuthKey key) {
   WorldOptions wo;
   if (cfg.strategy == "pserver") wo.name = rank == 0 ? "server" : fmt::format("trainer{}", rank);
   wo.rank = rank;
@@ -173,12 +175,14 @@ World join_world(int rank, const TrainConfig& cfg, int port) {
   wo.master_addr = "127.0.0.1";
   wo.master_port = port;
   wo.timeout = Seconds(cfg.timeout);
+  wo.authkey = std::move(key);
   return World(wo);
 }
 
-void ddp_worker(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tensor labels,
-                Queue<Msg> msgs, Queue<int> go, Queue<std::vector<at::Tensor>> params_out) {
-  World world = join_world(rank, cfg, port);
+void ddp_worker(int rank, TrainConfig cfg, int port, AuthKey key, at::Tensor images,
+                at::Tensor labels, Queue<Msg> msgs, Queue<int> go,
+                Queue<std::vector<at::Tensor>> params_out) {
+  World world = join_world(rank, cfg, port, std::move(key));
   torch::manual_seed(cfg.seed + rank);
   Net net;
   // Every rank starts from rank 0's parameters; each step averages the gradients.
@@ -245,9 +249,9 @@ void wait_until_drained(const PushPullGradServerImpl& server, Seconds limit) {
 /// thread does the training work. This thread answers the parent's requests for the newest
 /// parameters (after each epoch, once the pushes are applied) until kStop, and fails the
 /// process when the reducer stops on an error.
-void pserver_server(TrainConfig cfg, int port, Queue<Msg> msgs, Queue<int> requests,
+void pserver_server(TrainConfig cfg, int port, AuthKey key, Queue<Msg> msgs, Queue<int> requests,
                     Queue<std::vector<at::Tensor>> params_out) {
-  World world = join_world(0, cfg, port);
+  World world = join_world(0, cfg, port, std::move(key));
   RpcGroup group = join_rpc_group(world, cfg);
   torch::manual_seed(cfg.seed);
   Net net;  // the parent's initial model (same seed), published as version 0
@@ -281,9 +285,9 @@ void pserver_server(TrainConfig cfg, int port, Queue<Msg> msgs, Queue<int> reque
 /// pserver's ranks 1..workers-1: train on their shard; each step pushes the gradients to the
 /// server and pulls its newest parameters (PushPullGradServer::push does both). A server
 /// that is gone fails the push or pull within cfg.timeout, naming member 'server'.
-void pserver_trainer(int rank, TrainConfig cfg, int port, at::Tensor images, at::Tensor labels,
-                     Queue<Msg> msgs, Queue<int> go) {
-  World world = join_world(rank, cfg, port);
+void pserver_trainer(int rank, TrainConfig cfg, int port, AuthKey key, at::Tensor images,
+                     at::Tensor labels, Queue<Msg> msgs, Queue<int> go) {
+  World world = join_world(rank, cfg, port, std::move(key));
   RpcGroup group = join_rpc_group(world, cfg);
   group.barrier(Seconds(cfg.timeout));  // the server exists after it
   auto server = PushPullGradServer::connect(group, kGradServer, nullptr, Seconds(cfg.timeout));
@@ -761,6 +765,8 @@ void start_workers(Session& s, Workers& w) {
     for (auto& p : s.net->parameters()) shared.push_back(p.detach());
   }
   const int port = uses_world(cfg) ? find_free_port() : 0;
+  // The run's job key reaches the workers as an argument (the launch record, never argv).
+  const AuthKey key = uses_world(cfg) ? random_authkey() : AuthKey{};
   ProcessOptions po{.name = "",
                     .daemon = false,
                     .start_method = StartMethod::kSpawn,
@@ -771,13 +777,13 @@ void start_workers(Session& s, Workers& w) {
       w.procs.emplace_back(po, &hogwild_worker, i, cfg, shared, train.images, train.labels, w.msgs,
                            w.go);
     } else if (cfg.strategy == "ddp") {
-      w.procs.emplace_back(po, &ddp_worker, i, cfg, port, train.images, train.labels, w.msgs, w.go,
-                           w.params);
+      w.procs.emplace_back(po, &ddp_worker, i, cfg, port, key, train.images, train.labels, w.msgs,
+                           w.go, w.params);
     } else if (i == 0) {  // pserver
-      w.procs.emplace_back(po, &pserver_server, cfg, port, w.msgs, w.requests, w.params);
+      w.procs.emplace_back(po, &pserver_server, cfg, port, key, w.msgs, w.requests, w.params);
     } else {
-      w.procs.emplace_back(po, &pserver_trainer, i, cfg, port, train.images, train.labels, w.msgs,
-                           w.go);
+      w.procs.emplace_back(po, &pserver_trainer, i, cfg, port, key, train.images, train.labels,
+                           w.msgs, w.go);
     }
     w.procs.back().start();
   }
