@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "cleaner.h"
+#include "core/meminfo.h"
 #include "torchpar/core/syscall.h"
 
 namespace torchpar::detail {
@@ -28,15 +29,8 @@ constexpr unsigned kRegionSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
 
 uint64_t mem_available() {
-  FILE* f = std::fopen("/proc/meminfo", "r");
-  if (f == nullptr) return UINT64_MAX;
-  char line[256];
-  uint64_t kb = UINT64_MAX;
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    if (std::sscanf(line, "MemAvailable: %lu kB", &kb) == 1) break;
-  }
-  std::fclose(f);
-  return kb == UINT64_MAX ? kb : kb * 1024;
+  const auto info = read_meminfo();
+  return info ? info->available_bytes : UINT64_MAX;
 }
 
 const char* place(SharingStrategy s) {

@@ -1,17 +1,20 @@
 // The core primitives on their own: deadlines and futex wait/wake, the robust
-// process-shared mutex (timed lock, owner-death recovery), pid_alive, cpu_relax, and the
-// SIGPIPE disposition the library sets.
+// process-shared mutex (timed lock, owner-death recovery), pid_alive, cpu_relax, the
+// SIGPIPE disposition the library sets, and /proc/meminfo parsing.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <fstream>
 #include <thread>
 
 #include "core/cpu_relax.h"
 #include "core/futex.h"
 #include "core/liveness.h"
+#include "core/meminfo.h"
 #include "core/robust_mutex.h"
 #include "core/signals.h"
 #include "support/child.h"
@@ -165,4 +168,27 @@ TEST(Signals, SigpipeIsIgnoredOnlyWhenAtItsDefault) {
     return now.sa_handler == mine.sa_handler ? 0 : 1;
   });
   EXPECT_EQ(tp::testing::wait_child(chosen, 30s), 0);
+}
+
+TEST(MemInfo, ReadsTotalAndAvailable) {
+  const auto real = read_meminfo();
+  ASSERT_TRUE(real);
+  EXPECT_GT(real->available_bytes, 0U);
+  EXPECT_LE(real->available_bytes, real->total_bytes);
+
+  char path[] = "/tmp/torchpar_meminfo_XXXXXX";
+  const int fd = ::mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  std::ofstream(path) << "MemTotal:        2048 kB\nMemFree:          512 kB\n"
+                         "MemAvailable:    1024 kB\n";
+  const auto fake = read_meminfo(path);
+  ASSERT_TRUE(fake);
+  EXPECT_EQ(fake->total_bytes, 2048U * 1024);
+  EXPECT_EQ(fake->available_bytes, 1024U * 1024);
+  // A kernel without MemAvailable (before 3.14), and no file at all.
+  std::ofstream(path) << "MemTotal:        2048 kB\nMemFree:          512 kB\n";
+  EXPECT_FALSE(read_meminfo(path));
+  ::unlink(path);
+  EXPECT_FALSE(read_meminfo(path));
 }
