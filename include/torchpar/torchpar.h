@@ -16,6 +16,7 @@
 #include "torchpar/manager/proxy.h"
 #include "torchpar/parallel/distributed_data_parallel.h"
 #include "torchpar/parallel/parallel.h"
+#include "torchpar/parallel/state_dict.h"
 #include "torchpar/pool/async_result.h"
 #include "torchpar/pool/pool.h"
 #include "torchpar/pool/thread_pool.h"

@@ -1,0 +1,174 @@
+#pragma once
+/// Gpt: a GPT-2-architecture decoder (pre-LayerNorm blocks, fused QKV attention, tanh-GELU MLP,
+/// tied embedding head) in torch::nn, tensor-parallel by its policy, with a KV cache for
+/// incremental decoding.
+///
+/// Not included by torchpar/torchpar.h (it pulls in torch::nn): include it where it is used.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "torchpar/parallel/state_dict.h"
+#include "torchpar/parallel/tensor_parallel_layers.h"
+#include "torchpar/parallel/tensor_parallel_policy.h"
+
+namespace torchpar {
+
+/// Shape of a Gpt. Field names are Hugging Face's GPT2Config ones; the defaults are GPT-2
+/// small's (124,439,808 parameters).
+struct GptConfig {
+  int64_t vocab_size = 50257;
+  /// Context: the most positions one sequence may have (cached ones included).
+  int64_t n_positions = 1024;
+  /// Width (hidden size); divisible by n_head.
+  int64_t n_embd = 768;
+  int64_t n_layer = 12;
+  int64_t n_head = 12;
+  /// Width of the MLP's hidden layer; 0 means 4 * n_embd.
+  int64_t n_inner = 0;
+  double layer_norm_epsilon = 1e-5;
+  /// Dtype of every parameter and of the computation: float32, bfloat16 (or float16, float64).
+  at::ScalarType dtype = at::kFloat;
+
+  /// n_inner, or 4 * n_embd when it is 0.
+  int64_t inner_size() const { return n_inner > 0 ? n_inner : 4 * n_embd; }
+};
+
+/// GPT-2's policy for a GptConfig: in every block "h.{}.", attn.c_attn is column-sliced with
+/// n_fused = 3 (q, k, v), attn.c_proj and mlp.c_proj are row-sliced, mlp.c_fc is
+/// column-sliced, all with transposed = true (Conv1D [in, out] weights, as GPT-2's
+/// checkpoints store them); attn.embed_dim (n_embd), attn.num_heads (n_head) and
+/// mlp.inner_dim (n_inner) shrink per rank. wte, wpe, the LayerNorms and the tied head are
+/// replicated.
+///
+/// A checkpoint with nn.Linear [out, in] weights (nanoGPT's layout) loads with the same policy
+/// after setting `transposed = false` on its four layers.
+/// Source: parallelformers.policies.gpt2.GPT2Policy.
+TensorParallelPolicy gpt2_policy(const GptConfig& config);
+
+/// Keys and values of the positions a Gpt has already processed, per layer, for incremental
+/// decoding: forward(ids, &cache) attends to them and appends its own.
+///
+/// Shapes:  keys[l], values[l]: [batch, n_head / world_size, length(), n_embd / n_head] (this
+///          rank's heads), in the model's dtype. Every row of the batch has the same length.
+/// Safety:  not thread-safe; one cache per sequence batch, used by one model.
+struct GptKvCache {
+  std::vector<at::Tensor> keys;
+  std::vector<at::Tensor> values;
+
+  /// Positions cached (0 for an empty cache).
+  int64_t length() const;
+  /// Forgets every position (the next forward starts at position 0).
+  void clear();
+};
+
+/// How a Gpt is built.
+struct GptOptions {
+  /// This rank and the collectives of its tensor-parallel group; the default is a single rank
+  /// (TP = 1, no group). TensorParallelComm::from_group(world.create_collective_group()).
+  TensorParallelComm comm{};
+  /// nullopt: gpt2_policy(config). A custom policy may change only how the checkpoint is
+  /// laid out (the layers' `transposed` flags); its paths, n_fused and attribute names must be
+  /// GPT-2's.
+  std::optional<TensorParallelPolicy> policy{};
+  /// true: GPT-2's initialisation (normal(0, 0.02) weights, c_proj weights scaled by
+  /// 1/sqrt(2 n_layer), zero biases, LayerNorms 1 and 0), drawn from the global generator:
+  /// seed every rank alike (torch::manual_seed) so that replicated parameters agree.
+  /// false: parameters are uninitialised (at::empty, pages untouched), for load_state_dict
+  /// right after: load_gpt does this.
+  bool initialize = true;
+};
+
+/// A GPT-2 decoder: token + position embeddings, n_layer pre-LayerNorm blocks (x += attn(ln_1
+/// x); x += mlp(ln_2 x)), a final LayerNorm and a head tied to the token embedding. With
+/// world_size > 1 each rank holds n_head / world_size heads of every attention and
+/// inner_size() / world_size units of every MLP (ColumnParallelLinear c_attn and c_fc,
+/// RowParallelLinear c_proj), and a full copy of the rest; every rank computes the same logits.
+///
+/// Parameters: named as the Python reference and GPT-2 (wte.weight, wpe.weight,
+///          h.<i>.ln_1.{weight,bias}, h.<i>.attn.c_attn.{weight,bias}, h.<i>.attn.c_proj...,
+///          h.<i>.ln_2..., h.<i>.mlp.c_fc..., h.<i>.mlp.c_proj..., ln_f.{weight,bias}); the
+///          projection weights are held in nn.Linear's [out, in] layout and sliced, so their
+///          shapes are this rank's (c_attn.weight [3 n_embd / world, n_embd]).
+/// Errors:  ValueError at construction, naming the block type, attribute and numbers, when
+///          n_head, n_embd or n_inner do not divide by the world size; for n_embd not divisible
+///          by n_head, a size < 1, or a policy that does not fit GPT-2.
+/// Safety:  one forward at a time; with world_size > 1 every rank calls forward with the same
+///          shapes, in the same order (they meet in all_reduces), and forward runs without
+///          autograd. At world_size 1 it is an ordinary module (trainable).
+/// Lifetime: holds the comm (a group handle, shared).
+/// Source:  GPT-2 (Radford et al. 2019; Hugging Face GPT2LMHeadModel) as parallelformers
+///          parallelizes it; tests/parallel/gpt_reference.py is the outside reference.
+class GptImpl : public torch::nn::Module {
+ public:
+  explicit GptImpl(const GptConfig& config, GptOptions options = {});
+  ~GptImpl() override;
+
+  /// Logits of the next token at every position.
+  ///
+  /// Shapes:  input_ids [batch, tokens] int64, values in [0, vocab_size) -> logits [batch,
+  ///          tokens, vocab_size] in the model's dtype. With `cache`, the tokens continue the
+  ///          cached positions (positions cache->length() ... + tokens - 1) and the cache
+  ///          grows by `tokens`; the logits equal those of a full forward over the whole
+  ///          sequence.
+  /// Errors:  ValueError for another dtype or rank of input_ids, an id out of range, more than
+  ///          n_positions positions in all, or a cache from another model or batch size; the
+  ///          comm's errors (RankLostError, TimeoutError) with world_size > 1. After an error
+  ///          the cache is unchanged.
+  ///
+  ///   torchpar::GptKvCache cache;
+  ///   auto logits = gpt->forward(prompt, &cache);        // [1, P, V]
+  ///   auto next = logits.select(1, -1).argmax(-1, true);  // [1, 1]
+  ///   logits = gpt->forward(next, &cache);                // [1, 1, V]
+  at::Tensor forward(const at::Tensor& input_ids, GptKvCache* cache = nullptr);
+
+  /// Copies this rank's shard of a full state dict (the Python reference's names and Conv1D
+  /// layout, under the model's policy) into the parameters, converting to the model's dtype.
+  /// `full` is consumed entry by entry (see shard_state_dict). strict: every parameter must
+  /// be present and every entry used (torch's load_state_dict(strict=True)); false ignores
+  /// extra entries (Hugging Face's lm_head.weight, attn.bias masks) and leaves missing
+  /// parameters as they are.
+  /// Errors:  ValueError naming the entry: missing, unexpected (strict), or of the wrong shape.
+  void load_state_dict(StateDict full, bool strict = true);
+
+  const GptConfig& config() const { return config_; }
+  const TensorParallelComm& comm() const { return comm_; }
+  /// Heads of every attention on this rank (n_head / world_size).
+  int64_t heads_per_rank() const { return heads_; }
+  /// Parameters on this rank (elements; the tied head counts once). GPT-2 small at TP = 1:
+  /// 124,439,808.
+  int64_t num_parameters() const;
+
+  struct Block;
+
+ private:
+  GptConfig config_;
+  TensorParallelComm comm_;
+  TensorParallelPolicy policy_;
+  int64_t heads_ = 0;
+  at::Tensor wte_, wpe_, ln_f_weight_, ln_f_bias_;
+  std::vector<std::shared_ptr<Block>> blocks_;
+};
+TORCH_MODULE(Gpt);
+
+/// Builds rank options.comm.rank's Gpt and loads its shard of `full` (load_state_dict with
+/// strict): the parameters are allocated but never initialised, and each full tensor is
+/// sliced as it is copied, so a rank's peak is about its shard plus the replicated tensors
+/// (with `full` from load_state_dict_file, which maps the file instead of reading it).
+///
+/// Errors: as the GptImpl constructor and load_state_dict. Source: parallelformers'
+/// parallelize() of a from_pretrained model, one rank's part.
+///
+///   auto full = torchpar::load_state_dict_file("gpt2/state_dict.pt");
+///   auto comm = torchpar::TensorParallelComm::from_group(world.create_collective_group());
+///   torchpar::Gpt gpt = torchpar::load_gpt(torchpar::GptConfig{}, std::move(full), {.comm =
+///   comm});
+Gpt load_gpt(const GptConfig& config, StateDict full, GptOptions options = {});
+
+}  // namespace torchpar

@@ -1,0 +1,56 @@
+#pragma once
+/// StateDict and load_state_dict_file: the weights a tensor-parallel model slices on load, read
+/// from what Python's torch.save wrote.
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <string>
+
+namespace torchpar {
+
+/// Parameter (or buffer) name -> tensor, as torch.nn.Module.state_dict() returns it
+/// ("h.0.attn.c_attn.weight" -> [768, 2304]). Ordered by name, so messages and iteration are
+/// deterministic.
+using StateDict = std::map<std::string, at::Tensor>;
+
+/// Options of load_state_dict_file.
+struct LoadStateDictOptions {
+  /// true: the tensors alias a private, copy-on-write memory mapping of the file (what
+  /// torch.load(mmap=True) does in later torch versions): nothing is read until a tensor's
+  /// bytes are touched, the pages are the page cache's (shared by every process that maps the
+  /// file, and reclaimable), and slicing a tensor reads only the slice. This is what keeps a
+  /// tensor-parallel rank at about its shard of private memory. The file must stay unchanged
+  /// while any returned tensor (or a view of one) lives: truncating it makes a later access
+  /// raise SIGBUS, as with any mapping. Needs the records stored uncompressed, as torch.save
+  /// writes them; a zip recompressed by another tool needs mmap = false.
+  /// false: every tensor is read into memory of its own (torch.load's default).
+  bool mmap = true;
+};
+
+/// Reads a dict of tensors written by Python's `torch.save(d, path)` (the zip format, torch >=
+/// 1.6; pickle protocol 2, torch.save's default). `d` is a plain dict whose keys are strings
+/// and whose values are tensors: save `dict(model.state_dict())`, since the OrderedDict that
+/// state_dict() returns (with its `_metadata`) is not something LibTorch's unpickler reads.
+/// Nor does LibTorch 1.13's unpickler know the SETITEM opcode, which Python's pickler writes
+/// for a dict of 1, 1001, 2001, ... entries (its last batch of one): such a file is refused;
+/// add an entry before saving.
+///
+/// Shapes:  each tensor as saved, with its strides and storage offset; tensors that shared a
+///          storage in Python share one here.
+/// Dtypes:  as saved (float32, bfloat16, int64, ...); CPU tensors whatever the saved device.
+/// Errors:  torchpar::Error naming the path when the file cannot be opened or mapped;
+///          SerializationError naming the path when it is not a torch.save zip archive, holds
+///          something other than a dict of string -> tensor, or a tensor's bytes lie outside
+///          the file.
+/// Safety:  thread-safe (nothing shared between calls). Reading runs LibTorch's own unpickler,
+///          which knows only tensors, containers and a few torch globals: no Python code runs
+///          and no other class is built (unlike Python's torch.load). Still, load files you
+///          trust: the unpickler is not hardened against crafted input.
+/// Source:  torch.load (with mmap=True for the default), torch::pickle_load.
+///
+///   auto sd = torchpar::load_state_dict_file("gpt2/state_dict.pt");
+///   at::Tensor wte = sd.at("wte.weight");
+StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptions& options = {});
+
+}  // namespace torchpar

@@ -1,0 +1,156 @@
+#include "torchpar/parallel/state_dict.h"
+
+#include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "torchpar/core/error.h"
+#include "torchpar/core/fd.h"
+#include "torchpar/core/syscall.h"
+
+namespace torchpar {
+namespace {
+
+/// A private (copy-on-write) read mapping of a whole file; unmapped with the last reference
+/// (the reader's and every tensor storage's).
+struct FileMapping {
+  char* base = nullptr;
+  size_t size = 0;
+  FileMapping() = default;
+  FileMapping(const FileMapping&) = delete;
+  FileMapping& operator=(const FileMapping&) = delete;
+  ~FileMapping() {
+    if (base != nullptr) ::munmap(base, size);
+  }
+};
+
+std::shared_ptr<FileMapping> map_file(const std::string& path) {
+  UniqueFd fd(detail::check_syscall("open", path,
+                                    [&] { return ::open(path.c_str(), O_RDONLY | O_CLOEXEC); }));
+  struct stat st {};
+  detail::check_syscall("fstat", path, [&] { return ::fstat(fd.get(), &st); });
+  if (!S_ISREG(st.st_mode) || st.st_size == 0)
+    throw SerializationError(
+        fmt::format("load_state_dict_file: '{}' is not a torch.save archive (empty or not a "
+                    "regular file)",
+                    path));
+  auto m = std::make_shared<FileMapping>();
+  const auto size = static_cast<size_t>(st.st_size);
+  // PROT_WRITE on a private mapping of a read-only fd: a tensor written in place gets its own
+  // copy of the page instead of a SIGSEGV; the file never changes.
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd.get(), 0);
+  if (p == MAP_FAILED) detail::throw_system_error("mmap", errno, path);
+  m->base = static_cast<char*>(p);
+  m->size = size;
+  return m;
+}
+
+/// PyTorchStreamReader reads the zip directory and the pickle through the mapping too, so the
+/// file is opened once and every record comes from the same bytes.
+class MappedReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit MappedReader(std::shared_ptr<const FileMapping> m) : m_(std::move(m)) {}
+  size_t size() const override { return m_->size; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= m_->size) return 0;
+    n = std::min<size_t>(n, m_->size - static_cast<size_t>(pos));
+    std::memcpy(buf, m_->base + pos, n);
+    return n;
+  }
+
+ private:
+  std::shared_ptr<const FileMapping> m_;
+};
+
+void release_mapping(void* ctx) { delete static_cast<std::shared_ptr<const FileMapping>*>(ctx); }
+
+/// A storage's bytes aliasing the mapping at `offset`; it keeps the mapping alive.
+at::DataPtr alias_mapping(const std::shared_ptr<const FileMapping>& m, size_t offset) {
+  return at::DataPtr(m->base + offset, new std::shared_ptr<const FileMapping>(m), &release_mapping,
+                     at::Device(at::kCPU));
+}
+
+c10::IValue unpickle(const std::string& path, const std::shared_ptr<const FileMapping>& m,
+                     bool mmap) {
+  caffe2::serialize::PyTorchStreamReader reader(std::make_shared<MappedReader>(m));
+  at::DataPtr pickle;
+  size_t pickle_size = 0;
+  std::tie(pickle, pickle_size) = reader.getRecord("data.pkl");
+  const char* bytes = static_cast<const char*>(pickle.get());
+  size_t pos = 0;
+  auto read = [&](char* buf, size_t n) -> size_t {
+    n = std::min(n, pickle_size - pos);
+    std::memcpy(buf, bytes + pos, n);
+    pos += n;
+    return n;
+  };
+  auto read_record = [&](const std::string& key) -> at::DataPtr {
+    const std::string name = "data/" + key;
+    if (!mmap) return std::get<0>(reader.getRecord(name));
+    const size_t offset = reader.getRecordOffset(name);
+    if (offset > m->size)
+      throw SerializationError(fmt::format(
+          "load_state_dict_file: '{}': record {} starts past the end of the file", path, name));
+    return alias_mapping(m, offset);
+  };
+  torch::jit::Unpickler unpickler(read, /*type_resolver=*/nullptr, /*obj_loader=*/nullptr,
+                                  read_record, c10::optional<at::Device>(at::kCPU));
+  unpickler.set_version(reader.version());
+  return unpickler.parse_ivalue();
+}
+
+}  // namespace
+
+StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptions& options) {
+  const auto m = map_file(path);
+  c10::IValue root;
+  try {
+    root = unpickle(path, m, options.mmap);
+  } catch (const Error&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw SerializationError(fmt::format(
+        "load_state_dict_file: '{}' is not a torch.save archive of a plain dict of tensors that "
+        "LibTorch's unpickler reads (save dict(model.state_dict()), not the OrderedDict; a dict "
+        "of 1, 1001, 2001, ... entries needs one more, as Python writes its last entry with "
+        "SETITEM, unknown to LibTorch 1.13): {}",
+        path, e.what_without_backtrace()));
+  }
+  if (!root.isGenericDict())
+    throw SerializationError(fmt::format(
+        "load_state_dict_file: '{}' holds a {}, not a dict of tensors", path, root.tagKind()));
+  StateDict out;
+  for (const auto& item : root.toGenericDict()) {
+    if (!item.key().isString() || !item.value().isTensor())
+      throw SerializationError(fmt::format(
+          "load_state_dict_file: '{}' holds a {} -> {} entry; only string -> tensor entries are "
+          "read",
+          path, item.key().tagKind(), item.value().tagKind()));
+    at::Tensor t = item.value().toTensor();
+    if (options.mmap && t.storage().nbytes() > 0) {
+      // The unpickler sized each storage from the pickle, not from the record: check that it
+      // lies inside the file before anything reads it.
+      const char* p = static_cast<const char*>(t.storage().data_ptr().get());
+      const bool inside = p >= m->base && p <= m->base + m->size &&
+                          t.storage().nbytes() <= static_cast<size_t>(m->base + m->size - p);
+      if (!inside)
+        throw SerializationError(
+            fmt::format("load_state_dict_file: '{}': tensor '{}' ({} bytes) lies outside the file",
+                        path, item.key().toStringRef(), t.storage().nbytes()));
+    }
+    out.emplace(item.key().toStringRef(), std::move(t));
+  }
+  return out;
+}
+
+}  // namespace torchpar
