@@ -3,10 +3,7 @@
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
 
 #include <algorithm>
@@ -14,6 +11,7 @@
 #include <memory>
 #include <utility>
 
+#include "core/file_mapping.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
@@ -21,50 +19,18 @@
 namespace torchpar {
 namespace {
 
-/// A private (copy-on-write) read mapping of a whole file; unmapped with the last reference
-/// (the reader's and every tensor storage's).
-struct FileMapping {
-  char* base = nullptr;
-  size_t size = 0;
-  FileMapping() = default;
-  FileMapping(const FileMapping&) = delete;
-  FileMapping& operator=(const FileMapping&) = delete;
-  ~FileMapping() {
-    if (base != nullptr) ::munmap(base, size);
-  }
-};
-
-std::shared_ptr<FileMapping> map_file(const std::string& path) {
-  UniqueFd fd(detail::check_syscall("open", path,
-                                    [&] { return ::open(path.c_str(), O_RDONLY | O_CLOEXEC); }));
-  struct stat st {};
-  detail::check_syscall("fstat", path, [&] { return ::fstat(fd.get(), &st); });
-  if (!S_ISREG(st.st_mode) || st.st_size == 0)
-    throw SerializationError(
-        fmt::format("load_state_dict_file: '{}' is not a torch.save archive (empty or not a "
-                    "regular file)",
-                    path));
-  auto m = std::make_shared<FileMapping>();
-  const auto size = static_cast<size_t>(st.st_size);
-  // PROT_WRITE on a private mapping of a read-only fd: a tensor written in place gets its own
-  // copy of the page instead of a SIGSEGV; the file never changes.
-  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd.get(), 0);
-  if (p == MAP_FAILED) detail::throw_system_error("mmap", errno, path);
-  m->base = static_cast<char*>(p);
-  m->size = size;
-  return m;
-}
+using detail::FileMapping;
 
 /// PyTorchStreamReader reads the zip directory and the pickle through the mapping too, so the
 /// file is opened once and every record comes from the same bytes.
 class MappedReader final : public caffe2::serialize::ReadAdapterInterface {
  public:
   explicit MappedReader(std::shared_ptr<const FileMapping> m) : m_(std::move(m)) {}
-  size_t size() const override { return m_->size; }
+  size_t size() const override { return m_->size(); }
   size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
-    if (pos >= m_->size) return 0;
-    n = std::min<size_t>(n, m_->size - static_cast<size_t>(pos));
-    std::memcpy(buf, m_->base + pos, n);
+    if (pos >= m_->size()) return 0;
+    n = std::min<size_t>(n, m_->size() - static_cast<size_t>(pos));
+    std::memcpy(buf, m_->data() + pos, n);
     return n;
   }
 
@@ -76,8 +42,8 @@ void release_mapping(void* ctx) { delete static_cast<std::shared_ptr<const FileM
 
 /// A storage's bytes aliasing the mapping at `offset`; it keeps the mapping alive.
 at::DataPtr alias_mapping(const std::shared_ptr<const FileMapping>& m, size_t offset) {
-  return at::DataPtr(m->base + offset, new std::shared_ptr<const FileMapping>(m), &release_mapping,
-                     at::Device(at::kCPU));
+  return at::DataPtr(m->data() + offset, new std::shared_ptr<const FileMapping>(m),
+                     &release_mapping, at::Device(at::kCPU));
 }
 
 c10::IValue unpickle(const std::string& path, const std::shared_ptr<const FileMapping>& m,
@@ -98,7 +64,7 @@ c10::IValue unpickle(const std::string& path, const std::shared_ptr<const FileMa
     const std::string name = "data/" + key;
     if (!mmap) return std::get<0>(reader.getRecord(name));
     const size_t offset = reader.getRecordOffset(name);
-    if (offset > m->size)
+    if (offset > m->size())
       throw SerializationError(fmt::format(
           "load_state_dict_file: '{}': record {} starts past the end of the file", path, name));
     return alias_mapping(m, offset);
@@ -112,7 +78,7 @@ c10::IValue unpickle(const std::string& path, const std::shared_ptr<const FileMa
 }  // namespace
 
 StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptions& options) {
-  const auto m = map_file(path);
+  const auto m = FileMapping::map(path, "load_state_dict_file");
   c10::IValue root;
   try {
     root = unpickle(path, m, options.mmap);
@@ -141,8 +107,8 @@ StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptio
       // The unpickler sized each storage from the pickle, not from the record: check that it
       // lies inside the file before anything reads it.
       const char* p = static_cast<const char*>(t.storage().data_ptr().get());
-      const bool inside = p >= m->base && p <= m->base + m->size &&
-                          t.storage().nbytes() <= static_cast<size_t>(m->base + m->size - p);
+      const bool inside = p >= m->data() && p <= m->data() + m->size() &&
+                          t.storage().nbytes() <= static_cast<size_t>(m->data() + m->size() - p);
       if (!inside)
         throw SerializationError(
             fmt::format("load_state_dict_file: '{}': tensor '{}' ({} bytes) lies outside the file",
