@@ -3,20 +3,26 @@
 // them, the threads that run one connection each, and the dispatch thread that hands messages
 // and losses to the handlers in order. Private to src/dist/rpc/transport/.
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <list>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "dist/rpc/transport/transport.h"
 #include "ipc/socket_address.h"
+#include "torchpar/core/error.h"
 
 namespace torchpar::rpc::detail {
 
@@ -118,6 +124,149 @@ class Dispatcher {
   std::deque<Event> events_;
   bool stopped_ = false;
   std::thread thread_;
+};
+
+/// What both transports keep of the members they talk to, the same way: each member's open
+/// authenticated connections, the one sends use, and the lock that orders sends to it; the
+/// closed flag; the send calls in progress. A transport derives from it and guards its own
+/// state with the same mutex_.
+///
+/// `Conn` has `std::string peer` (set before it is filed) and `bool dead` (guarded by mutex_).
+/// Lock order: mutex_ only; no call that blocks or calls back into TensorPipe runs under it.
+template <class Conn>
+class ConnectionTable {
+ protected:
+  using Clock = std::chrono::steady_clock;
+
+  /// What the transport knows of one member (all fields guarded by mutex_).
+  struct Peer {
+    /// Set by a sender from before it looks for a connection until its write is issued (or,
+    /// for TCP, done): concurrent senders wait for one connect, and messages go out in the
+    /// order of send calls. (A flag and a condition variable rather than a std::timed_mutex:
+    /// ThreadSanitizer does not see the pthread_mutex_clocklock behind try_lock_until.)
+    bool busy = false;
+    /// Notified when `busy` clears, and by close_locked().
+    std::condition_variable idle;
+    /// Where sends go: the first of `conns`, kept until it is lost.
+    std::shared_ptr<Conn> out;
+    /// Every open authenticated connection of this member.
+    std::vector<std::shared_ptr<Conn>> conns;
+  };
+
+  /// One send call to `peer`: waits (until `deadline`) for the sends to `peer` before it,
+  /// then calls `connect()` -> shared_ptr<Conn> (which files the new connection) when none is
+  /// open, then `write(conn)`; close() waits until every such call has returned.
+  /// Errors: ClosedError once closed; TimeoutError when an earlier send holds `peer` past
+  /// `deadline`; what connect and write throw.
+  template <class Connect, class Write>
+  void run_send(const std::string& peer, Clock::time_point deadline, Connect&& connect,
+                Write&& write) {
+    std::shared_ptr<Peer> p;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closed_) throw ClosedError("rpc transport: closed");
+      p = entry_locked(peer);
+      ++active_sends_;
+    }
+    struct Active {
+      ConnectionTable* self;
+      ~Active() {
+        std::lock_guard<std::mutex> lock(self->mutex_);
+        if (--self->active_sends_ == 0) self->sends_cv_.notify_all();
+      }
+    } active{this};
+
+    std::shared_ptr<Conn> conn;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (!p->idle.wait_until(lock, deadline, [&] { return closed_ || !p->busy; })) {
+        throw TimeoutError(fmt::format(
+            "rpc transport: send to {}: another send to it (connecting or writing) held it "
+            "past the deadline",
+            printable(peer)));
+      }
+      if (closed_) throw ClosedError("rpc transport: closed");
+      p->busy = true;
+      conn = p->out;
+    }
+    struct Busy {
+      ConnectionTable* self;
+      Peer* peer;
+      ~Busy() {
+        std::lock_guard<std::mutex> lock(self->mutex_);
+        peer->busy = false;
+        peer->idle.notify_one();
+      }
+    } busy{this, p.get()};
+
+    if (!conn) {
+      conn = connect();
+      // A connection the peer opened meanwhile may have become the one sends use: keep to one.
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (p->out) conn = p->out;
+    }
+    write(conn);
+  }
+
+  /// Files `conn` under its member (the one sends use when it has none). Requires mutex_
+  /// held and not closed_.
+  void file_locked(const std::shared_ptr<Conn>& conn) {
+    auto p = entry_locked(conn->peer);
+    p->conns.push_back(conn);
+    if (!p->out) p->out = conn;
+  }
+
+  /// Marks `conn` dead and takes it out of the table; returns whether its loss is to be
+  /// reported (not once closed). Requires mutex_ held and `conn` not dead.
+  bool unfile_locked(const std::shared_ptr<Conn>& conn) {
+    conn->dead = true;
+    if (auto it = peers_.find(conn->peer); it != peers_.end()) {
+      auto& p = *it->second;
+      std::erase(p.conns, conn);
+      if (p.out == conn) p.out = p.conns.empty() ? nullptr : p.conns.front();
+    }
+    return !closed_;
+  }
+
+  /// Sets closed_, wakes the senders waiting for a member, and calls `each(conn)` for every
+  /// open connection. Requires mutex_ held.
+  template <class Each>
+  void close_locked(Each&& each) {
+    closed_ = true;
+    for (auto& [name, p] : peers_) {
+      p->idle.notify_all();
+      for (auto& c : p->conns) each(*c);
+    }
+  }
+
+  /// Waits until no send call is in progress (after close_locked they all fail fast), then
+  /// empties the table; the connections are released by the caller, unlocked.
+  std::unordered_map<std::string, std::shared_ptr<Peer>> drain_after_close() {
+    std::unordered_map<std::string, std::shared_ptr<Peer>> peers;
+    std::unique_lock<std::mutex> lock(mutex_);
+    sends_cv_.wait(lock, [&] { return active_sends_ == 0; });
+    peers.swap(peers_);
+    return peers;
+  }
+
+  bool closed() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return closed_;
+  }
+
+  mutable std::mutex mutex_;
+  bool closed_ = false;
+
+ private:
+  std::shared_ptr<Peer> entry_locked(const std::string& peer) {
+    auto& p = peers_[peer];
+    if (!p) p = std::make_shared<Peer>();
+    return p;
+  }
+
+  int active_sends_ = 0;  // send calls in progress (close waits for them)
+  std::condition_variable sends_cv_;
+  std::unordered_map<std::string, std::shared_ptr<Peer>> peers_;
 };
 
 }  // namespace torchpar::rpc::detail

@@ -103,9 +103,9 @@ class Transport {
   ///
   /// Errors: TimeoutError past `deadline` (connecting, handshaking, or a TCP write);
   /// AuthenticationError when the peer proves another key or refuses ours; ClosedError
-  /// after close(), when the peer is gone before the message is queued or written, or when
-  /// another member answers at `address`; ValueError for a non-CPU storage or an address
-  /// that does not parse.
+  /// after close(), when the peer is gone before the message is queued or written, or (TCP)
+  /// when another member answers at `address`; ValueError for a non-CPU storage or an
+  /// address that does not parse.
   /// Safety: thread-safe; concurrent sends to one peer wait for each other (in order).
   virtual void send(const std::string& peer, const std::string& address, Message msg,
                     std::chrono::steady_clock::time_point deadline) = 0;

@@ -23,9 +23,10 @@
 // MSG_DONTWAIT until their deadline. Waiting for the next frame has no deadline: an idle
 // connection is normal, and close() or the peer ends it.
 //
-// One mutex, mutex_, guards the tables (peers, connections' `dead`, sockets in their
-// handshake, counters); no call that blocks runs under it. Writes to a connection are
-// serialized by its Peer's `busy` flag, a lock with a deadline (writes go only to `out`).
+// One mutex, mutex_ (support.h's ConnectionTable), guards the tables (members, connections'
+// `dead`, sockets in their handshake, counters); no call that blocks runs under it. Writes to
+// a connection are serialized by its member's `busy` flag, a lock with a deadline (writes go
+// only to `out`), held by run_send until the write is done.
 
 #include "dist/rpc/transport/tcp/tcp_transport.h"
 
@@ -44,12 +45,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
-#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <set>
 #include <thread>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -116,22 +115,7 @@ struct Conn {
   bool dead = false;  // guarded by the transport's mutex_: lost (reported once) or closing
 };
 
-/// What the transport knows of one member (all fields guarded by the transport's mutex_).
-struct Peer {
-  /// Set by a sender from before it looks for a connection until its write is done: concurrent
-  /// senders wait for one connect, and messages go out whole, in the order of send calls.
-  /// (A flag and a condition variable rather than a std::timed_mutex: ThreadSanitizer does
-  /// not see the pthread_mutex_clocklock behind try_lock_until.)
-  bool busy = false;
-  /// Notified when `busy` clears, and by close().
-  std::condition_variable idle;
-  /// Where sends go: the first of `conns`, kept until it is lost.
-  std::shared_ptr<Conn> out;
-  /// Every open authenticated connection of this member.
-  std::vector<std::shared_ptr<Conn>> conns;
-};
-
-class TcpTransport final : public Transport {
+class TcpTransport final : public Transport, private detail::ConnectionTable<Conn> {
  public:
   TcpTransport(TransportOptions options, TransportHandlers handlers);
   ~TcpTransport() override;
@@ -167,7 +151,6 @@ class TcpTransport final : public Transport {
   bool track(int fd);  // false once closed
   /// Files `fd` (moved from only on success) as a connection of `peer`; nullptr once closed.
   std::shared_ptr<Conn> add_conn(UniqueFd& fd, const std::string& peer, const std::string& where);
-  std::shared_ptr<Peer> peer_entry(const std::string& peer);  // requires mutex_
   void lose(const std::shared_ptr<Conn>& conn, const std::string& why);
 
   // Messages.
@@ -175,24 +158,14 @@ class TcpTransport final : public Transport {
   Message read_message(const Conn& conn) const;
   void write(const std::shared_ptr<Conn>& conn, const Message& msg, Clock::time_point deadline);
 
-  bool closed() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return closed_;
-  }
-
   const TransportOptions options_;
   std::string address_;  // "tcp://ip:port"
   UniqueFd listen_fd_;
   UniqueFd wake_;  // eventfd, written once by close(): wakes the accept thread and connects
 
   std::once_flag close_once_;
-  mutable std::mutex mutex_;
-  bool closed_ = false;
-  int pending_handshakes_ = 0;
-  std::set<int> handshaking_;  // sockets in their handshake (Tracked)
-  int active_sends_ = 0;       // send calls in progress (close waits for them)
-  std::condition_variable sends_cv_;
-  std::unordered_map<std::string, std::shared_ptr<Peer>> peers_;
+  int pending_handshakes_ = 0;  // guarded by mutex_, as the next
+  std::set<int> handshaking_;   // sockets in their handshake (Tracked)
 
   detail::Dispatcher dispatcher_;
   detail::TaskThreads threads_;  // connection threads
@@ -237,11 +210,7 @@ void TcpTransport::close() {
 void TcpTransport::close_now() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    closed_ = true;
-    for (auto& [name, p] : peers_) {
-      p->idle.notify_all();  // waiting senders fail now
-      for (auto& c : p->conns) ::shutdown(c->fd.get(), SHUT_RDWR);
-    }
+    close_locked([](Conn& c) { ::shutdown(c.fd.get(), SHUT_RDWR); });  // senders fail now
     for (int fd : handshaking_) ::shutdown(fd, SHUT_RDWR);
   }
   if (wake_) {
@@ -250,18 +219,10 @@ void TcpTransport::close_now() {
   }
   dispatcher_.stop();
   if (accept_thread_.joinable()) accept_thread_.join();
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    sends_cv_.wait(lock, [&] { return active_sends_ == 0; });  // all fail fast now
-  }
+  const auto peers = drain_after_close();  // connections close when this goes, unlocked
   // No thread starts any more: the accept thread is gone and so are the senders.
   threads_.join_all();
   dispatcher_.join();
-  std::unordered_map<std::string, std::shared_ptr<Peer>> peers;  // closed unlocked
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    peers.swap(peers_);
-  }
   listen_fd_.reset();
 }
 
@@ -365,12 +326,6 @@ bool TcpTransport::track(int fd) {
   return true;
 }
 
-std::shared_ptr<Peer> TcpTransport::peer_entry(const std::string& peer) {
-  auto& p = peers_[peer];
-  if (!p) p = std::make_shared<Peer>();
-  return p;
-}
-
 std::shared_ptr<Conn> TcpTransport::add_conn(UniqueFd& fd, const std::string& peer,
                                              const std::string& where) {
   auto conn = std::make_shared<Conn>();
@@ -379,9 +334,7 @@ std::shared_ptr<Conn> TcpTransport::add_conn(UniqueFd& fd, const std::string& pe
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) return nullptr;
   conn->fd = std::move(fd);
-  auto p = peer_entry(peer);
-  p->conns.push_back(conn);
-  if (!p->out) p->out = conn;
+  file_locked(conn);
   return conn;
 }
 
@@ -390,13 +343,7 @@ void TcpTransport::lose(const std::shared_ptr<Conn>& conn, const std::string& wh
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (conn->dead) return;
-    conn->dead = true;
-    if (auto it = peers_.find(conn->peer); it != peers_.end()) {
-      auto& p = *it->second;
-      std::erase(p.conns, conn);
-      if (p.out == conn) p.out = p.conns.empty() ? nullptr : p.conns.front();
-    }
-    report = !closed_;
+    report = unfile_locked(conn);
     // The peer sees EOF; this side's reader (if it is not the caller) wakes and returns.
     ::shutdown(conn->fd.get(), SHUT_RDWR);
   }
@@ -664,51 +611,9 @@ void TcpTransport::send(const std::string& peer, const std::string& address, Mes
                     "a frame (at most 2^32 - 1 each)",
                     msg.header.size(), msg.storages.size()));
   }
-  std::shared_ptr<Peer> p;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (closed_) throw ClosedError("rpc transport: closed");
-    p = peer_entry(peer);
-    ++active_sends_;
-  }
-  struct Active {  // close() waits until every send call is out
-    TcpTransport* self;
-    ~Active() {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      if (--self->active_sends_ == 0) self->sends_cv_.notify_all();
-    }
-  } active{this};
-
-  std::shared_ptr<Conn> conn;
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!p->idle.wait_until(lock, deadline, [&] { return closed_ || !p->busy; })) {
-      throw TimeoutError(fmt::format(
-          "rpc transport: send to {}: another send to it (connecting or writing) held it past "
-          "the deadline",
-          printable(peer)));
-    }
-    if (closed_) throw ClosedError("rpc transport: closed");
-    p->busy = true;
-    conn = p->out;
-  }
-  struct Busy {
-    TcpTransport* self;
-    Peer* peer;
-    ~Busy() {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      peer->busy = false;
-      peer->idle.notify_one();
-    }
-  } busy{this, p.get()};
-
-  if (!conn) {
-    conn = connect(peer, address, deadline);
-    // A connection the peer opened meanwhile may have become the one sends use: keep to one.
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (p->out) conn = p->out;
-  }
-  write(conn, msg, deadline);
+  run_send(
+      peer, deadline, [&] { return connect(peer, address, deadline); },
+      [&](const std::shared_ptr<Conn>& conn) { write(conn, msg, deadline); });
 }
 
 }  // namespace

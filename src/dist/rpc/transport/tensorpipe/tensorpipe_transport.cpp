@@ -25,7 +25,6 @@
 #include <mutex>
 #include <string_view>
 #include <thread>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -101,22 +100,10 @@ struct Conn {
   bool dead = false;  // guarded by the transport's mutex_: lost (reported once) or closing
 };
 
-/// What the transport knows of one member (all fields guarded by the transport's mutex_).
-struct Peer {
-  /// Set by a sender from before it looks for a pipe until its write is issued: concurrent
-  /// senders wait for one connect, and writes reach TensorPipe in the order of send calls.
-  /// (A flag and a condition variable rather than a std::timed_mutex: ThreadSanitizer does
-  /// not see the pthread_mutex_clocklock behind try_lock_until.)
-  bool busy = false;
-  /// Notified when `busy` clears, and by close().
-  std::condition_variable idle;
-  /// Where sends go: the first of `conns`, kept until it is lost.
-  std::shared_ptr<Conn> out;
-  /// Every open authenticated pipe of this member.
-  std::vector<std::shared_ptr<Conn>> conns;
-};
-
-class TensorPipeTransport final : public Transport {
+// The members, their pipes and the send order: support.h's ConnectionTable (a member's `busy`
+// flag is held from before a sender looks for a pipe until its write is issued, so writes
+// reach TensorPipe in the order of send calls).
+class TensorPipeTransport final : public Transport, private detail::ConnectionTable<Conn> {
  public:
   TensorPipeTransport(TransportOptions options, TransportHandlers handlers, Mode mode);
   ~TensorPipeTransport() override;
@@ -143,7 +130,6 @@ class TensorPipeTransport final : public Transport {
   std::shared_ptr<Conn> connect(const std::string& peer, const std::string& address,
                                 Clock::time_point deadline);
   std::shared_ptr<Conn> add_conn(std::shared_ptr<tensorpipe::Pipe> pipe, const std::string& peer);
-  std::shared_ptr<Peer> peer_entry(const std::string& peer);  // requires mutex_
   void lose(const std::shared_ptr<Conn>& conn, const std::string& why);
 
   // Messages.
@@ -151,11 +137,6 @@ class TensorPipeTransport final : public Transport {
   void on_descriptor(const std::shared_ptr<Conn>& conn, const tensorpipe::Descriptor& d);
   std::string check_descriptor(const tensorpipe::Descriptor& d) const;
   void write(const std::shared_ptr<Conn>& conn, Message msg);
-
-  bool closed() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return closed_;
-  }
 
   const TransportOptions options_;
   const Mode mode_;
@@ -166,16 +147,12 @@ class TensorPipeTransport final : public Transport {
   std::shared_ptr<tensorpipe::Context> ctx_;
 
   std::once_flag close_once_;
-  mutable std::mutex mutex_;
-  bool closed_ = false;
+  // Guarded by mutex_ (ConnectionTable's), as the rest of this block.
   std::shared_ptr<tensorpipe::Listener> listener_;
   bool relisten_ = false;       // the listener failed: listen_loop makes a new one
   std::string listener_error_;  // why, for its log line
   std::condition_variable listen_cv_;
   int pending_handshakes_ = 0;
-  int active_sends_ = 0;  // send calls in progress (close waits for them)
-  std::condition_variable sends_cv_;
-  std::unordered_map<std::string, std::shared_ptr<Peer>> peers_;
 
   detail::Dispatcher dispatcher_;
   detail::TaskThreads handshakes_;
@@ -263,9 +240,8 @@ void TensorPipeTransport::close_now() {
   std::shared_ptr<tensorpipe::Listener> listener;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    closed_ = true;
+    close_locked([](Conn&) {});  // waiting senders fail now
     listener = listener_;
-    for (auto& [name, p] : peers_) p->idle.notify_all();  // waiting senders fail now
   }
   listen_cv_.notify_all();
   dispatcher_.stop();
@@ -285,13 +261,9 @@ void TensorPipeTransport::close_now() {
   }
   dispatcher_.join();
   handshakes_.join_all();
-  std::unordered_map<std::string, std::shared_ptr<Peer>> peers;
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    sends_cv_.wait(lock, [&] { return active_sends_ == 0; });  // all fail fast now
-    peers.swap(peers_);
-    listener_.reset();
-  }
+  const auto peers = drain_after_close();  // send calls fail fast now; pipes released unlocked
+  std::lock_guard<std::mutex> lock(mutex_);
+  listener_.reset();
 }
 
 // ---- listening --------------------------------------------------------------------------------
@@ -428,12 +400,6 @@ std::shared_ptr<tensorpipe::Listener> TensorPipeTransport::listen_again() {
 
 // ---- connections ------------------------------------------------------------------------------
 
-std::shared_ptr<Peer> TensorPipeTransport::peer_entry(const std::string& peer) {
-  auto& p = peers_[peer];
-  if (!p) p = std::make_shared<Peer>();
-  return p;
-}
-
 std::shared_ptr<Conn> TensorPipeTransport::add_conn(std::shared_ptr<tensorpipe::Pipe> pipe,
                                                     const std::string& peer) {
   auto conn = std::make_shared<Conn>();
@@ -441,9 +407,7 @@ std::shared_ptr<Conn> TensorPipeTransport::add_conn(std::shared_ptr<tensorpipe::
   conn->peer = peer;
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) return nullptr;
-  auto p = peer_entry(peer);
-  p->conns.push_back(conn);
-  if (!p->out) p->out = conn;
+  file_locked(conn);
   return conn;
 }
 
@@ -452,13 +416,7 @@ void TensorPipeTransport::lose(const std::shared_ptr<Conn>& conn, const std::str
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (conn->dead) return;
-    conn->dead = true;
-    if (auto it = peers_.find(conn->peer); it != peers_.end()) {
-      auto& p = *it->second;
-      std::erase(p.conns, conn);
-      if (p.out == conn) p.out = p.conns.empty() ? nullptr : p.conns.front();
-    }
-    report = !closed_;
+    report = unfile_locked(conn);
   }
   if (report) dispatcher_.post_lost(conn->peer, why);
   conn->pipe->close();
@@ -668,50 +626,9 @@ void TensorPipeTransport::write(const std::shared_ptr<Conn>& conn, Message msg) 
 void TensorPipeTransport::send(const std::string& peer, const std::string& address, Message msg,
                                Clock::time_point deadline) {
   detail::check_storages(msg);
-  std::shared_ptr<Peer> p;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (closed_) throw ClosedError("rpc transport: closed");
-    p = peer_entry(peer);
-    ++active_sends_;
-  }
-  struct Active {  // close() waits until every send call is out
-    TensorPipeTransport* self;
-    ~Active() {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      if (--self->active_sends_ == 0) self->sends_cv_.notify_all();
-    }
-  } active{this};
-
-  std::shared_ptr<Conn> conn;
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!p->idle.wait_until(lock, deadline, [&] { return closed_ || !p->busy; })) {
-      throw TimeoutError(fmt::format(
-          "rpc transport: send to {}: another send to it (connecting) held it past the deadline",
-          printable(peer)));
-    }
-    if (closed_) throw ClosedError("rpc transport: closed");
-    p->busy = true;
-    conn = p->out;
-  }
-  struct Busy {
-    TensorPipeTransport* self;
-    Peer* peer;
-    ~Busy() {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      peer->busy = false;
-      peer->idle.notify_one();
-    }
-  } busy{this, p.get()};
-
-  if (!conn) {
-    conn = connect(peer, address, deadline);
-    // A pipe the peer opened meanwhile may have become the one sends use: keep to one.
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (p->out) conn = p->out;
-  }
-  write(conn, std::move(msg));
+  run_send(
+      peer, deadline, [&] { return connect(peer, address, deadline); },
+      [&](const std::shared_ptr<Conn>& conn) { write(conn, std::move(msg)); });
 }
 
 }  // namespace
