@@ -19,8 +19,9 @@
 //   BM_RpcAsyncInFlight64         rpc_async<int>(callee, "add") keeping 64 calls outstanding
 //                                 (waits for the oldest before issuing the 65th)
 // The transport's limit: TensorPipe's own API, no torchpar in between, between this process
-// and a spawned echo peer ("raw_peer"), both set up as torchpar's transport sets up its
-// context (uv and shm transports, basic and cma channels; shm and cma chosen on one host):
+// and a spawned echo peer ("raw_peer"), both with the uv and shm transports and the basic and
+// cma channels (shm and cma chosen on one host: what torchpar's transport uses between two
+// members of one host, its TensorPipe shm half):
 //   BM_RawTensorPipeTiny          an 8-byte payload there, a 4-byte payload back (what
 //                                 add(int, int) carries, without framing or serialization)
 //   BM_RawTensorPipeTensor1M      a fresh at::full({262144}, i) each call as a TensorPipe
@@ -272,9 +273,9 @@ constexpr size_t kRawReplyBytes = 4;    // one int, or one float
 constexpr size_t kRawMaxRequestBytes = 64;
 constexpr size_t kRawTensorBytes = kNumel * sizeof(float);
 
-/// A TensorPipe context set up as src/dist/rpc/transport/tensorpipe/ sets up its own: uv (TCP)
-/// always, shm with a peer in this network namespace, channels cma and basic (TensorPipe uses
-/// the highest priority both sides offer).
+/// A TensorPipe context as create_tensorpipe_transport sets up its own: uv (TCP) always, shm
+/// with a peer in this network namespace, channels cma and basic (TensorPipe uses the highest
+/// priority both sides offer, so shm and cma here, as create_transport's shm half uses).
 std::shared_ptr<tensorpipe::Context> raw_context(const std::string& name) {
   auto ctx = std::make_shared<tensorpipe::Context>(tensorpipe::ContextOptions().name(name));
   ctx->registerTransport(0, "uv", tensorpipe::transport::uv::create());

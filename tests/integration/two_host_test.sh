@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Two "hosts": a 2-rank gloo all_reduce, then 2-rank RPC (TensorPipe over TCP: its shm
-# transport is only chosen within one network namespace), between two network namespaces
-# joined by a veth pair.
+# Two "hosts": a 2-rank gloo all_reduce, then 2-rank RPC (our TCP transport: the host
+# identity in each member's address names its network namespace, so neither chooses
+# TensorPipe's shm), between two network namespaces joined by a veth pair.
 # usage: two_host_test.sh BIN_DIR. Exits 77 (skipped) where the kernel or our rights refuse
 # network namespaces.
 set -u
@@ -67,6 +67,6 @@ run_pair() {
 }
 run_pair all_reduce 29577 "rank 0 of 2 (gloo): all_reduce sum = 3" \
   "rank 1 of 2 (gloo): all_reduce sum = 3" "$BIN/example_all_reduce" --backend gloo
-# RPC: TensorPipe over TCP (its shm transport is only chosen within one network namespace).
+# RPC: our TCP transport (shm is only chosen within one host and network namespace).
 run_pair rpc 29578 "rank 0 (rank0): add on rank1 = 40, norm = 3, hello rank0 from rank1, remote = 2" \
   "rank 1 (rank1): add on rank0 = 41, norm = 3, hello rank1 from rank0, remote = 2" "$BIN/example_rpc"

@@ -4,11 +4,11 @@
 /// functions registered by name (torch.distributed.rpc's API, without pickled code).
 ///
 /// A group is created collectively by its members with World::create_rpc_group. Messages
-/// travel over authenticated TensorPipe connections (the job's key, Python
-/// multiprocessing.connection's handshake: see torchpar/core/auth.h); listeners bind to
-/// 127.0.0.1 unless TORCHPAR_RPC_ADDR names a host. Arguments and results are any
-/// torchpar-serializable values (cereal types, at::Tensor, c10::IValue); tensors travel
-/// beside the message as TensorPipe tensors (never through the serialization buffer), and
+/// travel over authenticated connections (the job's key, Python multiprocessing.connection's
+/// handshake: see torchpar/core/auth.h): TCP, or TensorPipe's shared memory between members
+/// of one host; listeners bind to 127.0.0.1 unless TORCHPAR_RPC_ADDR names a host. Arguments
+/// and results are any torchpar-serializable values (cereal types, at::Tensor, c10::IValue);
+/// tensors travel beside the message (never through the serialization buffer), and
 /// tensors already in torchpar shared memory travel as handles (no copy) to a member on the
 /// same host. Calls are executed on a thread pool of the callee (RpcOptions::num_threads).
 ///

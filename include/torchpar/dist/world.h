@@ -98,10 +98,10 @@ class World {
   /// Creates the RPC group `group_name` of the World members named in `members` (machin's
   /// RpcGroup(group_name, group_members)): collective over those members (each calls it
   /// with the same name and members; it returns once all joined). The first group of a
-  /// process starts its RPC agent: a TensorPipe listener on 127.0.0.1 (TORCHPAR_RPC_ADDR
-  /// names another host or IP), whose address is published in the World's store, and
-  /// which accepts only peers proving the job's key. Include "torchpar/dist/rpc_group.h"
-  /// to use the result.
+  /// process starts its RPC agent: a TCP listener on 127.0.0.1 (TORCHPAR_RPC_ADDR names
+  /// another host or IP; TensorPipe's shared memory serves members of this host), whose
+  /// address is published in the World's store, and which accepts only peers proving the
+  /// job's key. Include "torchpar/dist/rpc_group.h" to use the result.
   ///
   /// Key:     WorldOptions::authkey, else TORCHPAR_AUTHKEY (hex), which `torchpar run` sets
   ///          to a fresh 32-byte key per job. Never the per-user key file: without a key

@@ -127,7 +127,8 @@ std::shared_ptr<RpcAgent> RpcAgent::create(RpcAgentOptions options) {
   handlers.on_peer_lost = [weak](const std::string& peer, const std::string& why) {
     if (auto a = weak.lock()) a->on_peer_lost(peer, why);
   };
-  agent->transport_ = rpc::create_tensorpipe_transport(std::move(topts), std::move(handlers));
+  // Our TCP transport to every member, TensorPipe's shm to members of this host.
+  agent->transport_ = rpc::create_transport(std::move(topts), std::move(handlers));
   agent->address_ = agent->transport_->address();
   const std::string addr = agent->address_;
   agent->with_store([&](c10d::Store& s) {

@@ -2,10 +2,12 @@
 // The RPC engine of one process: its transport, the calls it waits for, the services,
 // functions and values it serves. RpcGroup (rpc_group.cpp) is a named view on it.
 //
-// Threads: the transport's loop thread delivers messages (on_message): replies complete
-// futures there, RRef bookkeeping happens there (so it follows arrival order), calls and
-// fetches go to the agent's thread pool. One timer thread fails calls whose deadline
-// passed. User threads send.
+// Threads: the transport's threads deliver messages (on_message, inline: a TCP connection's
+// reader thread, or TensorPipe's shm loop thread; so messages of different members may be
+// handled concurrently, those of one member in arrival order): replies complete futures
+// there, RRef bookkeeping happens there (so it follows arrival order), calls and fetches go
+// to the agent's thread pool. One timer thread fails calls whose deadline passed. User
+// threads and the pool send.
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

@@ -1,8 +1,10 @@
 #pragma once
 // The RPC layer's transport: authenticated, message-oriented connections between named
-// members of a World. One implementation today (transport/tensorpipe/); RpcGroup code
-// sees only this header, so no TensorPipe header appears outside that folder (upstream
-// TensorPipe is frozen and PyTorch is removing it).
+// members of a World. Implementations: transport/tcp/ (ours, POSIX sockets: what the network
+// reaches) and transport/tensorpipe/ (TensorPipe: uv + shm for tests and benchmarks, or shm
+// alone); create_transport composes TCP with TensorPipe's shm, and is what the RPC agent
+// uses. RpcGroup code sees only this header, so no TensorPipe header appears outside that
+// folder (upstream TensorPipe is frozen and PyTorch is removing it).
 
 #include <c10/core/Storage.h>
 
@@ -11,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "torchpar/core/auth.h"
@@ -20,9 +23,10 @@ namespace torchpar::rpc {
 /// One message between two members.
 ///
 /// `header` and `body` are bytes of the RPC layer (its framing, and a serialized value);
-/// `storages` are CPU tensor storages that travel beside them (TensorPipe tensors: copied
-/// once by the channel, never through `body`). A received storage is a fresh CPU storage of
-/// the sent length, owned by the receiver.
+/// `storages` are CPU tensor storages that travel beside them, never through `body` (TCP:
+/// written from and read into the storages' own memory; TensorPipe: tensors, copied once by
+/// the channel). A received storage is a fresh CPU storage of the sent length, owned by the
+/// receiver.
 struct Message {
   std::string header;
   std::string body;
@@ -41,8 +45,10 @@ struct TransportOptions {
   AuthKey authkey{};
   /// Handshake options (legacy MD5 is never needed between torchpar members).
   AuthOptions auth{};
-  /// Offer TensorPipe's shm transport (same host and network namespace; negotiated per
-  /// connection, TCP otherwise). Off above ~16 members: pytorch/tensorpipe#397.
+  /// Use TensorPipe's shm transport between members of one host and network namespace
+  /// (create_transport: chosen by the peer's address; create_tensorpipe_transport: negotiated
+  /// per connection), TCP otherwise. create_tcp_transport ignores it. Off above ~16 members:
+  /// pytorch/tensorpipe#397.
   bool shm = true;
   /// Bound of one connect + handshake (seconds).
   std::chrono::duration<double> handshake_timeout = std::chrono::seconds(10);
@@ -53,16 +59,20 @@ struct TransportOptions {
   size_t max_storages = 1 << 16;
   /// Largest header (bytes); more closes the connection.
   size_t max_header_bytes = 64 << 10;
-  /// The handlers neither block nor call this transport: run on_message on TensorPipe's
-  /// own thread as each message is read (in order), instead of handing it to the
-  /// transport's dispatch thread. Saves a thread hand-off per message (the RPC agent's
-  /// handlers only queue work and complete futures). on_peer_lost still runs on the
-  /// dispatch thread.
+  /// The handlers neither block nor call this transport: run on_message on the thread that
+  /// read the message (TCP: the connection's reader; TensorPipe: its loop thread), in order
+  /// per connection, instead of handing it to the transport's dispatch thread. Saves a thread
+  /// hand-off per message (the RPC agent's handlers only queue work and complete futures);
+  /// messages of different connections may then be handled concurrently. on_peer_lost still
+  /// runs on the dispatch thread.
   bool inline_handlers = false;
 };
 
-/// Callbacks of a transport. Both run on the transport's own thread: they must not block
-/// (hand work to a thread pool) and must not call Transport::close.
+/// Callbacks of a transport. Both run on the transport's own threads: they must not block
+/// (hand work to a thread pool) and must not call Transport::close. They run one at a time
+/// and in order per transport unless options.inline_handlers; create_transport's composite
+/// has two transports inside, so its handlers may run concurrently (for different peers)
+/// and must be thread-safe.
 struct TransportHandlers {
   /// A whole message from the member named `peer`.
   std::function<void(const std::string& peer, Message msg)> on_message;
@@ -77,20 +87,26 @@ class Transport {
  public:
   virtual ~Transport() = default;
 
-  /// The address peers connect to (for TensorPipe: "tcp://<bind_host>:<port>"); the RPC
-  /// layer publishes it in the World's store. Never contains a secret.
+  /// The address peers connect to ("tcp://<ip>:<port>"; create_transport's adds the shm part,
+  /// see parse_transport_address); the RPC layer publishes it in the World's store. Never
+  /// contains a secret. Thread-safe.
   virtual std::string address() const = 0;
 
   /// Sends `msg` to the member `peer`. Uses the open connection to `peer` (one this side
   /// made, or one `peer` made to this side); without one, connects to `address` and runs
-  /// the handshake first, blocking at most until `deadline`. The write itself is
-  /// asynchronous: send returns once the message is queued; a failure after that is
-  /// reported through on_peer_lost. Messages sent to one peer arrive in the order their
-  /// send calls returned.
+  /// the handshake first, blocking at most until `deadline`. TensorPipe queues the write:
+  /// send returns once the message is queued. TCP writes on the calling thread: send
+  /// returns once the kernel took the whole message, waiting at most until `deadline`; a
+  /// write cut off by the deadline closes the connection. Either way a failure after send
+  /// returned is reported through on_peer_lost, and only a reply proves delivery. Messages
+  /// sent to one peer arrive in the order their send calls returned.
   ///
-  /// Errors: TimeoutError past `deadline` (connecting or handshaking); AuthenticationError
-  /// when the peer proves another key or refuses ours; ClosedError after close() or when
-  /// the peer is gone before the message is queued; ValueError for a non-CPU storage.
+  /// Errors: TimeoutError past `deadline` (connecting, handshaking, or a TCP write);
+  /// AuthenticationError when the peer proves another key or refuses ours; ClosedError
+  /// after close(), when the peer is gone before the message is queued or written, or (TCP)
+  /// when another member answers at `address`; ValueError for a non-CPU storage or an
+  /// address that does not parse.
+  /// Safety: thread-safe; concurrent sends to one peer wait for each other (in order).
   virtual void send(const std::string& peer, const std::string& address, Message msg,
                     std::chrono::steady_clock::time_point deadline) = 0;
 
@@ -99,8 +115,52 @@ class Transport {
   virtual void close() = 0;
 };
 
+/// The transport of the RPC agent: our TCP transport (create_tcp_transport, tcp/) always,
+/// plus, when options.shm, TensorPipe's shm transport alone (no TensorPipe TCP listener) for
+/// peers on this host. address() is the TCP address, plus the shm listener's URL and this
+/// host's identity when shm is on (parse_transport_address). send() routes by the peer's
+/// address: TensorPipe shm when both addresses carry shm and the same host identity, TCP
+/// otherwise; both ends compute the same choice, so a pair of members uses one transport.
+/// When shm is on but unusable here (no boot id or network namespace to read, TensorPipe's
+/// shm transport not viable), it logs one line and uses TCP alone.
+///
+/// Errors:  as create_tcp_transport (ValueError for an empty key or name or a bad bind_host;
+///          SystemError when it cannot listen); send() also ValueError for an address that
+///          parse_transport_address refuses.
+/// Security: the TCP port survives garbage (it is our code, which authenticates every
+///          connection before reading anything else). TensorPipe's shm listener is an
+///          abstract Unix socket that anyone in this network namespace can connect to, and
+///          eight bytes of garbage there end the process (docs/wire_format.md, "RPC
+///          transport"): only local users in the same network namespace can reach it.
+/// Process: sets SIGPIPE to "ignore" when it is at its default and shm is on (TensorPipe's
+///          shm setup writes without MSG_NOSIGNAL), as World does.
+std::unique_ptr<Transport> create_transport(TransportOptions options, TransportHandlers handlers);
+
+/// The parts of an address of create_transport (docs/wire_format.md, "RPC transport"):
+///   tcp://<ip>:<port>                                          shm off (or unusable)
+///   tcp://<ip>:<port>;shm=shm://<name>;host=<boot-id>_<dev>_<ino>   shm on
+struct TransportAddress {
+  std::string tcp;   ///< "tcp://<ip>:<port>"
+  std::string shm;   ///< "shm://<name>" (the abstract socket of TensorPipe's shm), or empty
+  std::string host;  ///< host identity (host_identity()), empty exactly when `shm` is
+};
+
+/// Parses an address of create_transport (and so also a plain "tcp://<ip>:<port>").
+/// Errors: ValueError naming the (printable) address for anything else: a host name instead
+/// of an IP, a missing or zero port, unknown or misplaced fields, a bad shm name or host
+/// identity. Addresses come from the store: nothing here trusts them.
+TransportAddress parse_transport_address(std::string_view address);
+
+/// This process's host identity as TensorPipe's shm transport sees it: the kernel's boot id
+/// (/proc/sys/kernel/random/boot_id) and the device and inode of its network namespace
+/// (stat /proc/self/ns/net), as "<boot-id>_<dev hex>_<ino hex>". Two processes with the same
+/// identity can reach each other's abstract Unix sockets and shared memory. Empty when either
+/// cannot be read. Thread-safe; reads the files on every call.
+std::string host_identity();
+
 /// A TensorPipe transport (uv = TCP, plus shm when options.shm; channels cma and basic)
-/// listening on options.bind_host, port chosen by the kernel.
+/// listening on options.bind_host, port chosen by the kernel. Kept for tests and benchmarks;
+/// the RPC agent uses create_transport.
 /// Errors: ValueError for an empty key or name (or one over 256 bytes); SystemError when it
 /// cannot listen.
 /// Process: sets SIGPIPE to "ignore" when it is at its default (libuv writes without

@@ -1,4 +1,6 @@
-// The TensorPipe implementation of the RPC transport (transport.h). Wire format:
+// The TensorPipe implementation of the RPC transport (transport.h), in two modes: uv (TCP)
+// plus shm when options.shm (create_tensorpipe_transport), or shm alone, the same-host half
+// of create_transport's composite (create_tensorpipe_shm_transport). Wire format:
 // docs/wire_format.md, "RPC transport".
 //
 // Threads. TensorPipe runs its callbacks on whichever thread drives its context's deferred
@@ -12,10 +14,7 @@
 //     else), at most kMaxPendingHandshakes at a time, tracked and joined by close();
 //   - outgoing connects and their handshakes run on the sending thread;
 //   - a listener thread re-creates TensorPipe's listener when it fails (see listen_loop).
-//
-// Lock order: mutex_, then events_mu_.
 
-#include <arpa/inet.h>
 #include <c10/core/CPUAllocator.h>
 #include <fmt/format.h>
 #include <tensorpipe/tensorpipe.h>
@@ -23,20 +22,17 @@
 #include <algorithm>
 #include <cerrno>
 #include <condition_variable>
-#include <cstdio>
-#include <deque>
-#include <list>
 #include <mutex>
-#include <optional>
 #include <string_view>
 #include <thread>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "core/auth_channel.h"
 #include "core/signals.h"
+#include "dist/rpc/transport/support.h"
 #include "dist/rpc/transport/tensorpipe/pipe_channel.h"
+#include "dist/rpc/transport/tensorpipe/tensorpipe_transport.h"
 #include "dist/rpc/transport/transport.h"
 #include "ipc/socket_address.h"
 #include "torchpar/core/error.h"
@@ -47,8 +43,17 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using detail::error_text;
 using detail::kMessageTag;
+using detail::log_line;
 using detail::PipeAuthChannel;
+using detail::printable;
+using detail::seconds;
 using detail::wait_until_peer_closes;
+
+/// Which TensorPipe transports the context registers and listens on.
+enum class Mode {
+  kUv,       ///< uv (TCP), plus shm when options.shm: address "tcp://<ip>:<port>"
+  kShmOnly,  ///< shm alone: address "shm://<abstract socket name>"
+};
 
 /// Accepted pipes whose handshake runs at once; more are closed unheard (each holds a thread).
 constexpr int kMaxPendingHandshakes = 64;
@@ -56,13 +61,6 @@ constexpr int kMaxPendingHandshakes = 64;
 constexpr auto kRefusalLinger = std::chrono::seconds(1);
 /// How long the listener thread tries to get the port back after TensorPipe's listener failed.
 constexpr auto kRelistenPatience = std::chrono::seconds(5);
-
-/// One line on stderr: refused peers and listener trouble leave a trace on the server even
-/// though no caller hears of them.
-void log_line(const std::string& line) noexcept {
-  std::fprintf(stderr, "torchpar: %s\n", line.c_str());
-  std::fflush(stderr);
-}
 
 /// Runs the body of a TensorPipe callback: an exception unwinding into TensorPipe would end
 /// the process, so one is logged (naming `transport` and what failed) and dropped.
@@ -77,43 +75,22 @@ void in_callback(const std::string& transport, std::string_view what, Fn&& body)
   }
 }
 
-/// `text` for a log line: at most 64 bytes, non-printable bytes as '?'. Peers choose it.
-std::string printable(std::string_view text) {
-  std::string out(text.substr(0, 64));
-  for (char& c : out) {
-    if (c < 0x20 || c > 0x7e) c = '?';
+/// The TensorPipe URL of a member's address. kUv: "tcp://<ip>:<port>" (or "uv://..."), a
+/// numeric host (TensorPipe resolves no names) and a port. kShmOnly: "shm://<name>", the name
+/// of an abstract Unix socket (detail::is_shm_url). Errors: ValueError.
+std::string pipe_url(const std::string& address, Mode mode) {
+  if (mode == Mode::kUv) {
+    constexpr std::string_view kUvScheme = "uv://";
+    const std::string tcp = address.compare(0, kUvScheme.size(), kUvScheme) == 0
+                                ? "tcp://" + address.substr(kUvScheme.size())
+                                : address;
+    return "uv://" + detail::parse_tcp_address(tcp).text();
   }
-  if (text.size() > 64) out += "...";
-  return out;
-}
-
-/// `d` in seconds, for messages.
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-/// The TensorPipe URL of a member's address: "tcp://host:port" (or "uv://host:port") with a
-/// numeric host (TensorPipe resolves no names; a bracketed literal for IPv6) and a port.
-std::string pipe_url(const std::string& address) {
-  std::string_view rest = address;
-  for (std::string_view scheme : {"tcp://", "uv://"}) {
-    if (rest.substr(0, scheme.size()) == scheme) {
-      rest.remove_prefix(scheme.size());
-      break;
-    }
+  if (!detail::is_shm_url(address)) {
+    throw ValueError(
+        fmt::format("rpc transport: address \"{}\" is not \"shm://<name>\"", printable(address)));
   }
-  if (rest.size() == address.size() || rest.empty()) {
-    throw ValueError(fmt::format("rpc transport: address \"{}\" is not \"tcp://<ip>:<port>\"",
-                                 printable(address)));
-  }
-  const auto parsed = torchpar::detail::parse_socket_address(rest);
-  unsigned char buf[sizeof(in6_addr)];
-  if (parsed.kind != torchpar::detail::SocketAddress::Kind::kTcp || parsed.port == 0 ||
-      ::inet_pton(parsed.ipv6 ? AF_INET6 : AF_INET, parsed.host.c_str(), buf) != 1) {
-    throw ValueError(fmt::format(
-        "rpc transport: address \"{}\" is not \"tcp://<ip>:<port>\" (an IP address, not a "
-        "name, and a port)",
-        printable(address)));
-  }
-  return "uv://" + parsed.text();
+  return address;
 }
 
 /// One pipe of an authenticated member (connected by this side or accepted).
@@ -123,77 +100,12 @@ struct Conn {
   bool dead = false;  // guarded by the transport's mutex_: lost (reported once) or closing
 };
 
-/// What the transport knows of one member (all fields guarded by the transport's mutex_).
-struct Peer {
-  /// Set by a sender from before it looks for a pipe until its write is issued: concurrent
-  /// senders wait for one connect, and writes reach TensorPipe in the order of send calls.
-  /// (A flag and a condition variable rather than a std::timed_mutex: ThreadSanitizer does
-  /// not see the pthread_mutex_clocklock behind try_lock_until.)
-  bool busy = false;
-  /// Notified when `busy` clears, and by close().
-  std::condition_variable idle;
-  /// Where sends go: the first of `conns`, kept until it is lost.
-  std::shared_ptr<Conn> out;
-  /// Every open authenticated pipe of this member.
-  std::vector<std::shared_ptr<Conn>> conns;
-};
-
-/// A message or a loss for the dispatch thread.
-struct Event {
-  std::string peer;
-  std::optional<Message> message;  // set: on_message; empty: on_peer_lost(why)
-  std::string why;
-};
-
-/// Threads that run one task each and are joined at the end; a finished one is joined by the
-/// next start().
-class TaskThreads {
+// The members, their pipes and the send order: support.h's ConnectionTable (a member's `busy`
+// flag is held from before a sender looks for a pipe until its write is issued, so writes
+// reach TensorPipe in the order of send calls).
+class TensorPipeTransport final : public Transport, private detail::ConnectionTable<Conn> {
  public:
-  /// Runs `task` on a new thread. Errors: std::system_error when no thread can be made.
-  void start(std::function<void()> task) {
-    std::list<std::thread> done;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto it : finished_) done.splice(done.end(), running_, it);
-      finished_.clear();
-      running_.emplace_back();
-      const auto it = std::prev(running_.end());
-      try {
-        *it = std::thread([this, it, task = std::move(task)] {
-          task();
-          std::lock_guard<std::mutex> l(mu_);
-          if (!joining_) finished_.push_back(it);
-        });
-      } catch (...) {
-        running_.erase(it);
-        throw;
-      }
-    }
-    for (auto& t : done) t.join();  // they have returned or are returning
-  }
-
-  /// Joins every thread; start() must not be called afterwards.
-  void join_all() {
-    std::list<std::thread> all;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      joining_ = true;
-      all.swap(running_);
-      finished_.clear();
-    }
-    for (auto& t : all) t.join();
-  }
-
- private:
-  std::mutex mu_;
-  bool joining_ = false;
-  std::list<std::thread> running_;
-  std::vector<std::list<std::thread>::iterator> finished_;
-};
-
-class TensorPipeTransport final : public Transport {
- public:
-  TensorPipeTransport(TransportOptions options, TransportHandlers handlers);
+  TensorPipeTransport(TransportOptions options, TransportHandlers handlers, Mode mode);
   ~TensorPipeTransport() override;
 
   std::string address() const override { return address_; }
@@ -205,7 +117,8 @@ class TensorPipeTransport final : public Transport {
   void close_now();
 
   // Listening.
-  std::vector<std::string> listen_urls(uint16_t port) const;
+  void listen_first();
+  std::vector<std::string> listen_urls(bool again) const;
   void arm_accept(const std::shared_ptr<tensorpipe::Listener>& listener);
   void on_accept(const tensorpipe::Listener* from, const tensorpipe::Error& error,
                  std::shared_ptr<tensorpipe::Pipe> pipe);
@@ -217,7 +130,6 @@ class TensorPipeTransport final : public Transport {
   std::shared_ptr<Conn> connect(const std::string& peer, const std::string& address,
                                 Clock::time_point deadline);
   std::shared_ptr<Conn> add_conn(std::shared_ptr<tensorpipe::Pipe> pipe, const std::string& peer);
-  std::shared_ptr<Peer> peer_entry(const std::string& peer);  // requires mutex_
   void lose(const std::shared_ptr<Conn>& conn, const std::string& why);
 
   // Messages.
@@ -226,101 +138,87 @@ class TensorPipeTransport final : public Transport {
   std::string check_descriptor(const tensorpipe::Descriptor& d) const;
   void write(const std::shared_ptr<Conn>& conn, Message msg);
 
-  // Handlers.
-  void post(Event event);
-  void dispatch_loop();
-  /// Runs on_message, logging (not propagating) what it throws.
-  void deliver(const std::string& peer, Message msg) noexcept;
-
-  bool closed() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return closed_;
-  }
-
   const TransportOptions options_;
-  const TransportHandlers handlers_;
-  std::string host_;     // numeric bind host as it goes in a URL ("127.0.0.1", "[::1]")
-  uint16_t port_ = 0;    // the uv listener's port; kept when the listener is re-created
-  std::string address_;  // "tcp://host:port"
+  const Mode mode_;
+  std::string host_;      // kUv: numeric bind host as it goes in a URL ("127.0.0.1", "[::1]")
+  uint16_t port_ = 0;     // kUv: the uv listener's port; kept when the listener is re-created
+  std::string shm_name_;  // kShmOnly: the abstract socket's name; kept likewise
+  std::string address_;   // "tcp://host:port" or "shm://name"
   std::shared_ptr<tensorpipe::Context> ctx_;
 
   std::once_flag close_once_;
-  mutable std::mutex mutex_;
-  bool closed_ = false;
+  // Guarded by mutex_ (ConnectionTable's), as the rest of this block.
   std::shared_ptr<tensorpipe::Listener> listener_;
   bool relisten_ = false;       // the listener failed: listen_loop makes a new one
   std::string listener_error_;  // why, for its log line
   std::condition_variable listen_cv_;
   int pending_handshakes_ = 0;
-  int active_sends_ = 0;  // send calls in progress (close waits for them)
-  std::condition_variable sends_cv_;
-  std::unordered_map<std::string, std::shared_ptr<Peer>> peers_;
 
-  std::mutex events_mu_;
-  std::condition_variable events_cv_;
-  std::deque<Event> events_;
-  bool stop_dispatch_ = false;
-
-  TaskThreads handshakes_;
+  detail::Dispatcher dispatcher_;
+  detail::TaskThreads handshakes_;
   std::thread listen_thread_;
-  std::thread dispatcher_;
 };
 
 // ---- construction and close ----------------------------------------------------------------
 
-TensorPipeTransport::TensorPipeTransport(TransportOptions options, TransportHandlers handlers)
-    : options_(std::move(options)), handlers_(std::move(handlers)) {
-  if (options_.authkey.empty()) {
-    throw ValueError("rpc transport: the authkey is empty (every connection proves the key)");
-  }
-  if (options_.name.empty() || options_.name.size() > kMaxHandshakeFrame) {
-    throw ValueError(fmt::format("rpc transport: the name must hold 1 to {} bytes, not {}",
-                                 kMaxHandshakeFrame, options_.name.size()));
-  }
-  // libuv writes to sockets without MSG_NOSIGNAL: a member that dies mid-message would end
-  // this process with SIGPIPE.
+TensorPipeTransport::TensorPipeTransport(TransportOptions options, TransportHandlers handlers,
+                                         Mode mode)
+    : options_(std::move(options)), mode_(mode), dispatcher_(options_.name, std::move(handlers)) {
+  detail::check_options(options_);
+  // libuv, and the shm transport's setup, write to sockets without MSG_NOSIGNAL: a member that
+  // dies mid-message would end this process with SIGPIPE.
   torchpar::detail::ignore_sigpipe_if_default();
-  // TensorPipe aborts the process when its listener cannot bind (an exception on its loop
-  // thread): bind here first, which also turns a host name into the numeric address TensorPipe
-  // needs and reports a bad host as SystemError.
-  std::string host = options_.bind_host;
-  if (host.find(':') != std::string::npos && host.front() != '[') host = "[" + host + "]";
-  const auto parsed = torchpar::detail::parse_socket_address(host + ":0");
-  if (parsed.kind != torchpar::detail::SocketAddress::Kind::kTcp) {
-    throw ValueError(fmt::format("rpc transport: bind_host \"{}\" is not a host or IP address",
-                                 printable(options_.bind_host)));
+  listen_first();
+  // A connection accepted before the threads run waits in the queue for them.
+  arm_accept(listener_);
+  try {
+    dispatcher_.start();
+    listen_thread_ = std::thread([this] { listen_loop(); });
+  } catch (...) {
+    close();  // joins what started; no destructor runs after a constructor throws
+    throw;
   }
-  std::string bound;
-  dev_t device = 0;
-  ino_t inode = 0;
-  torchpar::detail::listen_on(parsed, 1, &bound, &device, &inode);  // closed at once
-  host_ = bound.substr(0, bound.rfind(':'));
+}
 
+void TensorPipeTransport::listen_first() {
+  if (mode_ == Mode::kUv) {
+    // TensorPipe aborts the process when its uv listener cannot bind (an exception on its loop
+    // thread): bind here first, which also turns a host name into the numeric address
+    // TensorPipe needs and reports a bad host as SystemError.
+    std::string bound;
+    dev_t device = 0;
+    ino_t inode = 0;
+    torchpar::detail::listen_on(detail::bind_address(options_), 1, &bound, &device,
+                                &inode);  // closed at once
+    host_ = bound.substr(0, bound.rfind(':'));
+  }
+  const std::string where = mode_ == Mode::kUv ? fmt::format("tcp://{}:0", host_) : "shm://";
   try {
     ctx_ = std::make_shared<tensorpipe::Context>(tensorpipe::ContextOptions().name(options_.name));
-    ctx_->registerTransport(0, "uv", tensorpipe::transport::uv::create());
-    if (options_.shm) ctx_->registerTransport(100, "shm", tensorpipe::transport::shm::create());
+    if (mode_ == Mode::kUv) ctx_->registerTransport(0, "uv", tensorpipe::transport::uv::create());
+    // Registering skips an shm transport that is not viable here (no boot id, no network
+    // namespace id, no shared memory); listening on it then fails below.
+    if (mode_ == Mode::kShmOnly || options_.shm) {
+      ctx_->registerTransport(100, "shm", tensorpipe::transport::shm::create());
+    }
     ctx_->registerChannel(0, "basic", tensorpipe::channel::basic::create());
     ctx_->registerChannel(100, "cma", tensorpipe::channel::cma::create());
-    listener_ = ctx_->listen(listen_urls(0));
-    const std::string uv = listener_->address("uv");
-    port_ = static_cast<uint16_t>(std::stoul(uv.substr(uv.rfind(':') + 1)));
+    listener_ = ctx_->listen(listen_urls(/*again=*/false));
+    if (mode_ == Mode::kUv) {
+      const std::string uv = listener_->address("uv");
+      port_ = static_cast<uint16_t>(std::stoul(uv.substr(uv.rfind(':') + 1)));
+      address_ = fmt::format("tcp://{}:{}", host_, port_);
+    } else {
+      shm_name_ = listener_->address("shm");
+      address_ = "shm://" + shm_name_;
+      pipe_url(address_, mode_);  // the autobound name is one send() accepts
+    }
   } catch (const std::exception& e) {
     if (ctx_) {
       ctx_->close();
       ctx_->join();
     }
-    throw SystemError("listen", 0, fmt::format("tcp://{}:0", host_), e.what());
-  }
-  address_ = fmt::format("tcp://{}:{}", host_, port_);
-  // A connection accepted before the threads run waits in the queue for them.
-  arm_accept(listener_);
-  try {
-    dispatcher_ = std::thread([this] { dispatch_loop(); });
-    listen_thread_ = std::thread([this] { listen_loop(); });
-  } catch (...) {
-    close();  // joins what started; no destructor runs after a constructor throws
-    throw;
+    throw SystemError("listen", 0, where, e.what());
   }
 }
 
@@ -330,14 +228,7 @@ TensorPipeTransport::~TensorPipeTransport() {
   } catch (const std::exception& e) {
     log_line(fmt::format("rpc transport {}: close failed: {}", printable(options_.name), e.what()));
   }
-  // close() called from a handler leaves the dispatch thread to this destructor.
-  if (dispatcher_.joinable()) {
-    if (dispatcher_.get_id() == std::this_thread::get_id()) {
-      dispatcher_.detach();
-    } else {
-      dispatcher_.join();
-    }
-  }
+  // close() called from a handler leaves the dispatch thread to dispatcher_'s destructor.
 }
 
 void TensorPipeTransport::close() {
@@ -349,17 +240,11 @@ void TensorPipeTransport::close_now() {
   std::shared_ptr<tensorpipe::Listener> listener;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    closed_ = true;
+    close_locked([](Conn&) {});  // waiting senders fail now
     listener = listener_;
-    for (auto& [name, p] : peers_) p->idle.notify_all();  // waiting senders fail now
   }
   listen_cv_.notify_all();
-  {
-    std::lock_guard<std::mutex> lock(events_mu_);
-    stop_dispatch_ = true;
-    events_.clear();
-  }
-  events_cv_.notify_all();
+  dispatcher_.stop();
   // The listener thread makes TensorPipe calls: it ends before the context closes.
   if (listen_thread_.joinable()) listen_thread_.join();
   {
@@ -374,25 +259,21 @@ void TensorPipeTransport::close_now() {
     ctx_->close();
     ctx_->join();
   }
-  if (dispatcher_.joinable() && dispatcher_.get_id() != std::this_thread::get_id()) {
-    dispatcher_.join();
-  }
+  dispatcher_.join();
   handshakes_.join_all();
-  std::unordered_map<std::string, std::shared_ptr<Peer>> peers;
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    sends_cv_.wait(lock, [&] { return active_sends_ == 0; });  // all fail fast now
-    peers.swap(peers_);
-    listener_.reset();
-  }
+  const auto peers = drain_after_close();  // send calls fail fast now; pipes released unlocked
+  std::lock_guard<std::mutex> lock(mutex_);
+  listener_.reset();
 }
 
 // ---- listening --------------------------------------------------------------------------------
 
-std::vector<std::string> TensorPipeTransport::listen_urls(uint16_t port) const {
-  std::vector<std::string> urls{fmt::format("uv://{}:{}", host_, port)};
-  // An empty shm name autobinds an abstract Unix socket; peers learn it from TensorPipe's
-  // own connection setup, never from address().
+std::vector<std::string> TensorPipeTransport::listen_urls(bool again) const {
+  // An empty shm name autobinds an abstract Unix socket. kUv: peers learn it from TensorPipe's
+  // own connection setup, never from address(), so a new listener may take a new name.
+  // kShmOnly: the name is the address, so a new listener takes the same one.
+  if (mode_ == Mode::kShmOnly) return {again ? "shm://" + shm_name_ : "shm://"};
+  std::vector<std::string> urls{fmt::format("uv://{}:{}", host_, again ? port_ : 0)};
   if (options_.shm) urls.emplace_back("shm://");
   return urls;
 }
@@ -480,10 +361,12 @@ void TensorPipeTransport::listen_loop() {
 
 std::shared_ptr<tensorpipe::Listener> TensorPipeTransport::listen_again() {
   // TensorPipe closes the old listener's socket asynchronously, and aborts the process when
-  // its bind fails: wait until a bind of our own (with SO_REUSEADDR, as libuv's) succeeds.
-  // Another process taking the port between that probe and TensorPipe's bind would still
-  // abort this one; the port was ours a moment before, so that needs an unlucky accident.
-  const auto address = torchpar::detail::parse_socket_address(fmt::format("{}:{}", host_, port_));
+  // its uv bind fails (its shm listener merely fails): wait until a bind of our own (with
+  // SO_REUSEADDR, as libuv's) succeeds. Another process taking the port or name between that
+  // probe and TensorPipe's bind would still end this one; the port was ours a moment before,
+  // so that needs an unlucky accident (or, for the shm name, a local user's intent).
+  const auto address = torchpar::detail::parse_socket_address(
+      mode_ == Mode::kUv ? fmt::format("{}:{}", host_, port_) : "@" + shm_name_);
   const auto give_up = Clock::now() + kRelistenPatience;
   for (;;) {
     try {
@@ -507,7 +390,7 @@ std::shared_ptr<tensorpipe::Listener> TensorPipeTransport::listen_again() {
     }
   }
   try {
-    return ctx_->listen(listen_urls(port_));
+    return ctx_->listen(listen_urls(/*again=*/true));
   } catch (const std::exception& e) {
     log_line(fmt::format("rpc transport {}: cannot listen on {} again ({})",
                          printable(options_.name), address_, e.what()));
@@ -517,12 +400,6 @@ std::shared_ptr<tensorpipe::Listener> TensorPipeTransport::listen_again() {
 
 // ---- connections ------------------------------------------------------------------------------
 
-std::shared_ptr<Peer> TensorPipeTransport::peer_entry(const std::string& peer) {
-  auto& p = peers_[peer];
-  if (!p) p = std::make_shared<Peer>();
-  return p;
-}
-
 std::shared_ptr<Conn> TensorPipeTransport::add_conn(std::shared_ptr<tensorpipe::Pipe> pipe,
                                                     const std::string& peer) {
   auto conn = std::make_shared<Conn>();
@@ -530,9 +407,7 @@ std::shared_ptr<Conn> TensorPipeTransport::add_conn(std::shared_ptr<tensorpipe::
   conn->peer = peer;
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) return nullptr;
-  auto p = peer_entry(peer);
-  p->conns.push_back(conn);
-  if (!p->out) p->out = conn;
+  file_locked(conn);
   return conn;
 }
 
@@ -541,15 +416,9 @@ void TensorPipeTransport::lose(const std::shared_ptr<Conn>& conn, const std::str
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (conn->dead) return;
-    conn->dead = true;
-    if (auto it = peers_.find(conn->peer); it != peers_.end()) {
-      auto& p = *it->second;
-      std::erase(p.conns, conn);
-      if (p.out == conn) p.out = p.conns.empty() ? nullptr : p.conns.front();
-    }
-    report = !closed_;
+    report = unfile_locked(conn);
   }
-  if (report) post(Event{.peer = conn->peer, .message = std::nullopt, .why = why});
+  if (report) dispatcher_.post_lost(conn->peer, why);
   conn->pipe->close();
 }
 
@@ -590,7 +459,7 @@ void TensorPipeTransport::serve_handshake(const std::shared_ptr<tensorpipe::Pipe
 std::shared_ptr<Conn> TensorPipeTransport::connect(const std::string& peer,
                                                    const std::string& address,
                                                    Clock::time_point deadline) {
-  const std::string url = pipe_url(address);
+  const std::string url = pipe_url(address, mode_);
   const auto started = Clock::now();
   const auto handshake_deadline = std::min(
       deadline, started + std::chrono::duration_cast<Clock::duration>(options_.handshake_timeout));
@@ -712,10 +581,10 @@ void TensorPipeTransport::on_descriptor(const std::shared_ptr<Conn>& conn,
         lose(conn, error_text(error));
         return;
       }
-      if (options_.inline_handlers && handlers_.on_message) {
-        if (!closed()) deliver(conn->peer, std::move(*msg));
+      if (options_.inline_handlers) {
+        if (!closed()) dispatcher_.deliver(conn->peer, std::move(*msg));
       } else {
-        post(Event{.peer = conn->peer, .message = std::move(*msg), .why = {}});
+        dispatcher_.post_message(conn->peer, std::move(*msg));
       }
       arm_read(conn);
     });
@@ -756,113 +625,23 @@ void TensorPipeTransport::write(const std::shared_ptr<Conn>& conn, Message msg) 
 
 void TensorPipeTransport::send(const std::string& peer, const std::string& address, Message msg,
                                Clock::time_point deadline) {
-  for (size_t i = 0; i < msg.storages.size(); ++i) {
-    const auto& s = msg.storages[i];
-    if (!s) throw ValueError(fmt::format("rpc transport: storage {} is undefined", i));
-    if (s.device().type() != c10::DeviceType::CPU) {
-      throw ValueError(fmt::format("rpc transport: storage {} is on {}; only CPU storages travel",
-                                   i, s.device().str()));
-    }
-  }
-  std::shared_ptr<Peer> p;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (closed_) throw ClosedError("rpc transport: closed");
-    p = peer_entry(peer);
-    ++active_sends_;
-  }
-  struct Active {  // close() waits until every send call is out
-    TensorPipeTransport* self;
-    ~Active() {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      if (--self->active_sends_ == 0) self->sends_cv_.notify_all();
-    }
-  } active{this};
-
-  std::shared_ptr<Conn> conn;
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!p->idle.wait_until(lock, deadline, [&] { return closed_ || !p->busy; })) {
-      throw TimeoutError(fmt::format(
-          "rpc transport: send to {}: another send to it (connecting) held it past the deadline",
-          printable(peer)));
-    }
-    if (closed_) throw ClosedError("rpc transport: closed");
-    p->busy = true;
-    conn = p->out;
-  }
-  struct Busy {
-    TensorPipeTransport* self;
-    Peer* peer;
-    ~Busy() {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      peer->busy = false;
-      peer->idle.notify_one();
-    }
-  } busy{this, p.get()};
-
-  if (!conn) {
-    conn = connect(peer, address, deadline);
-    // A pipe the peer opened meanwhile may have become the one sends use: keep to one.
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (p->out) conn = p->out;
-  }
-  write(conn, std::move(msg));
-}
-
-// ---- handlers ---------------------------------------------------------------------------------
-
-void TensorPipeTransport::post(Event event) {
-  {
-    std::lock_guard<std::mutex> lock(events_mu_);
-    if (stop_dispatch_) return;
-    events_.push_back(std::move(event));
-  }
-  events_cv_.notify_one();
-}
-
-void TensorPipeTransport::deliver(const std::string& peer, Message msg) noexcept {
-  try {
-    if (handlers_.on_message) handlers_.on_message(peer, std::move(msg));
-  } catch (const std::exception& e) {
-    log_line(fmt::format("rpc transport {}: a handler threw (ignored): {}",
-                         printable(options_.name), e.what()));
-  } catch (...) {
-    log_line(fmt::format("rpc transport {}: a handler threw (ignored)", printable(options_.name)));
-  }
-}
-
-void TensorPipeTransport::dispatch_loop() {
-  for (;;) {
-    Event event;
-    {
-      std::unique_lock<std::mutex> lock(events_mu_);
-      events_cv_.wait(lock, [&] { return stop_dispatch_ || !events_.empty(); });
-      if (stop_dispatch_) return;
-      event = std::move(events_.front());
-      events_.pop_front();
-    }
-    if (event.message) {
-      deliver(event.peer, std::move(*event.message));
-      continue;
-    }
-    try {
-      if (handlers_.on_peer_lost) handlers_.on_peer_lost(event.peer, event.why);
-    } catch (const std::exception& e) {
-      log_line(fmt::format("rpc transport {}: a handler threw (ignored): {}",
-                           printable(options_.name), e.what()));
-    } catch (...) {
-      log_line(
-          fmt::format("rpc transport {}: a handler threw (ignored)", printable(options_.name)));
-    }
-  }
+  detail::check_storages(msg);
+  run_send(
+      peer, deadline, [&] { return connect(peer, address, deadline); },
+      [&](const std::shared_ptr<Conn>& conn) { write(conn, std::move(msg)); });
 }
 
 }  // namespace
 
 std::unique_ptr<Transport> create_tensorpipe_transport(TransportOptions options,
                                                        TransportHandlers handlers) {
-  return std::make_unique<TensorPipeTransport>(std::move(options), std::move(handlers));
+  return std::make_unique<TensorPipeTransport>(std::move(options), std::move(handlers), Mode::kUv);
+}
+
+std::unique_ptr<Transport> detail::create_tensorpipe_shm_transport(TransportOptions options,
+                                                                   TransportHandlers handlers) {
+  return std::make_unique<TensorPipeTransport>(std::move(options), std::move(handlers),
+                                               Mode::kShmOnly);
 }
 
 }  // namespace torchpar::rpc

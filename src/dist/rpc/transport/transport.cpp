@@ -1,0 +1,151 @@
+// create_transport: our TCP transport for every peer, TensorPipe's shm transport alone for
+// peers of this host (transport.h). Address format: docs/wire_format.md, "RPC transport".
+
+#include "dist/rpc/transport/transport.h"
+
+#include <fmt/format.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <exception>
+#include <fstream>
+#include <utility>
+
+#include "dist/rpc/transport/support.h"
+#include "dist/rpc/transport/tcp/tcp_transport.h"
+#include "dist/rpc/transport/tensorpipe/tensorpipe_transport.h"
+#include "torchpar/core/error.h"
+
+namespace torchpar::rpc {
+namespace {
+
+using detail::log_line;
+using detail::printable;
+
+constexpr std::string_view kShmField = ";shm=";
+constexpr std::string_view kHostField = ";host=";
+/// Longest host identity accepted: a 36-byte boot id and two 64-bit numbers in hex.
+constexpr size_t kMaxHostIdentity = 128;
+
+/// Whether `id` may be a host identity: 1 to kMaxHostIdentity bytes of [0-9a-f_-].
+bool is_host_identity(std::string_view id) {
+  return !id.empty() && id.size() <= kMaxHostIdentity &&
+         std::all_of(id.begin(), id.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || c == '_' || c == '-';
+         });
+}
+
+/// TCP to every peer; TensorPipe shm to those whose address has this host's identity.
+///
+/// Threads: those of its two transports; each runs its own handlers (see TransportHandlers).
+/// Lifetime: close() closes both; the destructor too (the members' destructors).
+class CompositeTransport final : public Transport {
+ public:
+  CompositeTransport(TransportOptions options, TransportHandlers handlers) {
+    const std::string name = options.name;
+    std::string host;
+    if (options.shm) {
+      host = host_identity();
+      if (host.empty()) {
+        log_line(fmt::format(
+            "rpc transport {}: cannot read this host's boot id or network namespace; shared "
+            "memory is off, every peer goes over TCP",
+            printable(name)));
+      }
+    }
+    tcp_ = create_tcp_transport(options, handlers);
+    address_ = tcp_->address();
+    if (host.empty()) return;
+    try {
+      shm_ = detail::create_tensorpipe_shm_transport(std::move(options), std::move(handlers));
+    } catch (const SystemError& e) {
+      log_line(fmt::format(
+          "rpc transport {}: TensorPipe's shm transport is unusable here ({}); every peer goes "
+          "over TCP",
+          printable(name), e.what()));
+      return;
+    }
+    host_ = std::move(host);
+    address_ += fmt::format("{}{}{}{}", kShmField, shm_->address(), kHostField, host_);
+  }
+
+  std::string address() const override { return address_; }
+
+  void send(const std::string& peer, const std::string& address, Message msg,
+            std::chrono::steady_clock::time_point deadline) override {
+    const TransportAddress to = parse_transport_address(address);
+    // Both ends see both addresses, so both make the same choice.
+    if (shm_ && !to.shm.empty() && to.host == host_) {
+      shm_->send(peer, to.shm, std::move(msg), deadline);
+    } else {
+      tcp_->send(peer, to.tcp, std::move(msg), deadline);
+    }
+  }
+
+  void close() override {
+    std::exception_ptr first;
+    for (Transport* t : {tcp_.get(), shm_.get()}) {
+      if (!t) continue;
+      try {
+        t->close();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+ private:
+  std::unique_ptr<Transport> tcp_;
+  std::unique_ptr<Transport> shm_;  // null: shm off or unusable
+  std::string host_;                // this host's identity when shm_ is set
+  std::string address_;
+};
+
+}  // namespace
+
+std::string host_identity() {
+  std::string boot_id;
+  {
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    if (!f || !std::getline(f, boot_id)) return {};
+  }
+  while (!boot_id.empty() && (boot_id.back() == '\n' || boot_id.back() == ' ')) boot_id.pop_back();
+  struct stat st {};
+  if (boot_id.empty() || ::stat("/proc/self/ns/net", &st) != 0) return {};
+  std::string id = fmt::format("{}_{:x}_{:x}", boot_id, static_cast<uint64_t>(st.st_dev),
+                               static_cast<uint64_t>(st.st_ino));
+  return is_host_identity(id) ? id : std::string();
+}
+
+TransportAddress parse_transport_address(std::string_view address) {
+  auto refuse = [&](std::string_view why) {
+    return ValueError(fmt::format(
+        "rpc transport: address \"{}\" is not \"tcp://<ip>:<port>[;shm=shm://<name>;host=<id>]\" "
+        "({})",
+        printable(address), why));
+  };
+  TransportAddress out;
+  const size_t fields = address.find(';');
+  out.tcp = std::string(address.substr(0, fields));
+  detail::parse_tcp_address(out.tcp);  // ValueError naming the address
+  if (fields == std::string_view::npos) return out;
+  std::string_view rest = address.substr(fields);
+  if (rest.substr(0, kShmField.size()) != kShmField) {
+    throw refuse("the TCP address is followed by something other than \";shm=\"");
+  }
+  rest.remove_prefix(kShmField.size());
+  const size_t host_at = rest.find(kHostField);
+  if (host_at == std::string_view::npos) throw refuse("\";shm=\" without \";host=\"");
+  out.shm = std::string(rest.substr(0, host_at));
+  out.host = std::string(rest.substr(host_at + kHostField.size()));
+  if (!detail::is_shm_url(out.shm)) throw refuse("the shm field is not \"shm://<name>\"");
+  if (!is_host_identity(out.host)) throw refuse("the host field is not a host identity");
+  return out;
+}
+
+std::unique_ptr<Transport> create_transport(TransportOptions options, TransportHandlers handlers) {
+  return std::make_unique<CompositeTransport>(std::move(options), std::move(handlers));
+}
+
+}  // namespace torchpar::rpc

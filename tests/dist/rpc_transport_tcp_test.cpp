@@ -1,0 +1,318 @@
+// What is particular to the TCP transport (src/dist/rpc/transport/tcp/) and to create_transport:
+// a member survives garbage on its TCP port (an HTTP request, random bytes, a frame announcing
+// 2^60 bytes before and after the handshake, a silent connection) and still answers a real
+// member; frame violations after the handshake close that connection before anything is
+// allocated; more than 64 pending handshakes are closed unheard; a stale address answered by
+// another member is refused; addresses from the store are parsed strictly. And one known
+// limitation of TensorPipe, pinned: garbage on its shm listener (an abstract Unix socket) ends
+// the process (docs/wire_format.md, "RPC transport"). Linked into rpc_transport_test, whose
+// file holds main().
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dist/rpc/transport/tcp/tcp_transport.h"
+#include "dist/rpc/transport/transport.h"
+#include "support/raw_socket.h"
+#include "support/rpc_transport.h"
+#include "torchpar/torchpar.h"
+
+namespace tp = torchpar;
+namespace rpc = torchpar::rpc;
+using namespace std::chrono_literals;
+using tp::testing::child_options;
+using tp::testing::closed_within;
+using tp::testing::frame_head;
+using tp::testing::in;
+using tp::testing::Inbox;
+using tp::testing::is_patterned;
+using tp::testing::message;
+using tp::testing::patterned;
+using tp::testing::send_garbage;
+using tp::testing::transport_options;
+
+namespace {
+
+const tp::AuthKey& kKey = tp::testing::kRpcKey;
+
+// ---- frames and handshakes --------------------------------------------------------------------
+
+TEST(RpcTransportTcp, FrameViolationsAfterTheHandshakeCloseTheConnection) {
+  Inbox b_in;
+  auto strict = transport_options("b");
+  strict.max_header_bytes = 16;
+  strict.max_storages = 2;
+  strict.max_message_bytes = 1 << 20;
+  auto b = rpc::create_tcp_transport(strict, b_in.handlers());
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "not an RPC frame"},
+      {frame_head(1, 1, 0, "RPC1", 7), "not an RPC frame"},  // reserved field set
+      {frame_head(17, 0, 0), "header of 17 bytes"},
+      {frame_head(1, 0, 3), "3 storages"},
+      {frame_head(1, uint64_t{1} << 60, 0), "max_message_bytes"},
+      {frame_head(1, 0, 1) + std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8),
+       "max_message_bytes"},  // a storage of 2^63 - 1 bytes
+  };
+  size_t n = 0;
+  for (const auto& [bytes, why] : cases) {
+    auto fd = tp::testing::handshaken_socket(b->address(), kKey, "raw");
+    send_garbage(fd.get(), bytes);
+    ++n;
+    const auto lost = b_in.lost(n, 10s);
+    ASSERT_EQ(lost.size(), n) << why;
+    EXPECT_EQ(lost.back().first, "raw");
+    EXPECT_NE(lost.back().second.find("protocol error"), std::string::npos) << lost.back().second;
+    EXPECT_NE(lost.back().second.find(why), std::string::npos) << lost.back().second;
+    EXPECT_TRUE(closed_within(fd.get(), 10s)) << why;
+  }
+  EXPECT_EQ(b_in.message_count(), 0u);
+  // A well-formed frame from a raw peer is a message like any other.
+  auto fd = tp::testing::handshaken_socket(b->address(), kKey, "raw");
+  send_garbage(fd.get(),
+               frame_head(2, 3, 1) + std::string("\x04\0\0\0\0\0\0\0", 8) + "hd" + "bdy" + "data");
+  auto got = b_in.next(10s);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->first, "raw");
+  EXPECT_EQ(got->second.header, "hd");
+  EXPECT_EQ(got->second.body, "bdy");
+  ASSERT_EQ(got->second.storages.size(), 1u);
+  EXPECT_EQ(std::string(static_cast<const char*>(got->second.storages[0].data()), 4), "data");
+}
+
+TEST(RpcTransportTcp, MoreThan64PendingHandshakesAreClosedUnheard) {
+  Inbox b_in;
+  auto o = transport_options("b");
+  o.handshake_timeout = 20s;
+  auto b = rpc::create_tcp_transport(o, b_in.handlers());
+  // 64 silent connections, each in its handshake once its challenge arrived.
+  std::vector<tp::UniqueFd> silent;
+  for (int i = 0; i < 64; ++i) {
+    silent.push_back(tp::testing::raw_connect(b->address()));
+    char c = 0;
+    pollfd p{silent.back().get(), POLLIN, 0};
+    ASSERT_EQ(::poll(&p, 1, 10000), 1) << "no challenge on connection " << i;
+    ASSERT_EQ(::recv(silent.back().get(), &c, 1, MSG_PEEK), 1);
+  }
+  // The 65th is closed without a word.
+  auto extra = tp::testing::raw_connect(b->address());
+  pollfd p{extra.get(), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 10000), 1);
+  char c = 0;
+  EXPECT_LE(::recv(extra.get(), &c, 1, 0), 0) << "the 65th connection was challenged";
+  // Once they are gone, members get through again.
+  silent.clear();
+  Inbox a_in;
+  auto a = rpc::create_tcp_transport(transport_options("a"), a_in.handlers());
+  const auto give_up = in(10s);
+  bool delivered = false;
+  while (!delivered && std::chrono::steady_clock::now() < give_up) {
+    try {
+      a->send("b", b->address(), message("after", ""), in(2s));
+      delivered = b_in.next(5s).has_value();
+    } catch (const tp::ClosedError&) {  // b has not seen the 64 go yet
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  EXPECT_TRUE(delivered);
+}
+
+TEST(RpcTransportTcp, AnotherMemberAtTheAddressIsRefused) {
+  Inbox a_in, b_in;
+  auto a = rpc::create_tcp_transport(transport_options("a"), a_in.handlers());
+  auto b = rpc::create_tcp_transport(transport_options("b"), b_in.handlers());
+  // A stale address of "c" now answered by "b": nothing is sent.
+  EXPECT_THROW(a->send("c", b->address(), message("for c", ""), in(10s)), tp::ClosedError);
+  EXPECT_FALSE(b_in.next(500ms));
+  a->send("b", b->address(), message("for b", ""), in(10s));
+  auto got = b_in.next(10s);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->second.header, "for b");
+}
+
+// ---- addresses ------------------------------------------------------------------------------
+
+TEST(RpcTransportAddress, CompositeAddressesParseAndGarbageIsAValueError) {
+  const std::string host = rpc::host_identity();
+  ASSERT_FALSE(host.empty()) << "no boot id or network namespace";
+  EXPECT_EQ(std::count(host.begin(), host.end(), '_'), 2) << host;
+
+  Inbox a_in;
+  auto a = rpc::create_transport(transport_options("a"), a_in.handlers());
+  const auto parsed = rpc::parse_transport_address(a->address());
+  EXPECT_EQ(parsed.tcp.rfind("tcp://127.0.0.1:", 0), 0u) << a->address();
+  if (!parsed.shm.empty()) {
+    EXPECT_EQ(parsed.shm.rfind("shm://", 0), 0u);
+    EXPECT_EQ(parsed.host, host);
+    EXPECT_EQ(a->address(), parsed.tcp + ";shm=" + parsed.shm + ";host=" + parsed.host);
+  }
+  Inbox b_in;
+  auto b = rpc::create_transport(transport_options("b", /*shm=*/false), b_in.handlers());
+  EXPECT_EQ(rpc::parse_transport_address(b->address()).tcp, b->address());
+  EXPECT_TRUE(rpc::parse_transport_address(b->address()).shm.empty());
+
+  const std::string tcp = "tcp://127.0.0.1:5000";
+  const std::string good_host = ";host=" + host;
+  for (const std::string& bad : {
+           std::string(""),
+           std::string("garbage"),
+           tcp + ";",
+           tcp + ";shm=shm://abcde",
+           tcp + good_host,
+           tcp + good_host + ";shm=shm://abcde",
+           tcp + ";shm=shm://" + good_host,
+           tcp + ";shm=shm://a b" + good_host,
+           tcp + ";shm=uds://abcde" + good_host,
+           tcp + ";shm=shm://abcde;host=",
+           tcp + ";shm=shm://abcde;host=XYZ!",
+           tcp + ";shm=shm://abcde" + good_host + ";more=1",
+           tcp + ";shm=shm://abcde;host=" + std::string(200, 'a'),
+           std::string("tcp://127.0.0.1:5000\0;shm=shm://abcde", 37) + good_host,
+           "tcp://localhost:5000;shm=shm://abcde" + good_host,
+           "tcp://127.0.0.1:0;shm=shm://abcde" + good_host,
+           std::string("tcp://[::1]5000"),
+       }) {
+    EXPECT_THROW(rpc::parse_transport_address(bad), tp::ValueError) << bad;
+    EXPECT_THROW(a->send("b", bad, message("h", ""), in(5s)), tp::ValueError) << bad;
+  }
+  EXPECT_EQ(rpc::parse_transport_address("tcp://[::1]:5000").tcp, "tcp://[::1]:5000");
+  EXPECT_EQ(rpc::parse_transport_address(tcp + ";shm=shm://abcde" + good_host).shm, "shm://abcde");
+}
+
+// ---- garbage on the port of a member in another process ---------------------------------------
+
+/// A member (create_transport, named "target", handshake_timeout 2 s) in a child process: sends
+/// its address on `conn`, then answers each message "ping" from a member with "pong" and the
+/// same storages, at the address the ping's body names, until "stop" or 120 s.
+void echo_member(tp::Connection conn) {
+  const rlimit no_core{0, 0};
+  ::setrlimit(RLIMIT_CORE, &no_core);
+  Inbox in_;
+  auto o = transport_options("target");
+  o.handshake_timeout = 2s;
+  auto t = rpc::create_transport(o, in_.handlers());
+  conn.send(t->address());
+  const auto until = in(120s);
+  while (std::chrono::steady_clock::now() < until) {
+    auto got = in_.next(1s);
+    if (!got) continue;
+    if (got->second.header == "stop") break;
+    t->send(got->first, got->second.body, message("pong", "", std::move(got->second.storages)),
+            in(10s));
+  }
+  t->close();
+}
+
+// Issue 14: garbage bytes on the listening port do not crash or hang the member.
+TEST(RpcTransportGarbage, MemberSurvivesGarbageOnItsTcpPort) {
+  auto [mine, theirs] = tp::Pipe();
+  tp::Process child(child_options(), echo_member, theirs);
+  child.start();
+  const auto address = mine.recv<std::string>(60s);
+  const std::string tcp = rpc::parse_transport_address(address).tcp;
+
+  {  // An HTTP request.
+    auto fd = tp::testing::raw_connect(tcp);
+    send_garbage(fd.get(), "GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    EXPECT_TRUE(closed_within(fd.get(), 10s)) << "HTTP request";
+  }
+  {  // 64 KiB of random bytes.
+    std::mt19937 rng(14);
+    std::string bytes(64 << 10, '\0');
+    for (char& b : bytes) b = static_cast<char>(rng());
+    auto fd = tp::testing::raw_connect(tcp);
+    send_garbage(fd.get(), bytes);
+    EXPECT_TRUE(closed_within(fd.get(), 10s)) << "random bytes";
+  }
+  {  // A well-formed frame announcing 2^60 bytes, before any handshake.
+    auto fd = tp::testing::raw_connect(tcp);
+    send_garbage(fd.get(), frame_head(0, uint64_t{1} << 60, 0));
+    EXPECT_TRUE(closed_within(fd.get(), 10s)) << "2^60 before the handshake";
+  }
+  {  // The same from a peer that has the key (a member gone wrong).
+    auto fd = tp::testing::handshaken_socket(address, kKey, "rogue");
+    send_garbage(fd.get(), frame_head(0, uint64_t{1} << 60, 0));
+    EXPECT_TRUE(closed_within(fd.get(), 10s)) << "2^60 after the handshake";
+  }
+  {  // A connection that sends nothing: closed at the member's handshake deadline (2 s).
+    auto fd = tp::testing::raw_connect(tcp);
+    EXPECT_TRUE(closed_within(fd.get(), 10s)) << "silent connection";
+  }
+  ASSERT_TRUE(child.is_alive()) << "the member died of garbage";
+
+  // A real member (TCP: without shm, so the pong comes back over TCP too) still gets answers.
+  Inbox in_;
+  auto me = rpc::create_transport(transport_options("me", /*shm=*/false), in_.handlers());
+  me->send("target", address, message("ping", me->address(), {patterned(1 << 20, 3)}), in(30s));
+  auto got = in_.next(30s);
+  ASSERT_TRUE(got) << "no pong";
+  EXPECT_EQ(got->first, "target");
+  EXPECT_EQ(got->second.header, "pong");
+  ASSERT_EQ(got->second.storages.size(), 1u);
+  EXPECT_TRUE(is_patterned(got->second.storages[0], 1 << 20, 3));
+  me->send("target", address, message("stop", ""), in(30s));
+  const bool ended = child.join(60s);
+  if (!ended) child.kill();
+  ASSERT_TRUE(ended);
+  EXPECT_EQ(child.exitcode(), 0) << (child.error() ? child.error()->second : "");
+}
+
+// ---- known limitation: TensorPipe's shm listener ---------------------------------------------
+
+/// A member (create_transport) in a child process that sends its address and waits.
+void shm_garbage_target(tp::Connection conn) {
+  const rlimit no_core{0, 0};
+  ::setrlimit(RLIMIT_CORE, &no_core);
+  Inbox in_;
+  auto t = rpc::create_transport(transport_options("target"), in_.handlers());
+  conn.send(t->address());
+  std::this_thread::sleep_for(20s);
+}
+
+// TensorPipe's shm listener (an abstract Unix socket, which any process in this network
+// namespace can connect to) sends its ring buffers' fds to whoever connects, then reads the
+// peer's token pair and fds: eight bytes without fds leave it reading a control message that
+// is not there (a null dereference, or an assertion thrown on its loop thread). Either ends the
+// process before any handshake can refuse the bytes. This pins the limitation
+// (docs/wire_format.md); if it starts failing, TensorPipe survives such garbage now.
+TEST(RpcTransportKnownLimitation, GarbageOnTheShmSocketEndsTheProcess) {
+  auto [mine, theirs] = tp::Pipe();
+  tp::Process child(child_options(), shm_garbage_target, theirs);
+  child.start();
+  const auto parsed = rpc::parse_transport_address(mine.recv<std::string>(60s));
+  if (parsed.shm.empty()) {
+    child.kill();
+    child.join(30s);
+    GTEST_SKIP() << "TensorPipe's shm transport is unusable here";
+  }
+  const std::string name = parsed.shm.substr(std::strlen("shm://"));
+  tp::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un sun{};
+  sun.sun_family = AF_UNIX;
+  std::memcpy(sun.sun_path + 1, name.data(), name.size());  // sun_path[0] = 0: abstract
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  ASSERT_EQ(::connect(fd.get(), reinterpret_cast<const sockaddr*>(&sun), len), 0)
+      << std::strerror(errno);
+  send_garbage(fd.get(), "GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+  const bool ended = child.join(15s);
+  if (!ended) {
+    child.kill();
+    child.join(30s);
+  }
+  ASSERT_TRUE(ended) << "TensorPipe's shm listener survived garbage: update this test, "
+                        "transport.h and docs/wire_format.md";
+  EXPECT_NE(child.exitcode(), 0);
+}
+
+}  // namespace
