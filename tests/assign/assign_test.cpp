@@ -106,8 +106,9 @@ TEST(ModelSizeEstimator, EveryDtype) {
   for (const auto& [dtype, expected] : bytes_of_ten) {
     EXPECT_EQ(tp::ModelSizeEstimator::nbytes({10}, dtype), expected) << c10::toString(dtype);
   }
-  // Every ScalarType LibTorch defines is covered by the table above.
-  EXPECT_EQ(bytes_of_ten.size(), static_cast<size_t>(ST::NumOptions));
+  // Every ScalarType LibTorch defines is covered by the table above (NumOptions also counts
+  // Undefined, which has no size).
+  EXPECT_EQ(bytes_of_ten.size() + 1, static_cast<size_t>(ST::NumOptions));
   // Sub-byte types round each innermost row up to a byte: 3 rows of 5 values.
   EXPECT_EQ(tp::ModelSizeEstimator::nbytes({3, 5}, ST::QUInt4x2), 3 * 3);
   EXPECT_EQ(tp::ModelSizeEstimator::nbytes({3, 5}, ST::QUInt2x4), 3 * 2);
