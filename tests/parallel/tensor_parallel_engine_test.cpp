@@ -201,6 +201,28 @@ TEST(GptCheckpoint, RoundTripsThroughTheFiles) {
   EXPECT_TRUE(at::equal(from_linear->forward(ids), c.logits(ids)));
 }
 
+TEST(GptCheckpoint, PythonTorchLoadReadsTheFile) {
+  if (::access("/usr/bin/python3", X_OK) != 0 ||
+      tp::run_program({"/usr/bin/python3", "-c", "import torch"}, {}, 120s) != 0)
+    GTEST_SKIP() << "no /usr/bin/python3 with torch (Debian: python3-torch)";
+  auto& c = Checkpoint::get();
+  // The file save_state_dict_file wrote, read by Python's torch.load: the same tensors.
+  const std::string dir = std::filesystem::path(c.path()).parent_path().string();
+  const std::string script =
+      "import sys, torch\n"
+      "d = torch.load(sys.argv[1])\n"
+      "assert isinstance(d, dict), type(d)\n"
+      "assert tuple(d['h.0.attn.c_attn.weight'].shape) == (32, 96), "
+      "d['h.0.attn.c_attn.weight'].shape\n"
+      "torch.save({'wte': d['wte.weight'].clone(), 'n': torch.tensor(len(d))}, sys.argv[2])\n";
+  ASSERT_EQ(
+      tp::run_program({"/usr/bin/python3", "-c", script, c.path(), dir + "/echo.pt"}, {}, 120s), 0);
+  const auto echo = tp::load_state_dict_file(dir + "/echo.pt");
+  EXPECT_TRUE(at::equal(echo.at("wte"), c.model()->named_parameters()["wte.weight"]));
+  EXPECT_EQ(echo.at("n").item<int64_t>(),
+            static_cast<int64_t>(tp::load_state_dict_file(c.path()).size()));
+}
+
 TEST(GptCheckpoint, BadSidecarsAreRefusedNamingTheKey) {
   const std::string dir = std::filesystem::path(Checkpoint::get().path()).parent_path().string();
   const std::string model = dir + "/bad.pt";
