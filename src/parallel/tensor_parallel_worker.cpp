@@ -212,12 +212,15 @@ void run_tensor_parallel_worker(int rank, const TpWorkerSpec& spec, Queue<TpRequ
   try {
     TensorParallelComm comm;
     if (spec.world_size > 1) {
+      // Private to this engine whatever the environment says (TORCHPAR_STORE_BIND_ADDR):
+      // loopback, and a key made for it.
       world.emplace(WorldOptions{.rank = rank,
                                  .world_size = spec.world_size,
                                  .master_addr = "127.0.0.1",
                                  .master_port = spec.master_port,
                                  .timeout = timeout,
-                                 .authkey = spec.authkey});
+                                 .authkey = spec.authkey,
+                                 .store_bind_addr = "127.0.0.1"});
       group = world->create_collective_group({}, static_cast<Backend>(spec.backend), timeout);
       comm = TensorParallelComm::from_group(group);
       g = &group;
