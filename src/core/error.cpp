@@ -44,6 +44,27 @@ WorkerLostError::WorkerLostError(int pid, int exit_code)
       pid_(pid),
       exit_code_(exit_code) {}
 
+WorkerError::WorkerError(const std::string& where, int rank, int pid, std::string type,
+                         std::string message)
+    : Error(fmt::format("{}: rank {} (pid {}) raised {}: {}", where, rank, pid, type, message)),
+      rank_(rank),
+      pid_(pid),
+      type_(std::move(type)),
+      message_(std::move(message)) {}
+
+WorkerError::WorkerError(const std::string& where, int rank, int pid, int exit_code)
+    : Error(exit_code < 0 ? fmt::format("{}: rank {} (pid {}) was killed by {}", where, rank, pid,
+                                        torchpar::signal_name(-exit_code))
+                          : fmt::format("{}: rank {} (pid {}) exited with code {}", where, rank,
+                                        pid, exit_code)),
+      rank_(rank),
+      pid_(pid),
+      exit_code_(exit_code) {}
+
+std::string WorkerError::signal_name() const {
+  return exit_code_ && *exit_code_ < 0 ? torchpar::signal_name(-*exit_code_) : std::string();
+}
+
 TaskError::TaskError(std::string type, std::string message)
     : Error(fmt::format("{}: {}", type, message)),
       type_(std::move(type)),

@@ -4,6 +4,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 #include <fmt/format.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <memory>
 #include <utility>
 
+#include "core/atomic_file.h"
 #include "core/file_mapping.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
@@ -117,6 +119,19 @@ StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptio
     out.emplace(item.key().toStringRef(), std::move(t));
   }
   return out;
+}
+
+void save_state_dict_file(const StateDict& state_dict, const std::string& path) {
+  if (path.empty()) throw ValueError("save_state_dict_file: the path is empty");
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& [name, tensor] : state_dict) {
+    if (!tensor.defined())
+      throw ValueError(fmt::format("save_state_dict_file: '{}' is an undefined tensor", name));
+    dict.insert(name, tensor.detach().cpu());
+  }
+  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(dict));
+
+  detail::write_file_atomically(path, std::string_view(bytes.data(), bytes.size()));
 }
 
 }  // namespace torchpar

@@ -14,5 +14,6 @@ Command add_info(CLI::App& app);
 Command add_run(CLI::App& app);
 Command add_train(CLI::App& app);
 Command add_bench(CLI::App& app);
+Command add_infer(CLI::App& app);
 
 }  // namespace torchpar::cli

@@ -38,12 +38,14 @@ int main(int argc, char** argv) {
   auto run = torchpar::cli::add_run(app);
   auto train = torchpar::cli::add_train(app);
   auto bench = torchpar::cli::add_bench(app);
+  auto infer = torchpar::cli::add_infer(app);
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("info")) return info();
     if (app.got_subcommand("run")) return run();
     if (app.got_subcommand("train")) return train();
     if (app.got_subcommand("bench")) return bench();
+    if (app.got_subcommand("infer")) return infer();
   } catch (const std::exception& e) {
     fmt::print(stderr, "torchpar: error: {}\n", e.what());
     return 1;

@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -106,6 +107,36 @@ class WorkerLostError : public Error {
  private:
   int pid_;
   int exit_code_;
+};
+
+/// A worker process of a tensor-parallel engine (TensorParallel) failed the call in flight:
+/// it raised (type() and message() are its exception's, exit_code() is nullopt), or it died
+/// (exit_code() is Python's exitcode: the code, or minus the signal number; signal_name() is
+/// "SIGKILL" for -9). rank() is the worker's rank, pid() its process id. The engine that
+/// threw is broken: its other workers were killed, and every later call raises this error
+/// again. Source: what parallelformers' ParallelProcess should raise instead of hanging
+/// (its issues #16, #19, #24).
+class WorkerError : public Error {
+ public:
+  /// The worker raised `type`: `message`. `where` names the call ("TensorParallel.generate").
+  WorkerError(const std::string& where, int rank, int pid, std::string type, std::string message);
+  /// The worker ended with `exit_code` (Python's exitcode) while the call was in flight.
+  WorkerError(const std::string& where, int rank, int pid, int exit_code);
+  int rank() const noexcept { return rank_; }
+  int pid() const noexcept { return pid_; }
+  const std::string& type() const noexcept { return type_; }
+  const std::string& message() const noexcept { return message_; }
+  /// nullopt when the worker raised; its exit code (minus the signal) when it died.
+  std::optional<int> exit_code() const noexcept { return exit_code_; }
+  /// "SIGKILL" for a worker killed by a signal, "" otherwise.
+  std::string signal_name() const;
+
+ private:
+  int rank_;
+  int pid_;
+  std::string type_;
+  std::string message_;
+  std::optional<int> exit_code_;
 };
 
 /// A rank of a collective group died or failed mid-operation (the others raise it within

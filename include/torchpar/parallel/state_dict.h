@@ -1,6 +1,6 @@
 #pragma once
-/// StateDict and load_state_dict_file: the weights a tensor-parallel model slices on load, read
-/// from what Python's torch.save wrote.
+/// StateDict, load_state_dict_file and save_state_dict_file: the weights a tensor-parallel model
+/// slices on load, in the file format of Python's torch.save.
 
 #include <ATen/core/Tensor.h>
 
@@ -52,5 +52,22 @@ struct LoadStateDictOptions {
 ///   auto sd = torchpar::load_state_dict_file("gpt2/state_dict.pt");
 ///   at::Tensor wte = sd.at("wte.weight");
 StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptions& options = {});
+
+/// Writes `state_dict` as a file that load_state_dict_file (and Python's torch.load) reads:
+/// the zip format of torch.save (torch >= 1.6), written by LibTorch's torch::pickle_save, a
+/// plain dict of string -> tensor, records stored uncompressed (so load_state_dict_file can
+/// map it). The file appears whole or not at all: it is written beside `path` under a
+/// temporary name, flushed (fsync), then renamed over `path`.
+///
+/// Shapes:  each tensor as it is (views are written with their whole storage); CPU tensors
+///          (others are copied to the CPU first); gradients are not saved.
+/// Errors:  ValueError for an empty name; SystemError naming the file (open, write, fsync,
+///          rename) when the file cannot be written, and the temporary file is removed.
+/// Safety:  thread-safe; concurrent writers of one path leave one of their files whole.
+/// Source:  torch.save(dict(model.state_dict()), path).
+///
+///   torchpar::save_state_dict_file(sd, "runs/gpt/model.pt");
+///   auto back = torchpar::load_state_dict_file("runs/gpt/model.pt");
+void save_state_dict_file(const StateDict& state_dict, const std::string& path);
 
 }  // namespace torchpar

@@ -1,0 +1,292 @@
+// The worker side of TensorParallel: one process per rank, serving its input queue.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Type.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <bit>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "parallel/tensor_parallel_impl.h"
+#include "torchpar/core/error.h"
+#include "torchpar/dist/world.h"
+#include "torchpar/parallel/state_dict.h"
+
+namespace torchpar {
+namespace detail {
+namespace {
+
+std::mutex& registry_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+// Function-local: registrations run from static initializers of other translation units.
+std::map<std::string, TensorParallelFactory>& registry() {
+  static std::map<std::string, TensorParallelFactory> r;
+  return r;
+}
+
+/// The Gpt of a state dict file, as a TensorParallelModel.
+class GptModel final : public TensorParallelModel {
+ public:
+  explicit GptModel(Gpt gpt) : gpt_(std::move(gpt)) { gpt_->eval(); }
+  at::Tensor forward(const at::Tensor& input_ids, GptKvCache* cache) override {
+    return gpt_->forward(input_ids, cache);
+  }
+
+ private:
+  Gpt gpt_;
+};
+
+std::shared_ptr<TensorParallelModel> build_model(const TpWorkerSpec& spec,
+                                                 const TensorParallelComm& comm,
+                                                 const TensorParallelFactory* factory) {
+  const auto dtype = static_cast<at::ScalarType>(spec.dtype);
+  TensorParallelFactory make;
+  switch (static_cast<TpSource>(spec.source)) {
+    case TpSource::kGptFile: {
+      GptConfig config = spec.gpt_config();
+      config.dtype = dtype;
+      GptOptions options{.comm = comm};
+      if (spec.has_policy) options.policy = spec.policy;
+      // Mapped, not read: each rank's private memory is about its shard.
+      return std::make_shared<GptModel>(
+          load_gpt(config, load_state_dict_file(spec.path), std::move(options)));
+    }
+    case TpSource::kRegistered:
+      make = find_tensor_parallel_model(spec.model_name);
+      if (!make)
+        throw ValueError(fmt::format(
+            "no TensorParallel model is registered as '{}' in the worker process (register it "
+            "at namespace scope, or in main() before torchpar::init, so that spawned workers "
+            "have it too)",
+            spec.model_name));
+      break;
+    case TpSource::kFactory:
+      if (factory == nullptr || !*factory)
+        throw ValueError(
+            "TensorParallel worker: no factory (a factory needs the fork start method)");
+      make = *factory;
+      break;
+  }
+  if (!make) throw ValueError(fmt::format("TensorParallel worker: unknown source {}", spec.source));
+  auto model =
+      make(TensorParallelContext{.comm = comm, .dtype = dtype, .argument = spec.model_argument});
+  if (!model) throw ValueError("TensorParallel worker: the model factory returned nullptr");
+  return model;
+}
+
+/// Rank 0's seed, known to every rank.
+uint64_t agree_seed(const TpWorkerSpec& spec, int rank, CollectiveGroup* group) {
+  uint64_t seed = spec.seed;
+  if (rank == 0 && !spec.has_seed) {
+    std::random_device rd;
+    seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }
+  if (group != nullptr) {
+    at::Tensor t = at::full({1}, std::bit_cast<int64_t>(seed), at::TensorOptions(at::kLong));
+    group->broadcast(t, 0);
+    seed = std::bit_cast<uint64_t>(t.item<int64_t>());
+  }
+  return seed;
+}
+
+/// The next token of every row from the last position's logits `last` [B, V]: [B, 1] int64.
+at::Tensor sample_next(const at::Tensor& last, const TpRequest& r, at::Generator& gen) {
+  at::Tensor l = last.to(at::kFloat);
+  if (r.greedy || r.temperature == 0) return l.argmax(-1, /*keepdim=*/true);
+  l = l / r.temperature;
+  const int64_t vocab = l.size(-1);
+  if (r.top_k > 0 && r.top_k < vocab) {
+    const at::Tensor kth = std::get<0>(l.topk(r.top_k, -1)).narrow(-1, r.top_k - 1, 1);  // [B, 1]
+    l = l.masked_fill(l < kth, -std::numeric_limits<double>::infinity());
+  }
+  return at::multinomial(l.softmax(-1), 1, /*replacement=*/false, gen);
+}
+
+/// Every rank runs the same forwards; rank 0 picks each token and broadcasts it, so the ranks'
+/// caches never disagree on a token.
+at::Tensor generate(TensorParallelModel& model, const TpRequest& r, int rank,
+                    CollectiveGroup* group, at::Generator& gen) {
+  if (r.has_seed) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(r.seed);
+  }
+  const at::Tensor& prompt = r.input_ids;
+  std::vector<at::Tensor> pieces{prompt};
+  if (r.max_new_tokens == 0) return prompt;
+  const bool cached = model.uses_cache();
+  GptKvCache cache;
+  at::Tensor logits = model.forward(prompt, cached ? &cache : nullptr);
+  for (int64_t i = 0; i < r.max_new_tokens; ++i) {
+    at::Tensor next = rank == 0 ? sample_next(logits.select(1, -1), r, gen).contiguous()
+                                : at::empty({prompt.size(0), 1}, at::TensorOptions(at::kLong));
+    if (group != nullptr) group->broadcast(next, 0);
+    pieces.push_back(next);
+    if (i + 1 == r.max_new_tokens) break;
+    logits = cached ? model.forward(next, &cache) : model.forward(at::cat(pieces, 1), nullptr);
+  }
+  return at::cat(pieces, 1);
+}
+
+/// Reports the exception in flight as the answer to request `id`; never throws.
+void report_failure(Queue<TpResponse>& out, int rank, uint64_t id, double timeout_s) noexcept {
+  TpResponse r;
+  r.id = id;
+  r.rank = rank;
+  try {
+    throw;
+  } catch (const RankLostError& e) {
+    r.type = c10::demangle(typeid(e).name());
+    r.message = e.what();
+    r.secondary = true;
+  } catch (const TimeoutError& e) {
+    r.type = c10::demangle(typeid(e).name());
+    r.message = e.what();
+    r.secondary = true;  // a collective (or the rendezvous) waited for a peer
+  } catch (const c10::Error& e) {
+    r.type = c10::demangle(typeid(e).name());
+    r.message = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    r.type = c10::demangle(typeid(e).name());
+    r.message = e.what();
+  } catch (...) {
+    r.type = "unknown";
+    r.message = "an exception that does not derive from std::exception";
+  }
+  try {
+    out.put(r, std::chrono::duration<double>(timeout_s));
+  } catch (...) {  // the parent reads the process's error slot instead
+  }
+}
+
+}  // namespace
+
+GptConfig TpWorkerSpec::gpt_config() const {
+  return GptConfig{.vocab_size = vocab_size,
+                   .n_positions = n_positions,
+                   .n_embd = n_embd,
+                   .n_layer = n_layer,
+                   .n_head = n_head,
+                   .n_inner = n_inner,
+                   .layer_norm_epsilon = layer_norm_epsilon,
+                   .dtype = static_cast<at::ScalarType>(dtype)};
+}
+
+void TpWorkerSpec::set_gpt_config(const GptConfig& c) {
+  vocab_size = c.vocab_size;
+  n_positions = c.n_positions;
+  n_embd = c.n_embd;
+  n_layer = c.n_layer;
+  n_head = c.n_head;
+  n_inner = c.n_inner;
+  layer_norm_epsilon = c.layer_norm_epsilon;
+}
+
+TensorParallelFactory find_tensor_parallel_model(const std::string& name) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  const auto it = registry().find(name);
+  return it == registry().end() ? TensorParallelFactory{} : it->second;
+}
+
+void run_tensor_parallel_worker(int rank, const TpWorkerSpec& spec, Queue<TpRequest>& in,
+                                Queue<TpResponse>& out, const TensorParallelFactory* factory) {
+  const pid_t parent = ::getppid();
+  const auto timeout = std::chrono::duration<double>(spec.timeout_s);
+  // Declared in this order so that they go in reverse: the model (holding the comm, holding
+  // the group) before the group, the group before the World.
+  std::optional<World> world;
+  CollectiveGroup group;
+  std::shared_ptr<TensorParallelModel> model;
+  CollectiveGroup* g = nullptr;
+  at::Generator gen;
+  try {
+    TensorParallelComm comm;
+    if (spec.world_size > 1) {
+      // Private to this engine whatever the environment says (TORCHPAR_STORE_BIND_ADDR):
+      // loopback, and a key made for it.
+      world.emplace(WorldOptions{.rank = rank,
+                                 .world_size = spec.world_size,
+                                 .master_addr = "127.0.0.1",
+                                 .master_port = spec.master_port,
+                                 .timeout = timeout,
+                                 .authkey = spec.authkey,
+                                 .store_bind_addr = "127.0.0.1"});
+      group = world->create_collective_group({}, static_cast<Backend>(spec.backend), timeout);
+      comm = TensorParallelComm::from_group(group);
+      g = &group;
+    }
+    const uint64_t seed = agree_seed(spec, rank, g);
+    at::manual_seed(seed);
+    gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    model = build_model(spec, comm, factory);
+    TpResponse ready;
+    ready.rank = rank;
+    ready.ok = true;
+    ready.seed = seed;
+    out.put(ready, timeout);
+  } catch (...) {
+    report_failure(out, rank, 0, spec.timeout_s);
+    throw;
+  }
+
+  for (;;) {
+    TpRequest req;
+    try {
+      req = in.get(std::chrono::seconds(1));
+    } catch (const Empty&) {
+      if (::getppid() != parent) return;  // orphaned (PR_SET_PDEATHSIG should have ended us)
+      continue;
+    } catch (const ClosedError&) {
+      return;
+    }
+    if (req.kind == static_cast<int32_t>(TpRequestKind::kStop)) return;
+    try {
+      at::NoGradGuard no_grad;
+      at::Tensor result;
+      if (req.kind == static_cast<int32_t>(TpRequestKind::kForward))
+        result = model->forward(req.input_ids, nullptr);
+      else if (req.kind == static_cast<int32_t>(TpRequestKind::kGenerate))
+        result = generate(*model, req, rank, g, gen);
+      else
+        throw ValueError(fmt::format("TensorParallel worker: unknown request kind {}", req.kind));
+      TpResponse r;
+      r.id = req.id;
+      r.rank = rank;
+      r.ok = true;
+      if (rank == 0) r.result = result;
+      out.put(r, timeout);
+    } catch (...) {
+      report_failure(out, rank, req.id, spec.timeout_s);
+      throw;  // the group is in an unknown state: this worker is done
+    }
+  }
+}
+
+void tensor_parallel_worker(int rank, TpWorkerSpec spec, Queue<TpRequest> in,
+                            Queue<TpResponse> out) {
+  run_tensor_parallel_worker(rank, spec, in, out, nullptr);
+}
+
+}  // namespace detail
+
+bool register_tensor_parallel_model(const std::string& name, TensorParallelFactory factory) {
+  if (name.empty()) throw ValueError("register_tensor_parallel_model: the name is empty");
+  if (!factory)
+    throw ValueError(
+        fmt::format("register_tensor_parallel_model: the factory for '{}' is empty", name));
+  std::lock_guard<std::mutex> lock(detail::registry_mutex());
+  detail::registry()[name] = std::move(factory);
+  return true;
+}
+
+}  // namespace torchpar

@@ -1,0 +1,184 @@
+// `torchpar infer`: a GPT checkpoint (model.pt + model.json) -> TensorParallel -> generated text.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "torchpar/core/error.h"
+#include "torchpar/parallel/gpt_checkpoint.h"
+#include "torchpar/parallel/tensor_parallel.h"
+
+namespace torchpar::cli {
+namespace {
+
+struct InferConfig {
+  std::string model;
+  std::string prompt;
+  int tensor_parallel = 1;
+  int64_t max_new_tokens = 64;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  bool greedy = false;
+  uint64_t seed = 0;
+  bool has_seed = false;  // --seed given
+  std::string dtype = "float32";
+  std::string backend = "auto";
+  int threads_per_worker = 0;
+  double timeout = 300;
+};
+
+/// `bytes` as valid UTF-8: each maximal part of an ill-formed sequence (a byte that starts no
+/// sequence, or the valid start of a sequence that breaks off) becomes one U+FFFD, as Python's
+/// bytes.decode("utf-8", "replace") does (the Unicode standard's practice). Overlong forms,
+/// surrogates and code points above U+10FFFF are ill-formed.
+std::string valid_utf8(const std::string& bytes) {
+  static constexpr const char* kReplacement = "\xEF\xBF\xBD";
+  std::string out;
+  out.reserve(bytes.size());
+  size_t i = 0;
+  while (i < bytes.size()) {
+    const auto c = static_cast<unsigned char>(bytes[i]);
+    if (c < 0x80) {
+      out.push_back(static_cast<char>(c));
+      ++i;
+      continue;
+    }
+    size_t len = 0;                      // 0: c starts no sequence
+    unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;  // no overlong forms
+      if (c == 0xED) hi = 0x9F;  // no surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;  // no overlong forms
+      if (c == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
+    }
+    size_t k = 1;  // bytes of the well-formed prefix
+    for (; len > 0 && k < len && i + k < bytes.size(); ++k) {
+      const auto cc = static_cast<unsigned char>(bytes[i + k]);
+      if (cc < (k == 1 ? lo : 0x80) || cc > (k == 1 ? hi : 0xBF)) break;
+    }
+    if (len > 0 && k == len)
+      out.append(bytes, i, len);
+    else
+      out += kReplacement;
+    i += k;
+  }
+  return out;
+}
+
+int run_infer(const InferConfig& c) {
+  const GptCheckpointInfo info = load_gpt_checkpoint_info(c.model);
+  if (info.tokenizer != "bytes")
+    throw ValueError(fmt::format(
+        "'{}' says tokenizer \"{}\"; torchpar infer knows \"bytes\" only (token = byte value)",
+        gpt_checkpoint_info_path(c.model), info.tokenizer));
+  if (c.prompt.empty()) throw ValueError("--prompt is empty: give at least one character");
+  std::vector<int64_t> ids;
+  for (const char ch : c.prompt) ids.push_back(static_cast<unsigned char>(ch));
+  const auto prompt_len = static_cast<int64_t>(ids.size());
+  if (prompt_len + c.max_new_tokens > info.config.n_positions)
+    throw ValueError(fmt::format(
+        "the prompt ({} bytes) and --max-new-tokens {} exceed the model's context of {} "
+        "positions (n_positions): shorten one of them",
+        prompt_len, c.max_new_tokens, info.config.n_positions));
+  const at::Tensor prompt =
+      at::tensor(ids, at::TensorOptions().dtype(at::kLong)).view({1, prompt_len});
+
+  TensorParallelOptions options{
+      .world_size = c.tensor_parallel,
+      .dtype = dtype_from_string(c.dtype),
+      .timeout = std::chrono::duration<double>(c.timeout),
+      .backend = backend_from_string(c.backend),
+      .threads_per_worker = c.threads_per_worker,
+      .seed = c.has_seed ? std::optional<uint64_t>(c.seed) : std::nullopt};
+  const auto t0 = std::chrono::steady_clock::now();
+  TensorParallel engine(c.model, options);
+  const auto t1 = std::chrono::steady_clock::now();
+  const at::Tensor out = engine.generate(prompt, {.max_new_tokens = c.max_new_tokens,
+                                                  .temperature = c.temperature,
+                                                  .top_k = c.top_k,
+                                                  .greedy = c.greedy});
+  const auto t2 = std::chrono::steady_clock::now();
+  engine.shutdown();
+
+  std::string bytes;
+  const auto* tokens = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < out.size(1); ++i) {
+    // A vocabulary above 256 ids may produce tokens that are no byte: shown as U+FFFD.
+    bytes.push_back(tokens[i] < 256 ? static_cast<char>(tokens[i]) : '\xFF');
+  }
+  fmt::print("{}\n", valid_utf8(bytes));
+  std::fflush(stdout);
+  const double start_s = std::chrono::duration<double>(t1 - t0).count();
+  const double gen_s = std::chrono::duration<double>(t2 - t1).count();
+  fmt::print(stderr,
+             "torchpar infer: {} new tokens in {:.3f} s: {:.1f} tokens/s (tensor parallel {}, {}, "
+             "{}; workers ready in {:.2f} s, seed {})\n",
+             c.max_new_tokens, gen_s,
+             gen_s > 0 ? static_cast<double>(c.max_new_tokens) / gen_s : 0.0, c.tensor_parallel,
+             dtype_name(options.dtype),
+             c.greedy ? std::string("greedy")
+                      : fmt::format("temperature {}, top-k {}", c.temperature, c.top_k),
+             start_s, engine.seed());
+  return 0;
+}
+
+}  // namespace
+
+Command add_infer(CLI::App& app) {
+  auto c = std::make_shared<InferConfig>();
+  auto* cmd = app.add_subcommand(
+      "infer",
+      "Continue a prompt with a GPT checkpoint (model.pt + model.json, as `torchpar train "
+      "--model gpt` writes it) split over N worker processes (tensor parallelism). Prints the "
+      "text on stdout and tokens/s on stderr.");
+  cmd->add_option("--model", c->model, "model.pt of a GPT checkpoint; model.json beside it")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--prompt", c->prompt, "text to continue (byte-level tokens)")->required();
+  cmd->add_option("--tensor-parallel", c->tensor_parallel,
+                  "worker processes the model is split over (divides the heads and widths)")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--max-new-tokens", c->max_new_tokens, "tokens (bytes) to generate")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
+      ->capture_default_str();
+  cmd->add_option("--temperature", c->temperature, "softmax temperature; 0: greedy")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--top-k", c->top_k, "sample among the k likeliest tokens; 0: all")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_flag("--greedy", c->greedy, "always the likeliest token");
+  auto* seed =
+      cmd->add_option("--seed", c->seed, "sampling seed (default: random, printed on stderr)");
+  cmd->add_option("--dtype", c->dtype, "weights in the workers: float32 | bfloat16 | float16")
+      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))
+      ->capture_default_str();
+  cmd->add_option("--backend", c->backend, "collectives between the workers: auto | shm | gloo")
+      ->check(CLI::IsMember({"auto", "shm", "gloo"}))
+      ->capture_default_str();
+  cmd->add_option("--threads-per-worker", c->threads_per_worker,
+                  "LibTorch intra-op threads per worker; 0: cores / tensor-parallel")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
+  cmd->add_option("--timeout", c->timeout, "seconds: starting, and the whole generation")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  return [c, seed] {
+    c->has_seed = seed->count() > 0;
+    return run_infer(*c);
+  };
+}
+
+}  // namespace torchpar::cli
