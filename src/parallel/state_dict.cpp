@@ -3,13 +3,19 @@
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "core/file_mapping.h"
 #include "torchpar/core/error.h"
@@ -75,7 +81,76 @@ c10::IValue unpickle(const std::string& path, const std::shared_ptr<const FileMa
   return unpickler.parse_ivalue();
 }
 
+/// `t` as save_state_dict_file stores it: detached, on the CPU, contiguous and alone in its
+/// storage (the pickler writes a tensor's whole storage).
+at::Tensor storable(const std::string& path, const std::string& name, const at::Tensor& t) {
+  if (!t.defined() || t.layout() != at::kStrided)
+    throw ValueError(fmt::format(
+        "save_state_dict_file: '{}': entry '{}' is {}; only defined, strided (dense) tensors are "
+        "saved",
+        path, name,
+        t.defined() ? fmt::format("a {} tensor", c10::toString(t.layout()))
+                    : std::string("an undefined tensor")));
+  at::Tensor own = t.detach().cpu();
+  const bool alone =
+      own.is_contiguous() && own.storage_offset() == 0 && own.storage().nbytes() == own.nbytes();
+  return alone ? own : own.clone(at::MemoryFormat::Contiguous);
+}
+
+/// The bytes torch.save writes for a dict of str -> tensor: a zip ("archive/data.pkl",
+/// "archive/data/<i>" per storage, "archive/version").
+std::vector<char> torch_save_bytes(const std::string& path, const StateDict& state_dict) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [name, t] : state_dict) dict.insert(name, storable(path, name, t));
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler(
+      [&](const char* p, size_t n) { pickle.insert(pickle.end(), p, p + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(c10::IValue(dict));
+  pickler.stop();
+  std::vector<char> zip;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) {
+    const char* bytes = static_cast<const char*>(p);
+    zip.insert(zip.end(), bytes, bytes + n);
+    return n;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(),
+                                     writer);
+  writer.writeEndOfFile();
+  return zip;
+}
+
+/// Writes `bytes` to `path` through `.<name>.tmp` beside it and a rename.
+void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
+  const std::filesystem::path target(path);
+  const std::string tmp =
+      (target.parent_path() / ("." + target.filename().string() + ".tmp")).string();
+  try {
+    UniqueFd fd(detail::check_syscall("open", tmp, [&] {
+      return ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    }));
+    for (size_t done = 0; done < bytes.size();) {
+      done += static_cast<size_t>(detail::check_syscall("write", tmp, [&] {
+        return ::write(fd.get(), bytes.data() + done, bytes.size() - done);
+      }));
+    }
+    // close is not retried: after EINTR the fd is gone (Linux) and may already be reused.
+    if (::close(fd.release()) != 0 && errno != EINTR)
+      detail::throw_system_error("close", errno, tmp);
+    detail::check_syscall("rename", path, [&] { return ::rename(tmp.c_str(), path.c_str()); });
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+}
+
 }  // namespace
+
+void save_state_dict_file(const std::string& path, const StateDict& state_dict) {
+  write_file_atomically(path, torch_save_bytes(path, state_dict));
+}
 
 StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptions& options) {
   const auto m = FileMapping::map(path, "load_state_dict_file");

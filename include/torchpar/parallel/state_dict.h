@@ -1,6 +1,7 @@
 #pragma once
-/// StateDict and load_state_dict_file: the weights a tensor-parallel model slices on load, read
-/// from what Python's torch.save wrote.
+/// StateDict, load_state_dict_file and save_state_dict_file: the weights a tensor-parallel model
+/// slices on load, read from what Python's torch.save wrote, and written as torch.save writes
+/// them.
 
 #include <ATen/core/Tensor.h>
 
@@ -52,5 +53,27 @@ struct LoadStateDictOptions {
 ///   auto sd = torchpar::load_state_dict_file("gpt2/state_dict.pt");
 ///   at::Tensor wte = sd.at("wte.weight");
 StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptions& options = {});
+
+/// Writes `state_dict` to `path` as Python's `torch.save(d, path)` writes a plain dict of
+/// tensors (the zip format, pickle protocol 2, records stored uncompressed), so that both
+/// load_state_dict_file and Python's `torch.load(path)` read it back as a dict of str ->
+/// tensor. The file appears whole or not at all: the bytes go to a temporary file beside it
+/// (`.<name>.tmp`), which is renamed over `path`.
+///
+/// Shapes:  each tensor as it is (any strides; stored contiguous, with its own storage: views
+///          are copied out, so a slice does not write its whole base); CPU, strided, detached
+///          (requires_grad is not kept). Tensors on other devices are copied to the CPU.
+/// Memory:  the whole file is assembled in memory before it is written (about the tensors'
+///          bytes again).
+/// Errors:  ValueError naming the entry for an undefined or non-strided (sparse, mkldnn)
+///          tensor, before anything is written; torchpar::Error naming the path when it cannot
+///          be written (the temporary file is removed).
+/// Safety:  thread-safe for different paths.
+/// Source:  torch.save; LibTorch's torch::pickle_save, without its type tags
+///          (torch.jit._pickle.restore_type_tag) so that the pickle holds nothing but a dict.
+///
+///   torchpar::StateDict sd{{"wte.weight", wte}, {"wpe.weight", wpe}};
+///   torchpar::save_state_dict_file("model.pt", sd);  // Python: torch.load("model.pt")
+void save_state_dict_file(const std::string& path, const StateDict& state_dict);
 
 }  // namespace torchpar
