@@ -16,6 +16,7 @@ PACKAGES=(
   ccache                  # faster rebuilds
   libclang-rt-14-dev      # libFuzzer runtime for the fuzz label
   dataset-fashion-mnist   # the data set of the main job
+  fortunes                # English text for the GPT of torchpar train --model gpt
   libssl-dev              # OpenSSL libcrypto: HMAC of the auth handshake
   libgloo-dev             # headers of the Gloo that LibTorch's c10d links
   libtensorpipe-dev       # TensorPipe: the RPC transport (src/dist/rpc/transport/tensorpipe/)

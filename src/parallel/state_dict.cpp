@@ -3,14 +3,19 @@
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
+#include <fcntl.h>
 #include <fmt/format.h>
-#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "core/atomic_file.h"
 #include "core/file_mapping.h"
@@ -77,7 +82,49 @@ c10::IValue unpickle(const std::string& path, const std::shared_ptr<const FileMa
   return unpickler.parse_ivalue();
 }
 
+/// `t` as save_state_dict_file stores it: detached, on the CPU, contiguous and alone in its
+/// storage (the pickler writes a tensor's whole storage).
+at::Tensor storable(const std::string& path, const std::string& name, const at::Tensor& t) {
+  if (!t.defined() || t.layout() != at::kStrided)
+    throw ValueError(fmt::format(
+        "save_state_dict_file: '{}': entry '{}' is {}; only defined, strided (dense) tensors are "
+        "saved",
+        path, name,
+        t.defined() ? fmt::format("a {} tensor", c10::toString(t.layout()))
+                    : std::string("an undefined tensor")));
+  at::Tensor own = t.detach().cpu();
+  const bool alone =
+      own.is_contiguous() && own.storage_offset() == 0 && own.storage().nbytes() == own.nbytes();
+  return alone ? own : own.clone(at::MemoryFormat::Contiguous);
+}
+
+/// The bytes torch.save writes for a dict of str -> tensor: a zip ("archive/data.pkl",
+/// "archive/data/<i>" per storage, "archive/version").
+std::vector<char> torch_save_bytes(const std::string& path, const StateDict& state_dict) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [name, t] : state_dict) dict.insert(name, storable(path, name, t));
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler(
+      [&](const char* p, size_t n) { pickle.insert(pickle.end(), p, p + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(c10::IValue(dict));
+  pickler.stop();
+  std::vector<char> zip;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) {
+    const char* bytes = static_cast<const char*>(p);
+    zip.insert(zip.end(), bytes, bytes + n);
+    return n;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(),
+                                     writer);
+  writer.writeEndOfFile();
+  return zip;
+}
+
 }  // namespace
+
 
 StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptions& options) {
   const auto m = FileMapping::map(path, "load_state_dict_file");
@@ -123,14 +170,7 @@ StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptio
 
 void save_state_dict_file(const StateDict& state_dict, const std::string& path) {
   if (path.empty()) throw ValueError("save_state_dict_file: the path is empty");
-  c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& [name, tensor] : state_dict) {
-    if (!tensor.defined())
-      throw ValueError(fmt::format("save_state_dict_file: '{}' is an undefined tensor", name));
-    dict.insert(name, tensor.detach().cpu());
-  }
-  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(dict));
-
+  const std::vector<char> bytes = torch_save_bytes(path, state_dict);
   detail::write_file_atomically(path, std::string_view(bytes.data(), bytes.size()));
 }
 

@@ -1,5 +1,8 @@
 // `torchpar train`: options -> torchpar::train::run_train.
+#include <cstdio>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "commands.h"
 #include "train/trainer.h"
@@ -10,10 +13,17 @@ Command add_train(CLI::App& app) {
   auto c = std::make_shared<train::TrainConfig>();
   auto* cmd = app.add_subcommand(
       "train",
-      "Train the mnist_hogwild network on Fashion-MNIST: one process (single), N processes "
-      "updating shared parameters lock-free (hogwild), N ranks averaging gradients with "
-      "all_reduce (ddp), or a parameter server and N-1 trainers pushing gradients and pulling "
-      "parameters over RPC (pserver). Writes metrics.json, curves.png and model.pt to --out.");
+      "Train the mnist_hogwild network on Fashion-MNIST (--model mnist): one process "
+      "(single), N processes updating shared parameters lock-free (hogwild), N ranks averaging "
+      "gradients with all_reduce (ddp), or a parameter server and N-1 trainers pushing "
+      "gradients and pulling parameters over RPC (pserver). Or a byte-level GPT on the "
+      "fortunes corpus (--model gpt; single or ddp), which also writes model.json and a "
+      "sample. Writes metrics.json, curves.png and model.pt to --out.");
+  cmd->add_option("--model", c->model,
+                  "mnist (Fashion-MNIST, the mnist_hogwild network) | gpt (a byte-level GPT on "
+                  "/usr/share/games/fortunes)")
+      ->check(CLI::IsMember({"mnist", "gpt"}))
+      ->capture_default_str();
   cmd->add_option("--strategy", c->strategy, "single | hogwild | ddp | pserver")
       ->check(CLI::IsMember({"single", "hogwild", "ddp", "pserver"}))
       ->capture_default_str();
@@ -21,21 +31,28 @@ Command add_train(CLI::App& app) {
                   "worker processes (default: number of cores); pserver: 1 server + N-1 "
                   "trainers, N >= 2")
       ->check(CLI::Range(1, 256));
-  cmd->add_option("--epochs", c->epochs, "passes over the training set")
-      ->check(CLI::Range(1, 1000))
-      ->capture_default_str();
-  cmd->add_option("--batch-size", c->batch_size, "samples per step and worker")
-      ->check(CLI::Range(1, 60000))
-      ->capture_default_str();
-  cmd->add_option("--lr", c->lr, "SGD learning rate")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  cmd->add_option("--momentum", c->momentum, "SGD momentum")
-      ->check(CLI::Range(0.0, 1.0))
-      ->capture_default_str();
+  // Options of one model only; given with the other, the run is refused (exit 2).
+  std::vector<CLI::Option*> mnist_only, gpt_only;
+  mnist_only.push_back(cmd->add_option("--epochs", c->epochs, "mnist: passes over the training set")
+                           ->check(CLI::Range(1, 1000))
+                           ->capture_default_str());
+  auto* batch_size = cmd->add_option("--batch-size", c->batch_size,
+                                     "samples (gpt: windows of --context bytes) per step and "
+                                     "worker; gpt's default is 8")
+                         ->check(CLI::Range(1, 60000))
+                         ->capture_default_str();
+  auto* lr = cmd->add_option("--lr", c->lr,
+                             "learning rate: SGD's (mnist), AdamW's peak (gpt, default 0.001)")
+                 ->check(CLI::PositiveNumber)
+                 ->capture_default_str();
+  mnist_only.push_back(cmd->add_option("--momentum", c->momentum, "mnist: SGD momentum")
+                           ->check(CLI::Range(0.0, 1.0))
+                           ->capture_default_str());
   cmd->add_option("--seed", c->seed, "seed of the initial weights and the shuffles")
       ->capture_default_str();
-  cmd->add_option("--data", c->data, "directory of the Fashion-MNIST idx .gz files")
+  cmd->add_option("--data", c->data,
+                  "directory of the Fashion-MNIST idx .gz files (mnist) or of the fortune files "
+                  "(gpt: /usr/share/games/fortunes)")
       ->default_str("/usr/share/datasets/fashion-mnist");
   cmd->add_option("--out", c->out, "output directory")->default_str("runs/<timestamp>");
   cmd->add_option("--threads-per-worker", c->threads_per_worker,
@@ -45,28 +62,62 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--backend", c->backend, "ddp's collective backend: auto | shm | gloo")
       ->check(CLI::IsMember({"auto", "shm", "gloo"}))
       ->capture_default_str();
-  cmd->add_option("--lr-scaling", c->lr_scaling,
-                  "ddp: linear (lr x workers, as the gradient of workers batches is averaged) "
-                  "or none")
-      ->check(CLI::IsMember({"linear", "none"}))
-      ->capture_default_str();
-  cmd->add_option("--reduce-batch-size", c->reduce_batch_size,
-                  "pserver: most pushes the server averages at once, at each of its two "
-                  "reduction levels")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-      ->capture_default_str();
-  cmd->add_option("--max-queue-size", c->max_queue_size,
-                  "pserver: pushes the server queues before it drops the oldest "
-                  "(>= --reduce-batch-size)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-      ->capture_default_str();
-  cmd->add_option("--limit", c->limit, "use only the first N training samples (quick runs)")
+  mnist_only.push_back(
+      cmd->add_option("--lr-scaling", c->lr_scaling,
+                      "mnist ddp: linear (lr x workers, as the gradient of workers batches is "
+                      "averaged) or none")
+          ->check(CLI::IsMember({"linear", "none"}))
+          ->capture_default_str());
+  mnist_only.push_back(cmd->add_option("--reduce-batch-size", c->reduce_batch_size,
+                                       "pserver: most pushes the server averages at once, at "
+                                       "each of its two reduction levels")
+                           ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+                           ->capture_default_str());
+  mnist_only.push_back(cmd->add_option("--max-queue-size", c->max_queue_size,
+                                       "pserver: pushes the server queues before it drops the "
+                                       "oldest (>= --reduce-batch-size)")
+                           ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+                           ->capture_default_str());
+  cmd->add_option("--limit", c->limit,
+                  "use only the first N training samples (mnist) or the first N bytes of the "
+                  "corpus (gpt), for quick runs")
       ->check(CLI::NonNegativeNumber);
+  gpt_only.push_back(cmd->add_option("--layers", c->layers, "gpt: transformer blocks")
+                         ->check(CLI::Range(int64_t{1}, int64_t{256}))
+                         ->capture_default_str());
+  gpt_only.push_back(cmd->add_option("--width", c->width, "gpt: hidden size (n_embd)")
+                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
+                         ->capture_default_str());
+  gpt_only.push_back(cmd->add_option("--heads", c->heads, "gpt: attention heads (divide --width)")
+                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 10))
+                         ->capture_default_str());
+  gpt_only.push_back(
+      cmd->add_option("--context", c->context, "gpt: bytes of a training window (n_positions)")
+          ->check(CLI::Range(int64_t{2}, int64_t{1} << 16))
+          ->capture_default_str());
+  gpt_only.push_back(cmd->add_option("--steps", c->steps, "gpt: optimizer steps (default 300)")
+                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 40)));
+  gpt_only.push_back(cmd->add_option("--eval-every", c->eval_every,
+                                     "gpt: steps between evaluations on the held-out split "
+                                     "(default: steps / 10)")
+                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 40)));
   cmd->add_option("--timeout", c->timeout,
                   "seconds: collective and RPC timeout, and how long workers may stay silent")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  return [c] { return train::run_train(*c); };
+  return [c, mnist_only, gpt_only, batch_size, lr] {
+    const bool gpt = c->model == "gpt";
+    for (const CLI::Option* o : gpt ? mnist_only : gpt_only) {
+      if (o->count() > 0) {
+        std::fprintf(stderr, "torchpar train: %s applies to --model %s, not %s\n",
+                     o->get_name().c_str(), gpt ? "mnist" : "gpt", c->model.c_str());
+        return 2;
+      }
+    }
+    if (gpt && batch_size->count() == 0) c->batch_size = train::kGptDefaultBatchSize;
+    if (gpt && lr->count() == 0) c->lr = train::kGptDefaultLr;
+    return train::run_train(*c);
+  };
 }
 
 }  // namespace torchpar::cli

@@ -1,6 +1,7 @@
 #pragma once
 /// StateDict, load_state_dict_file and save_state_dict_file: the weights a tensor-parallel model
-/// slices on load, in the file format of Python's torch.save.
+/// slices on load, read from what Python's torch.save wrote, and written as torch.save writes
+/// them.
 
 #include <ATen/core/Tensor.h>
 
@@ -53,21 +54,26 @@ struct LoadStateDictOptions {
 ///   at::Tensor wte = sd.at("wte.weight");
 StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptions& options = {});
 
-/// Writes `state_dict` as a file that load_state_dict_file (and Python's torch.load) reads:
-/// the zip format of torch.save (torch >= 1.6), written by LibTorch's torch::pickle_save, a
-/// plain dict of string -> tensor, records stored uncompressed (so load_state_dict_file can
-/// map it). The file appears whole or not at all: it is written beside `path` under a
-/// temporary name, flushed (fsync), then renamed over `path`.
+/// Writes `state_dict` to `path` as Python's `torch.save(d, path)` writes a plain dict of
+/// tensors (the zip format, pickle protocol 2, records stored uncompressed), so that both
+/// load_state_dict_file and Python's `torch.load(path)` read it back as a dict of str ->
+/// tensor. The file appears whole or not at all: the bytes go to a temporary file beside it
+/// flushed (fsync), then renamed over `path`.
 ///
-/// Shapes:  each tensor as it is (views are written with their whole storage); CPU tensors
-///          (others are copied to the CPU first); gradients are not saved.
-/// Errors:  ValueError for an empty name; SystemError naming the file (open, write, fsync,
-///          rename) when the file cannot be written, and the temporary file is removed.
-/// Safety:  thread-safe; concurrent writers of one path leave one of their files whole.
-/// Source:  torch.save(dict(model.state_dict()), path).
+/// Shapes:  each tensor as it is (any strides; stored contiguous, with its own storage: views
+///          are copied out, so a slice does not write its whole base); CPU, strided, detached
+///          (requires_grad is not kept). Tensors on other devices are copied to the CPU.
+/// Memory:  the whole file is assembled in memory before it is written (about the tensors'
+///          bytes again).
+/// Errors:  ValueError for an empty path, or naming the entry for an undefined or non-strided (sparse, mkldnn)
+///          tensor, before anything is written; torchpar::Error naming the path when it cannot
+///          be written (the temporary file is removed).
+/// Safety:  thread-safe for different paths.
+/// Source:  torch.save; LibTorch's torch::pickle_save, without its type tags
+///          (torch.jit._pickle.restore_type_tag) so that the pickle holds nothing but a dict.
 ///
-///   torchpar::save_state_dict_file(sd, "runs/gpt/model.pt");
-///   auto back = torchpar::load_state_dict_file("runs/gpt/model.pt");
+///   torchpar::StateDict sd{{"wte.weight", wte}, {"wpe.weight", wpe}};
+///   torchpar::save_state_dict_file(sd, "model.pt");  // Python: torch.load("model.pt")
 void save_state_dict_file(const StateDict& state_dict, const std::string& path);
 
 }  // namespace torchpar

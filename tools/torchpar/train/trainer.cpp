@@ -3,16 +3,12 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <signal.h>
-#include <sys/stat.h>
 #include <torch/torch.h>
-#include <torch/version.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -21,23 +17,15 @@
 
 #include "fashion_mnist.h"
 #include "net.h"
+#include "outputs.h"
 #include "torchpar/server/push_pull_grad_server.h"
 #include "torchpar/torchpar.h"
+#include "workers.h"
 
 namespace torchpar::train {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using Seconds = std::chrono::duration<double>;
-
-// Messages from workers: (kind, worker, epoch, samples, loss_sum, batches).
-enum Kind : int { kReady = 0, kProgress = 1, kEpochDone = 2 };
-using Msg = std::tuple<int, int, int, int64_t, double, int64_t>;
-constexpr int kStop = -1;
 constexpr int kReportEvery = 20;  // batches between progress messages
-
-volatile sig_atomic_t g_stop_signal = 0;
-void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 /// The sample indices of `part` of `parts` for `epoch`: a permutation seeded by seed+epoch
 /// (the same on every worker), dealt round-robin, every part the same length.
@@ -116,19 +104,6 @@ torch::optim::SGD make_sgd(Net& net, const TrainConfig& c) {
   return torch::optim::SGD(net->parameters(), sgd_options(c));
 }
 
-/// The workers that train: all of them, but for pserver's rank 0 (the server).
-int trainers(const TrainConfig& c) { return c.strategy == "pserver" ? c.workers - 1 : c.workers; }
-/// The index of the first worker that trains.
-int first_trainer(const TrainConfig& c) { return c.strategy == "pserver" ? 1 : 0; }
-/// ddp and pserver workers form a World.
-bool uses_world(const TrainConfig& c) { return c.strategy == "ddp" || c.strategy == "pserver"; }
-
-std::vector<at::Tensor> clone_parameters(Net& net) {
-  std::vector<at::Tensor> copy;
-  for (auto& p : net->parameters()) copy.push_back(p.detach().clone());
-  return copy;
-}
-
 // ---- workers (spawned) ---------------------------------------------------------------------
 
 /// A worker after its setup: reports ready, then trains one epoch of its shard per `go`
@@ -163,22 +138,6 @@ void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared, 
       index, cfg, net, Split{images, labels}, msgs, go, [&] { opt.step(); }, [] {});
 }
 
-/// Rank `rank` of the World of ddp / pserver; rank 0 hosts its store. pserver's members are
-/// named "server" and "trainer<rank>", so RPC errors name the role. `key`: the run's job key
-/// (start_workers makes a fresh one per run, as `torchpar run` does per job; the store and
-/// pserver's RPC connections prove it).
-World join_world(int rank, const TrainConfig& cfg, int port, AuthKey key) {
-  WorldOptions wo;
-  if (cfg.strategy == "pserver") wo.name = rank == 0 ? "server" : fmt::format("trainer{}", rank);
-  wo.rank = rank;
-  wo.world_size = cfg.workers;
-  wo.master_addr = "127.0.0.1";
-  wo.master_port = port;
-  wo.timeout = Seconds(cfg.timeout);
-  wo.authkey = std::move(key);
-  return World(wo);
-}
-
 void ddp_worker(int rank, TrainConfig cfg, int port, AuthKey key, at::Tensor images,
                 at::Tensor labels, Queue<Msg> msgs, Queue<int> go,
                 Queue<std::vector<at::Tensor>> params_out) {
@@ -196,7 +155,7 @@ void ddp_worker(int rank, TrainConfig cfg, int port, AuthKey key, at::Tensor ima
         opt.step();
       },
       [&] {
-        if (rank == 0) params_out.put(clone_parameters(net));
+        if (rank == 0) params_out.put(clone_parameters(*net));
       });
 }
 
@@ -276,7 +235,7 @@ void pserver_server(TrainConfig cfg, int port, AuthKey key, Queue<Msg> msgs, Que
     if (request == kStop) break;
     wait_until_drained(server, Seconds(cfg.timeout));
     client.pull(vnewest, Seconds(cfg.timeout));
-    params_out.put(clone_parameters(newest));
+    params_out.put(clone_parameters(*newest));
   }
   server.close();
   group.destroy();
@@ -303,48 +262,6 @@ void pserver_trainer(int rank, TrainConfig cfg, int port, AuthKey key, at::Tenso
 
 // ---- the parent ------------------------------------------------------------------------------
 
-/// One line per epoch, redrawn in place on a terminal; plain lines (every 10%) otherwise.
-class ProgressBar {
- public:
-  ProgressBar(int epoch, int epochs, int64_t total)
-      : epoch_(epoch),
-        epochs_(epochs),
-        total_(total),
-        tty_(::isatty(STDOUT_FILENO) != 0),
-        start_(Clock::now()) {}
-
-  void update(int64_t done, double loss) {
-    const double secs = Seconds(Clock::now() - start_).count();
-    const double rate = secs > 0 ? static_cast<double>(done) / secs : 0;
-    const double frac = total_ > 0 ? std::min(1.0, static_cast<double>(done) / total_) : 1;
-    if (tty_) {
-      const int width = 30;
-      const int fill = static_cast<int>(frac * width);
-      std::printf("\repoch %d/%d [%s%s] %6lld/%lld  loss %.4f  %7.0f samples/s", epoch_, epochs_,
-                  std::string(static_cast<size_t>(fill), '#').c_str(),
-                  std::string(static_cast<size_t>(width - fill), '.').c_str(),
-                  static_cast<long long>(done), static_cast<long long>(total_), loss, rate);
-      std::fflush(stdout);
-    } else if (static_cast<int>(frac * 10) > last_decile_) {
-      last_decile_ = static_cast<int>(frac * 10);
-      std::printf("epoch %d/%d %3d%% %lld/%lld samples, loss %.4f, %.0f samples/s\n", epoch_,
-                  epochs_, last_decile_ * 10, static_cast<long long>(done),
-                  static_cast<long long>(total_), loss, rate);
-      std::fflush(stdout);
-    }
-  }
-  void finish() {
-    if (tty_) std::printf("\n");
-  }
-
- private:
-  int epoch_, epochs_;
-  int64_t total_;
-  bool tty_;
-  Clock::time_point start_;
-  int last_decile_ = -1;
-};
-
 struct EpochMetrics {
   int epoch;
   double train_loss, test_loss, test_accuracy, seconds;
@@ -358,42 +275,10 @@ struct Run {
   std::string error;
 };
 
-std::string now_stamp() {
-  std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y%m%d-%H%M%S", std::localtime(&t));
-  return buf;
-}
-
-/// Writes `text` to dir/name through a temporary file and a rename: never half-written.
-void write_atomic(const std::filesystem::path& dir, const std::string& name,
-                  const std::string& text) {
-  const auto tmp = dir / ("." + name + ".tmp");
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    f << text;
-    if (!f) throw Error(fmt::format("cannot write {}", tmp.string()));
-  }
-  std::filesystem::rename(tmp, dir / name);
-}
-
-std::string tools_dir() {
-  if (const char* d = std::getenv("TORCHPAR_TOOLS_DIR")) return d;
-#ifdef TORCHPAR_SOURCE_TOOLS_DIR
-  if (std::filesystem::exists(TORCHPAR_SOURCE_TOOLS_DIR "/plot_curves.py")) {
-    return TORCHPAR_SOURCE_TOOLS_DIR;
-  }
-#endif
-#ifdef TORCHPAR_INSTALL_TOOLS_DIR
-  return TORCHPAR_INSTALL_TOOLS_DIR;
-#else
-  return "tools";
-#endif
-}
-
 nlohmann::json metrics_json(const Run& run) {
   const TrainConfig& cfg = run.cfg;
   nlohmann::json j;
+  j["model"] = "mnist";
   j["strategy"] = cfg.strategy;
   j["workers"] = cfg.strategy == "single" ? 1 : cfg.workers;
   if (cfg.strategy == "ddp") j["backend"] = cfg.backend;
@@ -408,12 +293,7 @@ nlohmann::json metrics_json(const Run& run) {
   j["lr_effective"] = effective_lr(cfg);
   if (cfg.strategy == "ddp") j["lr_scaling"] = cfg.lr_scaling;
   j["momentum"] = cfg.momentum;
-  j["seed"] = cfg.seed;
-  j["threads_per_worker"] = cfg.threads_per_worker;
-  j["limit"] = cfg.limit;
-  j["data"] = cfg.data;
-  j["status"] = run.status;
-  if (!run.error.empty()) j["error"] = run.error;
+  add_run_metrics(j, cfg, run.status, run.error);
   double secs = 0;
   int64_t samples = 0;
   nlohmann::json epochs = nlohmann::json::array();
@@ -432,32 +312,7 @@ nlohmann::json metrics_json(const Run& run) {
   j["total_seconds"] = secs;
   j["total_samples"] = samples;
   j["samples_per_s"] = secs > 0 ? samples / secs : 0.0;
-  j["versions"] = {{"torchpar", version()},
-                   {"libtorch", TORCH_VERSION},
-                   {"compiler", fmt::format("gcc {}.{}", __GNUC__, __GNUC_MINOR__)}};
   return j;
-}
-
-/// dir/curves.png from dir/metrics.json; a warning on stderr when it cannot be drawn.
-void draw_curves(const std::filesystem::path& dir) {
-  const std::string script = tools_dir() + "/plot_curves.py";
-  // argv, never a shell: --out may hold quotes, spaces or `;` (it reaches python as is).
-  int code = -1;
-  try {
-    ExecOptions exec;
-    exec.stdout_fd = STDERR_FILENO;  // the plot script's chatter is diagnostics
-    code = run_program({"/usr/bin/python3", script, (dir / "metrics.json").string(),
-                        (dir / "curves.png").string()},
-                       exec, std::chrono::minutes(2));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "torchpar train: warning: %s\n", e.what());
-  }
-  if (code != 0) {
-    std::fprintf(stderr,
-                 "torchpar train: warning: curves.png not drawn (needs /usr/bin/python3 with "
-                 "python3-matplotlib and %s)\n",
-                 script.c_str());
-  }
 }
 
 void write_outputs(const Run& run, Net& net, bool with_model) {
@@ -470,127 +325,6 @@ void write_outputs(const Run& run, Net& net, bool with_model) {
     std::filesystem::rename(tmp, dir / "model.pt");
   }
   if (!run.epochs.empty()) draw_curves(dir);
-}
-
-/// A worker as reports name it: index, role (pserver) and pid.
-std::string worker_label(const TrainConfig& cfg, Process& p, int index) {
-  if (cfg.strategy == "pserver") {
-    return fmt::format("worker {} ({}, pid {})", index, index == 0 ? "parameter server" : "trainer",
-                       p.pid());
-  }
-  return fmt::format("worker {} (pid {})", index, p.pid());
-}
-
-/// A worker that ended: how, in words. Empty while it runs.
-std::string worker_failure(const TrainConfig& cfg, Process& p, int index) {
-  auto code = p.exitcode();
-  if (!code) return "";
-  const std::string who = worker_label(cfg, p, index);
-  if (auto e = p.error()) return fmt::format("{} raised {}: {}", who, e->first, e->second);
-  if (*code < 0) {
-    return fmt::format("{} was killed by signal {} ({})", who, -*code, ::strsignal(-*code));
-  }
-  return fmt::format("{} exited with code {}", who, *code);
-}
-
-class Failed : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-class Interrupted : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-/// The spawned workers of hogwild, ddp and pserver, and the queues between them and the
-/// parent.
-struct Workers {
-  std::vector<Process> procs;
-  Queue<Msg> msgs;
-  Queue<int> go;                          // an epoch to train, or kStop (one per trainer)
-  Queue<int> requests;                    // pserver: the parent asks the server for parameters
-  Queue<std::vector<at::Tensor>> params;  // ddp: rank 0's parameters; pserver: the server's
-  Clock::time_point last_heard = Clock::now();
-};
-
-/// After a worker ended: how long the others get to end on their own, so that their errors
-/// join the report. pserver trainers fail within their RPC timeout once the server is gone;
-/// a server does not notice a lost trainer and ddp ranks may sit out a collective timeout, so
-/// those are not waited for.
-Seconds settle_time(const TrainConfig& cfg, Workers& w) {
-  if (cfg.strategy == "pserver" && w.procs[0].exitcode()) return Seconds(cfg.timeout + 5);
-  return Seconds(0.2);
-}
-
-/// Throws Failed when a worker has ended: after settle_time, naming the killed workers first
-/// (the others usually fail because of them), then the others that ended, a line each.
-void check_workers(Workers& w, const TrainConfig& cfg) {
-  auto ended = [](Process& p) { return p.exitcode().has_value(); };
-  if (std::none_of(w.procs.begin(), w.procs.end(), ended)) return;
-  const auto deadline = Clock::now() + settle_time(cfg, w);
-  while (Clock::now() < deadline && g_stop_signal == 0 &&
-         !std::all_of(w.procs.begin(), w.procs.end(), ended)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  std::vector<std::string> lines;
-  ptrdiff_t killed = 0;
-  for (size_t i = 0; i < w.procs.size(); ++i) {
-    std::string f = worker_failure(cfg, w.procs[i], static_cast<int>(i));
-    if (f.empty()) continue;
-    if (w.procs[i].exitcode().value_or(0) < 0) {
-      lines.insert(lines.begin() + killed++, std::move(f));
-    } else {
-      lines.push_back(std::move(f));
-    }
-  }
-  throw Failed(fmt::format("{}", fmt::join(lines, "\n  ")));
-}
-
-/// The next item the workers put in `q` (msgs, params), checking signals and that the
-/// workers live. Returns nullopt after 100 ms without one.
-template <class T>
-std::optional<T> poll(Queue<T>& q, Workers& w, const TrainConfig& cfg) {
-  if (g_stop_signal != 0) throw Interrupted(fmt::format("signal {}", int(g_stop_signal)));
-  try {
-    auto m = q.get(Seconds(0.1));
-    w.last_heard = Clock::now();
-    return m;
-  } catch (const Empty&) {
-  }
-  check_workers(w, cfg);
-  if (Seconds(Clock::now() - w.last_heard).count() > cfg.timeout) {
-    throw Failed(fmt::format("no word from any worker for {:.0f} s", cfg.timeout));
-  }
-  return std::nullopt;
-}
-
-void stop_workers(Workers& w, const TrainConfig& cfg) {
-  for (int i = 0; i < trainers(cfg); ++i) {
-    try {
-      w.go.put(kStop, Seconds(1));
-    } catch (const std::exception&) {
-    }
-  }
-  if (cfg.strategy == "pserver") {
-    try {
-      w.requests.put(kStop, Seconds(1));
-    } catch (const std::exception&) {
-    }
-  }
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  for (auto& p : w.procs) {
-    const double left = std::max(0.01, Seconds(deadline - Clock::now()).count());
-    if (!p.join(Seconds(left))) {
-      p.kill();
-      p.join();
-    }
-  }
-}
-
-void kill_workers(std::optional<Workers>& w) {
-  if (!w) return;
-  for (auto& p : w->procs) p.kill();
-  for (auto& p : w->procs) p.join(Seconds(10));
 }
 
 // ---- run_train's steps ---------------------------------------------------------------------
@@ -608,14 +342,19 @@ struct Session {
 
 /// The progress reports of one epoch, summed and drawn.
 struct EpochProgress {
-  EpochProgress(const Session& s, int epoch) : bar(epoch, s.cfg().epochs, s.per_epoch) {}
+  EpochProgress(const Session& s, int epoch)
+      : bar(fmt::format("epoch {}/{}", epoch, s.cfg().epochs), s.per_epoch, "samples",
+            "samples/s") {}
   void add(int64_t samples, double loss, int64_t n_batches) {
     done += samples;
     loss_sum += loss;
     batches += n_batches;
-    bar.update(done, batches ? loss_sum / batches : 0);
+    const double secs = Seconds(Clock::now() - start).count();
+    bar.update(done, batches ? loss_sum / batches : 0,
+               secs > 0 ? static_cast<double>(done) / secs : 0);
   }
   ProgressBar bar;
+  Clock::time_point start = Clock::now();
   int64_t done = 0, batches = 0;
   double loss_sum = 0;
 };
@@ -623,25 +362,7 @@ struct EpochProgress {
 /// Fills in the defaults. Returns 2 (after a message) for a bad strategy, backend or worker
 /// count, else 0.
 int complete_config(TrainConfig& cfg) {
-  const bool pserver = cfg.strategy == "pserver";
-  if (cfg.strategy != "single" && cfg.strategy != "hogwild" && cfg.strategy != "ddp" && !pserver) {
-    std::fprintf(stderr,
-                 "torchpar train: unknown strategy '%s' (single, hogwild, ddp or pserver)\n",
-                 cfg.strategy.c_str());
-    return 2;
-  }
-  if (cfg.workers <= 0) {
-    cfg.workers =
-        static_cast<int>(std::max(pserver ? 2u : 1u, std::thread::hardware_concurrency()));
-  }
-  if (cfg.strategy == "single") cfg.workers = 1;
-  if (pserver && cfg.workers < 2) {
-    std::fprintf(stderr,
-                 "torchpar train: pserver needs --workers 2 or more: 1 parameter server and at "
-                 "least 1 trainer (got %d)\n",
-                 cfg.workers);
-    return 2;
-  }
+  if (int code = complete_common_config(cfg)) return code;
   if (cfg.reduce_batch_size < 1 || cfg.max_queue_size < cfg.reduce_batch_size) {
     std::fprintf(stderr,
                  "torchpar train: need 1 <= --reduce-batch-size (%lld) <= --max-queue-size "
@@ -651,13 +372,6 @@ int complete_config(TrainConfig& cfg) {
     return 2;
   }
   if (cfg.data.empty()) cfg.data = kDefaultDataDir;
-  if (cfg.out.empty()) cfg.out = "runs/" + now_stamp();
-  try {
-    (void)backend_from_string(cfg.backend);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "torchpar train: %s\n", e.what());
-    return 2;
-  }
   return 0;
 }
 
@@ -680,22 +394,6 @@ int load_data(Session& s) {
   return 0;
 }
 
-/// Outputs are checked before training: an unwritable --out must not cost a whole run.
-/// Returns 2 (after a message) when it is not writable, else 0.
-int check_out_writable(const TrainConfig& cfg) {
-  try {
-    const std::filesystem::path dir = cfg.out;
-    std::filesystem::create_directories(dir);
-    write_atomic(dir, ".write_check", "");
-    std::filesystem::remove(dir / ".write_check");
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "torchpar train: --out %s is not writable: %s\n", cfg.out.c_str(),
-                 e.what());
-    return 2;
-  }
-  return 0;
-}
-
 void print_plan(const Session& s) {
   const TrainConfig& cfg = s.cfg();
   const std::string roles = cfg.strategy == "pserver"
@@ -709,13 +407,6 @@ void print_plan(const Session& s) {
       cfg.epochs == 1 ? "" : "s", static_cast<long long>(s.per_epoch), cfg.batch_size,
       effective_lr(cfg), cfg.momentum, cfg.out.c_str());
   std::fflush(stdout);
-}
-
-void install_stop_handlers() {
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGTERM, &sa, nullptr);
 }
 
 /// Evaluates the parent's model, records the epoch and prints its line.
@@ -742,7 +433,7 @@ void train_single(Session& s) {
     train_epoch(
         s.net, s.data.train, idx, cfg.batch_size,
         [&](int64_t n, double l, int64_t b) {
-          if (g_stop_signal != 0) throw Interrupted("signal");
+          throw_if_stopped();
           progress.add(n, l, b);
         },
         [&] { opt.step(); });
@@ -817,11 +508,7 @@ void train_workers_epoch(Session& s, Workers& w, int epoch) {
   progress.bar.finish();
   if (uses_world(cfg)) {
     if (cfg.strategy == "pserver") w.requests.put(epoch);
-    auto p = poll(w.params, w, cfg);
-    while (!p) p = poll(w.params, w, cfg);
-    torch::NoGradGuard no_grad;
-    auto mine = s.net->parameters();
-    for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_((*p)[i]);
+    copy_parameters(*s.net, wait_for(w.params, w, cfg));
   }
   record_epoch(s, epoch, secs, progress);
 }
@@ -858,6 +545,11 @@ int finish_run(Session& s, int code) {
 }  // namespace
 
 int run_train(TrainConfig cfg) {
+  if (cfg.model == "gpt") return run_gpt_train(std::move(cfg));
+  if (cfg.model != "mnist") {
+    std::fprintf(stderr, "torchpar train: unknown model '%s' (mnist or gpt)\n", cfg.model.c_str());
+    return 2;
+  }
   if (int code = complete_config(cfg)) return code;
   // Before any ATen work: an OpenMP pool made wider now keeps spinning beside the training.
   at::set_num_threads(cfg.threads_per_worker);

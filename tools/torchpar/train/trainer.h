@@ -1,40 +1,63 @@
 #pragma once
-// `torchpar train`: Fashion-MNIST with the mnist_hogwild Net, single / hogwild / ddp / pserver.
+// `torchpar train`: Fashion-MNIST with the mnist_hogwild Net (single / hogwild / ddp / pserver),
+// or a byte-level GPT on the fortunes corpus (single / ddp).
 
 #include <cstdint>
 #include <string>
 
 namespace torchpar::train {
 
-/// Everything a run needs; travels to spawned workers (serializable).
+// Defaults of --model gpt where they differ from mnist's (train_cmd.cpp applies them when the
+// option is not given). Sized for the 2-core VM; see docs/training.md, "GPT on fortunes".
+inline constexpr double kGptDefaultLr = 1e-3;
+inline constexpr int kGptDefaultBatchSize = 8;  ///< windows per step and worker
+inline constexpr int64_t kGptDefaultSteps = 300;
+
+/// Everything a run needs; travels to spawned workers (serializable). Fields marked mnist or
+/// gpt apply to that --model only.
 struct TrainConfig {
-  std::string strategy = "ddp";  ///< single | hogwild | ddp | pserver
+  std::string model = "mnist";   ///< mnist (Fashion-MNIST, the mnist_hogwild Net) | gpt (fortunes)
+  std::string strategy = "ddp";  ///< single | hogwild | ddp | pserver (gpt: single | ddp)
   int workers = 0;               ///< 0: number of cores (pserver: 1 server + workers-1 trainers)
-  int epochs = 1;
-  int batch_size = 64;
-  double lr = 0.01;
-  double momentum = 0.5;
+  int epochs = 1;                ///< mnist
+  int batch_size = 64;           ///< samples (mnist) or windows of `context` bytes (gpt) per step
+                                 ///< and worker
+  double lr = 0.01;              ///< mnist: SGD's; gpt: AdamW's peak (see gpt_trainer.h)
+  double momentum = 0.5;         ///< mnist
   int64_t seed = 1;
-  std::string data;                   ///< directory of the idx .gz files
+  std::string data;                   ///< mnist: the idx .gz files; gpt: the fortune files
   std::string out;                    ///< output directory ("" : runs/<timestamp>)
   int threads_per_worker = 1;         ///< LibTorch intra-op threads per worker
   std::string backend = "auto";       ///< ddp: auto | shm | gloo
-  int64_t limit = 0;                  ///< use the first `limit` training samples (0: all)
+  int64_t limit = 0;                  ///< mnist: the first `limit` training samples; gpt: the
+                                      ///< first `limit` bytes of the corpus (0: all)
   double timeout = 120;               ///< seconds: collectives, worker start, progress silence
-  std::string lr_scaling = "linear";  ///< ddp: "linear" (lr x workers) or "none"
+  std::string lr_scaling = "linear";  ///< mnist ddp: "linear" (lr x workers) or "none"
   int64_t reduce_batch_size = 4;      ///< pserver: most pushes averaged into one step, per level
   int64_t max_queue_size = 64;        ///< pserver: pushes a reducer queue holds (oldest dropped)
+  int64_t layers = 4;                 ///< gpt: transformer blocks (n_layer)
+  int64_t width = 256;                ///< gpt: n_embd
+  int64_t heads = 4;                  ///< gpt: n_head (divides width)
+  int64_t context = 128;              ///< gpt: n_positions, the bytes of a training window
+  int64_t steps = 0;                  ///< gpt: optimizer steps (0: kGptDefaultSteps)
+  int64_t eval_every = 0;             ///< gpt: steps between evaluations (0: steps / 10)
 
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(strategy, workers, epochs, batch_size, lr, momentum, seed, data, out, threads_per_worker,
-       backend, limit, timeout, lr_scaling, reduce_batch_size, max_queue_size);
+    ar(model, strategy, workers, epochs, batch_size, lr, momentum, seed, data, out,
+       threads_per_worker, backend, limit, timeout, lr_scaling, reduce_batch_size, max_queue_size,
+       layers, width, heads, context, steps, eval_every);
   }
 };
 
 /// Runs the training as the CLI does (progress on stdout, files in cfg.out); returns the
 /// process exit code: 0 done, 1 failed (a worker's error is printed, naming it), 2 bad
 /// input (missing or corrupt data, bad option), 130 interrupted by SIGINT/SIGTERM.
+/// cfg.model "gpt" runs run_gpt_train (gpt_trainer.h).
 int run_train(TrainConfig cfg);
+
+/// `torchpar train --model gpt`: a byte-level Gpt on the fortunes corpus (gpt_trainer.cpp).
+/// Exit codes as run_train.
+int run_gpt_train(TrainConfig cfg);
 
 }  // namespace torchpar::train

@@ -1,0 +1,619 @@
+#include "gpt_trainer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <numbers>
+#include <optional>
+#include <string_view>
+#include <tuple>
+#include <utility>
+
+#include "fortunes.h"
+#include "outputs.h"
+#include "torchpar/torchpar.h"
+#include "workers.h"
+
+namespace torchpar::train {
+namespace {
+
+// The recipe (nanoGPT's for small models): AdamW with betas (0.9, 0.95), weight decay on the
+// matrices and embeddings only, gradients clipped to norm 1, the learning rate warmed up
+// linearly and then decayed along a cosine to a tenth of its peak at the last step.
+constexpr double kBeta1 = 0.9;
+constexpr double kBeta2 = 0.95;
+constexpr double kWeightDecay = 0.1;
+constexpr double kGradClip = 1.0;
+constexpr double kFinalLrFraction = 0.1;
+constexpr int64_t kReportEvery = 5;   // steps between progress messages
+constexpr int64_t kEvalWindows = 64;  // held-out windows per evaluation (8 KiB at context 128)
+constexpr int64_t kEvalBatch = 16;
+constexpr const char* kSamplePrompt = "The meaning of life is";
+
+int64_t warmup_steps(const TrainConfig& c) { return std::clamp<int64_t>(c.steps / 10, 1, 100); }
+
+/// The learning rate of `step` (1-based): linear warmup, then a cosine down to
+/// kFinalLrFraction x lr at the last step.
+double lr_at(const TrainConfig& c, int64_t step) {
+  const int64_t warm = warmup_steps(c);
+  if (step <= warm) return c.lr * static_cast<double>(step) / static_cast<double>(warm);
+  const double progress =
+      static_cast<double>(step - warm) / static_cast<double>(std::max<int64_t>(1, c.steps - warm));
+  const double cosine = 0.5 * (1 + std::cos(std::numbers::pi * std::min(1.0, progress)));
+  return c.lr * (kFinalLrFraction + (1 - kFinalLrFraction) * cosine);
+}
+
+/// Rounds: the steps between two evaluations. Round r (1-based) ends at step last_step(r).
+int64_t rounds(const TrainConfig& c) { return (c.steps + c.eval_every - 1) / c.eval_every; }
+int64_t last_step(const TrainConfig& c, int64_t round) {
+  return std::min(c.steps, round * c.eval_every);
+}
+
+
+/// Token ids int64 [1, n] of `bytes`.
+at::Tensor ids_of(std::string_view bytes) {
+  at::Tensor t = at::empty({1, static_cast<int64_t>(bytes.size())}, at::kLong);
+  auto* p = t.data_ptr<int64_t>();
+  for (size_t i = 0; i < bytes.size(); ++i) p[i] = static_cast<unsigned char>(bytes[i]);
+  return t;
+}
+
+/// Random training windows of a worker: `context` + 1 consecutive bytes from a uniformly
+/// drawn offset; the generator is seeded per worker, so a run draws the same windows again.
+class WindowSampler {
+ public:
+  WindowSampler(at::Tensor bytes, int64_t context, uint64_t seed)
+      : bytes_(std::move(bytes)),
+        context_(context),
+        offsets_(at::arange(context + 1, at::kLong)),
+        gen_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+
+  /// x = the windows' first `context` bytes, y = the `context` bytes after each of those:
+  /// int64 [batch, context] each.
+  std::pair<at::Tensor, at::Tensor> next(int64_t batch) {
+    const int64_t starts = bytes_.numel() - context_;  // offsets 0 .. starts - 1 fit
+    const at::Tensor first = at::randint(starts, {batch, 1}, gen_, at::kLong);
+    const at::Tensor w = bytes_.index_select(0, (first + offsets_).view(-1))
+                             .view({batch, context_ + 1})
+                             .to(at::kLong);
+    return {w.slice(1, 0, context_), w.slice(1, 1, context_ + 1)};
+  }
+
+ private:
+  at::Tensor bytes_;
+  int64_t context_;
+  at::Tensor offsets_;
+  at::Generator gen_;
+};
+
+torch::optim::AdamW make_adamw(GptImpl& gpt, const TrainConfig& cfg) {
+  std::vector<at::Tensor> decay, no_decay;  // matrices and embeddings; biases and LayerNorms
+  for (const auto& p : gpt.parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  auto options = [&](double weight_decay) {
+    return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(cfg.lr)
+                                                            .betas(std::make_tuple(kBeta1, kBeta2))
+                                                            .weight_decay(weight_decay));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, options(kWeightDecay));
+  groups.emplace_back(no_decay, options(0.0));
+  return torch::optim::AdamW(std::move(groups), torch::optim::AdamWOptions(cfg.lr));
+}
+
+/// What one training process holds: the model, its AdamW and its window sampler.
+/// step(n, sync) is one optimizer step; sync() runs between backward and the clipping (ddp
+/// averages the gradients there, so every rank clips and steps alike).
+class Stepper {
+ public:
+  Stepper(Gpt gpt, const TrainConfig& cfg, int rank, at::Tensor train_bytes)
+      : gpt_(std::move(gpt)),
+        cfg_(cfg),
+        opt_(make_adamw(*gpt_, cfg)),
+        windows_(std::move(train_bytes), cfg.context,
+                 static_cast<uint64_t>(cfg.seed) * 1000003u + static_cast<uint64_t>(rank)) {}
+
+  /// Returns the batch's mean loss per byte (nats).
+  template <class Sync>
+  double step(int64_t n, Sync&& sync) {
+    gpt_->train();
+    const auto [x, y] = windows_.next(cfg_.batch_size);
+    gpt_->zero_grad();
+    const at::Tensor logits = gpt_->forward(x);
+    const at::Tensor loss =
+        at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+    loss.backward();
+    sync();
+    torch::nn::utils::clip_grad_norm_(gpt_->parameters(), kGradClip);
+    for (auto& group : opt_.param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr_at(cfg_, n));
+    }
+    opt_.step();
+    return loss.item<double>();
+  }
+
+  /// Trains steps first .. last, calling report(tokens, loss_sum, steps) every kReportEvery
+  /// steps and at the end with the increments since the last call.
+  template <class Sync, class Report>
+  void train(int64_t first, int64_t last, Sync&& sync, Report&& report) {
+    int64_t steps = 0;
+    double loss_sum = 0;
+    for (int64_t s = first; s <= last; ++s) {
+      loss_sum += step(s, sync);
+      if (++steps == kReportEvery || s == last) {
+        report(steps * cfg_.batch_size * cfg_.context, loss_sum, steps);
+        steps = 0;
+        loss_sum = 0;
+      }
+    }
+  }
+
+ private:
+  Gpt gpt_;
+  TrainConfig cfg_;
+  torch::optim::AdamW opt_;
+  WindowSampler windows_;
+};
+
+// ---- ddp workers (spawned) ------------------------------------------------------------------
+
+/// Rank `rank` of the ddp run: rank 0's initial parameters everywhere (DistributedDataParallel),
+/// then one round of steps per `go` message until kStop, gradients averaged every step;
+/// rank 0 sends its parameters after each round, for the parent to evaluate.
+void gpt_ddp_worker(int rank, TrainConfig cfg, int port, AuthKey key, at::Tensor train_bytes,
+                    Queue<Msg> msgs, Queue<int> go, Queue<std::vector<at::Tensor>> params_out) {
+  World world = join_world(rank, cfg, port, std::move(key));
+  torch::manual_seed(cfg.seed);
+  Gpt gpt(gpt_config(cfg));
+  DistributedDataParallel ddp(*gpt,
+                              world.create_collective_group({}, backend_from_string(cfg.backend)));
+  Stepper stepper(gpt, cfg, rank, std::move(train_bytes));
+  msgs.put({kReady, rank, 0, 0, 0.0, 0});
+  for (;;) {
+    const int round = go.get(Seconds(24 * 3600));
+    if (round == kStop) return;
+    stepper.train(
+        last_step(cfg, round - 1) + 1, last_step(cfg, round), [&] { ddp.synchronize_gradients(); },
+        [&](int64_t tokens, double loss_sum, int64_t steps) {
+          msgs.put({kProgress, rank, round, tokens, loss_sum, steps});
+        });
+    if (rank == 0) params_out.put(clone_parameters(*gpt));
+    msgs.put({kEpochDone, rank, round, 0, 0.0, 0});
+  }
+}
+
+// ---- the parent -----------------------------------------------------------------------------
+
+struct EvalPoint {
+  int64_t step;
+  double train_loss, val_loss, seconds;
+  int64_t tokens;
+};
+
+/// A run: its options and results, the corpus, the held-out windows and the parent's model
+/// (trained by single; a copy of rank 0's after every round for ddp).
+struct GptSession {
+  TrainConfig cfg;
+  FortuneCorpus corpus;
+  at::Tensor eval_x, eval_y;  // int64 [windows, context]
+  double unigram_train = 0;   // entropy of the training split's bytes (nats)
+  double unigram_val = 0;     // the held-out split under the training split's frequencies
+  Gpt gpt{nullptr};
+  std::vector<EvalPoint> evals;
+  std::string status = "completed";
+  std::string error;
+  std::optional<std::string> sample;
+};
+
+/// The steps, tokens and losses reported in one round, summed and drawn.
+struct RoundProgress {
+  RoundProgress(ProgressBar& progress_bar, const TrainConfig& cfg, int64_t round)
+      : bar(progress_bar), base(last_step(cfg, round - 1)), n_trainers(trainers(cfg)) {}
+
+  void add(int64_t n_tokens, double loss, int64_t n_steps) {
+    tokens += n_tokens;
+    loss_sum += loss;
+    steps += n_steps;  // summed over the ranks, which all take the same steps
+    const double secs = Seconds(Clock::now() - start).count();
+    bar.update(base + steps / n_trainers, steps ? loss_sum / static_cast<double>(steps) : 0,
+               secs > 0 ? static_cast<double>(tokens) / secs : 0);
+  }
+  double train_loss() const { return steps ? loss_sum / static_cast<double>(steps) : 0; }
+
+  ProgressBar& bar;
+  int64_t base;
+  int n_trainers;
+  Clock::time_point start = Clock::now();
+  int64_t tokens = 0, steps = 0;
+  double loss_sum = 0;
+};
+
+/// Fills in gpt's defaults and checks its options. Returns 2 (after a message) for a bad one.
+int complete_gpt_config(TrainConfig& cfg) {
+  if (cfg.strategy != "single" && cfg.strategy != "ddp") {
+    std::fprintf(stderr,
+                 "torchpar train: --model gpt trains with --strategy single or ddp, not '%s' "
+                 "(hogwild and pserver train the mnist model only)\n",
+                 cfg.strategy.c_str());
+    return 2;
+  }
+  if (int code = complete_common_config(cfg)) return code;
+  if (cfg.data.empty()) cfg.data = kDefaultFortunesDir;
+  if (cfg.steps <= 0) cfg.steps = kGptDefaultSteps;
+  if (cfg.eval_every <= 0) cfg.eval_every = std::max<int64_t>(1, cfg.steps / 10);
+  cfg.eval_every = std::min(cfg.eval_every, cfg.steps);
+  return 0;
+}
+
+/// Fixed held-out windows: up to kEvalWindows of `context` + 1 bytes, evenly spaced over the
+/// held-out split (without overlap when it is long enough).
+void make_eval_windows(GptSession& s) {
+  const int64_t c = s.cfg.context;
+  const int64_t n_val = s.corpus.val.numel();
+  const int64_t n = std::min(kEvalWindows, std::max<int64_t>(1, (n_val - 1) / c));
+  const at::Tensor first =
+      at::linspace(0, static_cast<double>(n_val - c - 1), n, at::kDouble).floor().to(at::kLong);
+  const at::Tensor w =
+      s.corpus.val.index_select(0, (first.unsqueeze(1) + at::arange(c + 1, at::kLong)).view(-1))
+          .view({n, c + 1})
+          .to(at::kLong);
+  s.eval_x = w.slice(1, 0, c).contiguous();
+  s.eval_y = w.slice(1, 1, c + 1).contiguous();
+}
+
+/// Loads the corpus, checks it is long enough for the context and builds the parent's model.
+/// Returns 2 (after a message) for missing data or a bad model shape, else 0.
+int prepare(GptSession& s) {
+  const TrainConfig& cfg = s.cfg;
+  try {
+    s.corpus = load_fortunes(cfg.data, cfg.limit);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "torchpar train: %s\n", e.what());
+    return 2;
+  }
+  if (s.corpus.train.numel() < 2 * (cfg.context + 1) || s.corpus.val.numel() < cfg.context + 1) {
+    std::fprintf(stderr,
+                 "torchpar train: too little text in %s: %lld training and %lld held-out bytes "
+                 "(--limit %lld); a context of %lld needs at least %lld and %lld\n",
+                 cfg.data.c_str(), static_cast<long long>(s.corpus.train.numel()),
+                 static_cast<long long>(s.corpus.val.numel()), static_cast<long long>(cfg.limit),
+                 static_cast<long long>(cfg.context), static_cast<long long>(2 * (cfg.context + 1)),
+                 static_cast<long long>(cfg.context + 1));
+    return 2;
+  }
+  try {
+    torch::manual_seed(cfg.seed);  // as every worker: the same initial parameters
+    s.gpt = Gpt(gpt_config(cfg));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "torchpar train: --model gpt: %s\n", e.what());
+    return 2;
+  }
+  make_eval_windows(s);
+  s.unigram_train = unigram_entropy(s.corpus.train);
+  s.unigram_val = unigram_cross_entropy(s.corpus.train, s.corpus.val);
+  return 0;
+}
+
+void print_plan(const GptSession& s) {
+  const TrainConfig& cfg = s.cfg;
+  std::printf(
+      "torchpar train: gpt, %s, %d worker%s, %lld steps, batch %d x %lld bytes per worker, "
+      "AdamW lr %g -> %s\n"
+      "model: %lld layers, width %lld, %lld heads, context %lld, %lld parameters; data: %lld "
+      "files, %lld fortunes, %lld training bytes, %lld held out; unigram baseline %.4f nats/byte\n",
+      cfg.strategy.c_str(), cfg.workers, cfg.workers == 1 ? "" : "s",
+      static_cast<long long>(cfg.steps), cfg.batch_size, static_cast<long long>(cfg.context),
+      cfg.lr, cfg.out.c_str(), static_cast<long long>(cfg.layers),
+      static_cast<long long>(cfg.width), static_cast<long long>(cfg.heads),
+      static_cast<long long>(cfg.context), static_cast<long long>(s.gpt->num_parameters()),
+      static_cast<long long>(s.corpus.files), static_cast<long long>(s.corpus.fortunes),
+      static_cast<long long>(s.corpus.train.numel()), static_cast<long long>(s.corpus.val.numel()),
+      s.unigram_train);
+  std::fflush(stdout);
+}
+
+/// Mean loss per byte (nats) of the parent's model on the held-out windows.
+double evaluate(GptSession& s) {
+  at::NoGradGuard no_grad;
+  s.gpt->eval();
+  double sum = 0;
+  const int64_t n = s.eval_x.size(0);
+  for (int64_t first = 0; first < n; first += kEvalBatch) {
+    const int64_t last = std::min(n, first + kEvalBatch);
+    const at::Tensor logits = s.gpt->forward(s.eval_x.slice(0, first, last));
+    sum +=
+        at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
+                               s.eval_y.slice(0, first, last).reshape({-1}), {}, at::Reduction::Sum)
+            .item<double>();
+  }
+  return sum / static_cast<double>(s.eval_x.numel());
+}
+
+/// Evaluates the parent's model after `round`, records it and prints its line.
+void record_round(GptSession& s, int64_t round, double secs, const RoundProgress& progress) {
+  const double val = evaluate(s);
+  const int64_t step = last_step(s.cfg, round);
+  s.evals.push_back({step, progress.train_loss(), val, secs, progress.tokens});
+  progress.bar.finish();
+  std::printf(
+      "step %lld/%lld: train loss %.4f, val loss %.4f (perplexity %.2f; unigram baseline "
+      "%.4f), %.1f s, %.0f tokens/s\n",
+      static_cast<long long>(step), static_cast<long long>(s.cfg.steps), progress.train_loss(), val,
+      std::exp(val), s.unigram_train, secs, static_cast<double>(progress.tokens) / secs);
+  std::fflush(stdout);
+}
+
+void train_single(GptSession& s, ProgressBar& bar) {
+  const TrainConfig& cfg = s.cfg;
+  Stepper stepper(s.gpt, cfg, 0, s.corpus.train);
+  for (int64_t round = 1; round <= rounds(cfg); ++round) {
+    RoundProgress progress(bar, cfg, round);
+    stepper.train(
+        last_step(cfg, round - 1) + 1, last_step(cfg, round), [] {},
+        [&](int64_t tokens, double loss_sum, int64_t steps) {
+          throw_if_stopped();
+          progress.add(tokens, loss_sum, steps);
+        });
+    record_round(s, round, Seconds(Clock::now() - progress.start).count(), progress);
+  }
+}
+
+void start_ddp_workers(GptSession& s, Workers& w) {
+  const TrainConfig& cfg = s.cfg;
+  share_memory_(s.corpus.train);
+  const int port = find_free_port();
+  // The run's job key reaches the workers as an argument (the launch record, never argv).
+  const AuthKey key = random_authkey();
+  ProcessOptions po{.name = "",
+                    .daemon = false,
+                    .start_method = StartMethod::kSpawn,
+                    .threads = cfg.threads_per_worker};
+  for (int i = 0; i < cfg.workers; ++i) {
+    po.name = fmt::format("train-worker-{}", i);
+    w.procs.emplace_back(po, &gpt_ddp_worker, i, cfg, port, key, s.corpus.train, w.msgs, w.go,
+                         w.params);
+    w.procs.back().start();
+  }
+  w.last_heard = Clock::now();
+  for (int ready = 0; ready < cfg.workers;) {
+    if (auto m = poll(w.msgs, w, cfg)) {
+      if (std::get<0>(*m) == kReady) ++ready;
+    }
+  }
+}
+
+void train_ddp(GptSession& s, Workers& w, ProgressBar& bar) {
+  const TrainConfig& cfg = s.cfg;
+  start_ddp_workers(s, w);
+  for (int64_t round = 1; round <= rounds(cfg); ++round) {
+    for (int i = 0; i < cfg.workers; ++i) w.go.put(static_cast<int>(round));
+    RoundProgress progress(bar, cfg, round);
+    for (int finished = 0; finished < cfg.workers;) {
+      const auto m = poll(w.msgs, w, cfg);
+      if (!m) continue;
+      const auto [kind, who, r, tokens, loss_sum, steps] = *m;
+      if (kind == kProgress) {
+        progress.add(tokens, loss_sum, steps);
+      } else if (kind == kEpochDone) {
+        ++finished;
+      }
+    }
+    const double secs = Seconds(Clock::now() - progress.start).count();
+    copy_parameters(*s.gpt, wait_for(w.params, w, cfg));
+    record_round(s, round, secs, progress);
+  }
+  stop_workers(w, cfg);
+}
+
+nlohmann::json metrics_json(const GptSession& s) {
+  const TrainConfig& cfg = s.cfg;
+  const GptConfig mc = gpt_config(cfg);
+  nlohmann::json j;
+  j["model"] = "gpt";
+  j["strategy"] = cfg.strategy;
+  j["workers"] = cfg.workers;
+  if (cfg.strategy == "ddp") j["backend"] = cfg.backend;
+  j["config"] = {{"vocab_size", mc.vocab_size}, {"n_positions", mc.n_positions},
+                 {"n_embd", mc.n_embd},         {"n_layer", mc.n_layer},
+                 {"n_head", mc.n_head},         {"n_inner", mc.inner_size()}};
+  j["parameters"] = s.gpt.is_empty() ? 0 : s.gpt->num_parameters();
+  j["tokenizer"] = "bytes";
+  j["batch_size"] = cfg.batch_size;
+  j["context"] = cfg.context;
+  j["tokens_per_step"] = int64_t{cfg.batch_size} * cfg.context * cfg.workers;
+  j["steps"] = cfg.steps;
+  j["eval_every"] = cfg.eval_every;
+  j["eval_windows"] = s.eval_x.defined() ? s.eval_x.size(0) : 0;
+  j["optimizer"] = {{"name", "AdamW"},
+                    {"lr", cfg.lr},
+                    {"betas", {kBeta1, kBeta2}},
+                    {"weight_decay", kWeightDecay},
+                    {"grad_clip", kGradClip},
+                    {"warmup_steps", warmup_steps(cfg)},
+                    {"final_lr", cfg.lr * kFinalLrFraction}};
+  j["lr"] = cfg.lr;
+  add_run_metrics(j, cfg, s.status, s.error);
+  j["corpus"] = {{"files", s.corpus.files},
+                 {"fortunes", s.corpus.fortunes},
+                 {"bytes", s.corpus.bytes},
+                 {"train_bytes", s.corpus.train.defined() ? s.corpus.train.numel() : 0},
+                 {"val_bytes", s.corpus.val.defined() ? s.corpus.val.numel() : 0},
+                 {"held_out", fmt::format("every {}th fortune", kHeldOutEvery)}};
+  j["unigram_baseline_loss"] = s.unigram_train;
+  j["unigram_val_loss"] = s.unigram_val;
+  double secs = 0;
+  int64_t tokens = 0;
+  nlohmann::json evals = nlohmann::json::array();
+  for (const auto& e : s.evals) {
+    evals.push_back({{"step", e.step},
+                     {"train_loss", e.train_loss},
+                     {"val_loss", e.val_loss},
+                     {"val_perplexity", std::exp(e.val_loss)},
+                     {"seconds", e.seconds},
+                     {"tokens", e.tokens},
+                     {"tokens_per_s", e.seconds > 0 ? e.tokens / e.seconds : 0.0}});
+    secs += e.seconds;
+    tokens += e.tokens;
+  }
+  j["evals"] = evals;
+  if (!s.evals.empty()) {
+    j["val_loss"] = s.evals.back().val_loss;
+    j["val_perplexity"] = std::exp(s.evals.back().val_loss);
+  }
+  j["total_seconds"] = secs;
+  j["total_tokens"] = tokens;
+  j["tokens_per_s"] = secs > 0 ? tokens / secs : 0.0;
+  j["samples_per_s"] = secs > 0 ? static_cast<double>(tokens) / cfg.context / secs : 0.0;
+  if (s.sample) {
+    j["sample"] = {{"prompt", kSamplePrompt},
+                   {"text", *s.sample},
+                   {"bytes", s.sample->size()},
+                   {"top_k", SampleOptions{}.top_k},
+                   {"temperature", SampleOptions{}.temperature},
+                   {"seed", cfg.seed}};
+  }
+  return j;
+}
+
+/// Samples from the trained model, prints the text and keeps it for metrics.json.
+void sample(GptSession& s) {
+  SampleOptions o;
+  o.prompt = kSamplePrompt;
+  o.seed = static_cast<uint64_t>(s.cfg.seed);
+  s.sample = generate_bytes(*s.gpt, o);
+  std::printf("sample (top-%lld, temperature %.1f):\n%s%s\n", static_cast<long long>(o.top_k),
+              o.temperature, o.prompt.c_str(), s.sample->c_str());
+  std::fflush(stdout);
+}
+
+/// Writes the outputs (with the model when the run completed or finished a round) and, for a
+/// completed run, the closing line. Returns the exit code.
+int finish_run(GptSession& s, int code) {
+  const TrainConfig& cfg = s.cfg;
+  try {
+    const std::filesystem::path dir = cfg.out;
+    std::filesystem::create_directories(dir);
+    // Sampled bytes need not be UTF-8: invalid sequences become U+FFFD in the JSON.
+    write_atomic(
+        dir, "metrics.json",
+        metrics_json(s).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+    if (!s.evals.empty()) {
+      save_gpt_checkpoint(*s.gpt, (dir / "model.pt").string());  // + model.json
+      draw_curves(dir);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "torchpar train: cannot write the outputs: %s\n", e.what());
+    return 1;
+  }
+  if (code == 0) {
+    double secs = 0;
+    int64_t tokens = 0;
+    for (const auto& e : s.evals) {
+      secs += e.seconds;
+      tokens += e.tokens;
+    }
+    const double val = s.evals.back().val_loss;
+    std::printf(
+        "done: val loss %.4f (perplexity %.2f; unigram baseline %.4f) after %lld steps; "
+        "training %.1f s, %.0f tokens/s; outputs in %s\n",
+        val, std::exp(val), s.unigram_train, static_cast<long long>(cfg.steps), secs,
+        static_cast<double>(tokens) / secs, cfg.out.c_str());
+  }
+  return code;
+}
+
+}  // namespace
+
+GptConfig gpt_config(const TrainConfig& cfg) {
+  GptConfig c;
+  c.vocab_size = 256;
+  c.n_positions = cfg.context;
+  c.n_embd = cfg.width;
+  c.n_layer = cfg.layers;
+  c.n_head = cfg.heads;
+  c.n_inner = 4 * cfg.width;
+  c.dtype = at::kFloat;
+  return c;
+}
+
+
+std::string generate_bytes(GptImpl& gpt, const SampleOptions& o) {
+  if (o.prompt.empty() || o.top_k < 1 || !(o.temperature > 0))
+    throw ValueError(fmt::format(
+        "generate_bytes: needs a non-empty prompt (got {} bytes), top_k >= 1 (got {}) and a "
+        "temperature > 0 (got {})",
+        o.prompt.size(), o.top_k, o.temperature));
+  at::NoGradGuard no_grad;
+  gpt.eval();
+  const int64_t context = gpt.config().n_positions;
+  const int64_t k = std::min(o.top_k, gpt.config().vocab_size);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+  std::string text = o.prompt;
+  GptKvCache cache;
+  // Starts over from the last `keep` bytes of the text: the logits of the byte after them.
+  auto restart = [&](int64_t keep) {
+    cache.clear();
+    const size_t n = std::min(text.size(), static_cast<size_t>(keep));
+    return gpt.forward(ids_of(std::string_view(text).substr(text.size() - n)), &cache)
+        .select(1, -1);
+  };
+  at::Tensor logits = restart(context);  // [1, vocab]
+  for (int64_t i = 0; i < o.bytes; ++i) {
+    const auto top = (logits[0].to(at::kDouble) / o.temperature).topk(k);
+    const at::Tensor pick = at::multinomial(std::get<0>(top).softmax(0), 1, false, gen);
+    const int64_t byte = std::get<1>(top)[pick.item<int64_t>()].item<int64_t>();
+    text.push_back(static_cast<char>(static_cast<unsigned char>(byte)));
+    if (cache.length() >= context) {
+      logits = restart(context / 2);
+    } else {
+      logits =
+          gpt.forward(ids_of(std::string_view(text).substr(text.size() - 1)), &cache).select(1, -1);
+    }
+  }
+  return text.substr(o.prompt.size());
+}
+
+int run_gpt_train(TrainConfig cfg) {
+  if (int code = complete_gpt_config(cfg)) return code;
+  // Before any ATen work: an OpenMP pool made wider now keeps spinning beside the training.
+  at::set_num_threads(cfg.threads_per_worker);
+  GptSession s;
+  s.cfg = cfg;
+  if (int code = prepare(s)) return code;
+  if (int code = check_out_writable(cfg)) return code;
+  print_plan(s);
+  install_stop_handlers();
+
+  int code = 0;
+  std::optional<Workers> workers;
+  ProgressBar bar("train", cfg.steps, "steps", "tokens/s");
+  try {
+    if (cfg.strategy == "single") {
+      train_single(s, bar);
+    } else {
+      train_ddp(s, workers.emplace(), bar);
+    }
+    sample(s);
+  } catch (const Interrupted&) {
+    std::printf(
+        "\ntorchpar train: interrupted; stopping the workers, keeping %zu finished "
+        "evaluation(s) in %s\n",
+        s.evals.size(), cfg.out.c_str());
+    kill_workers(workers);
+    s.status = "interrupted";
+    code = 130;
+  } catch (const std::exception& e) {  // Failed (a worker's end) and every other error
+    std::fprintf(stderr, "\ntorchpar train: failed: %s\n", e.what());
+    kill_workers(workers);
+    s.status = "failed";
+    s.error = e.what();
+    code = 1;
+  }
+  return finish_run(s, code);
+}
+
+}  // namespace torchpar::train
