@@ -6,6 +6,9 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake make pkg-config git
   libtorch-dev            # LibTorch (ATen, c10d, torch::nn)
+  libopenblas0-openmp     # the BLAS behind Debian's LibTorch (libblas.so.3): without it the
+                          # netlib reference BLAS runs matmuls ~15x slower; the OpenMP build
+                          # obeys torch::set_num_threads (pthread OpenBLAS would not)
   libcereal-dev           # serialization of C++ values
   libfmt-dev              # formatting
   libcli11-dev            # command-line parsing
