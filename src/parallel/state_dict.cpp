@@ -125,7 +125,6 @@ std::vector<char> torch_save_bytes(const std::string& path, const StateDict& sta
 
 }  // namespace
 
-
 StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptions& options) {
   const auto m = FileMapping::map(path, "load_state_dict_file");
   c10::IValue root;

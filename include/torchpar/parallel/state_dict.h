@@ -65,9 +65,9 @@ StateDict load_state_dict_file(const std::string& path, const LoadStateDictOptio
 ///          (requires_grad is not kept). Tensors on other devices are copied to the CPU.
 /// Memory:  the whole file is assembled in memory before it is written (about the tensors'
 ///          bytes again).
-/// Errors:  ValueError for an empty path, or naming the entry for an undefined or non-strided (sparse, mkldnn)
-///          tensor, before anything is written; torchpar::Error naming the path when it cannot
-///          be written (the temporary file is removed).
+/// Errors:  ValueError for an empty path, or naming the entry for an undefined or
+///          non-strided (sparse, mkldnn) tensor, before anything is written; torchpar::Error
+///          naming the path when it cannot be written (the temporary file is removed).
 /// Safety:  thread-safe for different paths.
 /// Source:  torch.save; LibTorch's torch::pickle_save, without its type tags
 ///          (torch.jit._pickle.restore_type_tag) so that the pickle holds nothing but a dict.

@@ -54,7 +54,6 @@ int64_t last_step(const TrainConfig& c, int64_t round) {
   return std::min(c.steps, round * c.eval_every);
 }
 
-
 /// Token ids int64 [1, n] of `bytes`.
 at::Tensor ids_of(std::string_view bytes) {
   at::Tensor t = at::empty({1, static_cast<int64_t>(bytes.size())}, at::kLong);
@@ -539,7 +538,6 @@ GptConfig gpt_config(const TrainConfig& cfg) {
   c.dtype = at::kFloat;
   return c;
 }
-
 
 std::string generate_bytes(GptImpl& gpt, const SampleOptions& o) {
   if (o.prompt.empty() || o.top_k < 1 || !(o.temperature > 0))

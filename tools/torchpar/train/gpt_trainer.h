@@ -18,7 +18,6 @@ namespace torchpar::train {
 /// float32.
 GptConfig gpt_config(const TrainConfig& cfg);
 
-
 /// How generate_bytes samples.
 struct SampleOptions {
   std::string prompt;   ///< bytes the text continues (non-empty)
