@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string_view>
 
 #include "dist/backend/gloo/backend.h"
 #include "dist/backend/shm/backend.h"
@@ -304,7 +305,16 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
       o.authkey = std::move(key);
       const char* addr = std::getenv("TORCHPAR_RPC_ADDR");
       o.bind_host = addr && *addr ? addr : "127.0.0.1";
-      o.shm = w.rdv.world_size <= 16;  // pytorch/tensorpipe#397: more fail on shm
+      // pytorch/tensorpipe#397: more than ~18 processes fail on shm. TORCHPAR_RPC_SHM=0 turns
+      // it off (TensorPipe's shm socket dies on local garbage: docs/distributed.md).
+      const char* shm_env = std::getenv("TORCHPAR_RPC_SHM");
+      if (shm_env && *shm_env && std::string_view(shm_env) != "0" &&
+          std::string_view(shm_env) != "1") {
+        w.rpc_groups.erase(group_name);
+        throw ValueError(fmt::format(
+            "World::create_rpc_group('{}'): TORCHPAR_RPC_SHM must be 0 or 1", group_name));
+      }
+      o.shm = w.rdv.world_size <= 16 && !(shm_env && std::string_view(shm_env) == "0");
       o.store_timeout = w.rdv.opts.timeout;
       try {
         w.rpc_agent = detail::RpcAgent::create(std::move(o));

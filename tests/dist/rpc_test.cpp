@@ -135,6 +135,30 @@ void machin_rank(int rank, int port) {
 
 TEST(RpcGroup, MachinWorldCases) { expect_ok(run_ranks(3, 180, &machin_rank, free_port())); }
 
+// TORCHPAR_RPC_SHM=0: members of one host talk over the TCP transport only; a value other
+// than 0 or 1 is a ValueError naming the variable.
+void no_shm_rank(int rank, int port) {
+  ::setenv("TORCHPAR_RPC_SHM", "x", 1);
+  auto w = make_world(rank, 2, port);
+  auto e = expect_throw<tp::ValueError>(
+      [&] {
+        w.create_rpc_group("bad", {"0", "1"});
+      },
+      "TORCHPAR_RPC_SHM=x");
+  TORCHPAR_RCHECK(std::string(e.what()).find("TORCHPAR_RPC_SHM") != std::string::npos,
+                  "the error names TORCHPAR_RPC_SHM: {}", e.what());
+  ::setenv("TORCHPAR_RPC_SHM", "0", 1);
+  auto g = w.create_rpc_group("bad", {"0", "1"});  // the refused name is free again
+  const std::string other = rank == 0 ? "1" : "0";
+  for (int i = 0; i < 20; ++i) {
+    TORCHPAR_RCHECK(g.rpc_sync<int>(other, "add", std::tuple{i, 1}) == i + 1, "rpc_sync {}", i);
+  }
+  g.barrier();
+  g.destroy();
+}
+
+TEST(RpcGroup, ShmCanBeTurnedOff) { expect_ok(run_ranks(2, 120, &no_shm_rank, free_port())); }
+
 // ---- values, errors, timeouts, RRef counting -------------------------------------------------
 
 void values_rank(int rank, int port) {
