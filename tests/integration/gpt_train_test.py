@@ -116,9 +116,23 @@ def check_checkpoint(out, metrics):
 
 
 def check_infer(out):
-    """The `torchpar infer` half of issue 17 plugs in here: `out` holds model.pt + model.json
-    of a trained run (check_checkpoint passed on it)."""
-    del out
+    """train then infer: `torchpar infer` continues a prompt with the run's model.pt +
+    model.json, greedily, at TP = 1 and TP = 2 (2 worker processes), the same text both times."""
+    model = os.path.join(out, "model.pt")
+    prompt = "The meaning of life is"
+    texts = {}
+    for n in (1, 2):
+        p = subprocess.run([TORCHPAR, "infer", "--model", model, "--prompt", prompt, "--greedy",
+                            "--max-new-tokens", "16", "--tensor-parallel", str(n)],
+                           capture_output=True, timeout=300)
+        err = p.stderr.decode(errors="replace")
+        check(p.returncode == 0, f"infer --tensor-parallel {n}: exit {p.returncode}: {err[-300:]}")
+        text = p.stdout.decode(errors="replace")
+        check(text.startswith(prompt) and len(text.encode()) > len(prompt),
+              f"infer --tensor-parallel {n}: continues the prompt: {text[:80]!r}")
+        check("tokens/s" in err, f"infer --tensor-parallel {n}: reports tokens/s: {err[-200:]}")
+        texts[n] = text
+    check(texts[1] == texts[2], f"greedy text at TP = 1 and TP = 2 equal: {texts[1]!r} vs {texts[2]!r}")
 
 
 tmp = tempfile.mkdtemp(prefix="torchpar_gpt_train_test_")
