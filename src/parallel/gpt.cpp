@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -226,7 +227,16 @@ GptImpl::GptImpl(const GptConfig& config, GptOptions options)
 
   const auto dtype = config_.dtype;
   const int64_t width = config_.n_embd;
-  wte_ = new_param(*child(*this, "wte"), "weight", {config_.vocab_size, width}, dtype);
+  vocab_rows_ = config_.vocab_size;
+  if (options.vocab_parallel && comm_.world_size > 1) {
+    if (!comm_.all_gather)
+      throw ValueError(
+          "Gpt: vocab_parallel with world size > 1 needs TensorParallelComm::all_gather "
+          "(from_group(group) sets it)");
+    vocab_rows_ = (config_.vocab_size + comm_.world_size - 1) / comm_.world_size;
+    vocab_start_ = vocab_rows_ * comm_.rank;
+  }
+  wte_ = new_param(*child(*this, "wte"), "weight", {vocab_rows_, width}, dtype);
   wpe_ = new_param(*child(*this, "wpe"), "weight", {config_.n_positions, width}, dtype);
   auto h = child(*this, "h");
   for (int64_t i = 0; i < config_.n_layer; ++i) {
@@ -239,6 +249,8 @@ GptImpl::GptImpl(const GptConfig& config, GptOptions options)
   if (options.initialize) {
     at::NoGradGuard no_grad;
     wte_.normal_(0, 0.02);
+    const int64_t held = owned_vocab_rows();
+    if (held < vocab_rows_) wte_.narrow(0, held, vocab_rows_ - held).zero_();  // the padding
     wpe_.normal_(0, 0.01);
     ln_f_weight_.fill_(1);
     ln_f_bias_.zero_();
@@ -288,7 +300,18 @@ at::Tensor GptImpl::forward(const at::Tensor& input_ids, GptKvCache* cache) {
   if (comm_.world_size > 1) no_grad.emplace();
 
   const auto positions = at::arange(past, past + t, at::TensorOptions().dtype(at::kLong));
-  at::Tensor x = at::embedding(wte_, input_ids) + at::embedding(wpe_, positions);
+  at::Tensor x;
+  if (vocab_parallel()) {
+    // Megatron's VocabParallelEmbedding: each rank looks up the ids it holds, zeros for the
+    // rest, and the sum over ranks is every id's row.
+    const at::Tensor local = input_ids - vocab_start_;
+    const at::Tensor foreign = (local < 0).logical_or_(local >= owned_vocab_rows());
+    x = at::embedding(wte_, local.masked_fill(foreign, 0)).masked_fill_(foreign.unsqueeze(-1), 0);
+    comm_.all_reduce_sum(x);
+    x.add_(at::embedding(wpe_, positions));
+  } else {
+    x = at::embedding(wte_, input_ids) + at::embedding(wpe_, positions);
+  }
   // Query i (position past + i) sees keys 0 .. past + i.
   const auto mask = at::ones({t, past + t}, at::TensorOptions().dtype(at::kBool)).triu(past + 1);
   std::vector<at::Tensor> keys(blocks_.size()), values(blocks_.size());
@@ -300,6 +323,10 @@ at::Tensor GptImpl::forward(const at::Tensor& input_ids, GptKvCache* cache) {
   at::Tensor logits = at::linear(
       at::layer_norm(x, {config_.n_embd}, ln_f_weight_, ln_f_bias_, config_.layer_norm_epsilon),
       wte_);
+  if (vocab_parallel()) {  // [B, T, Vp] per rank -> [B, T, world * Vp] -> the vocabulary's
+    logits = comm_.all_gather(logits, -1);
+    if (logits.size(-1) != config_.vocab_size) logits = logits.narrow(-1, 0, config_.vocab_size);
+  }
   if (cache != nullptr) {  // only now: a failed forward leaves the cache as it was
     cache->keys = std::move(keys);
     cache->values = std::move(values);
@@ -307,8 +334,22 @@ at::Tensor GptImpl::forward(const at::Tensor& input_ids, GptKvCache* cache) {
   return logits;
 }
 
+int64_t GptImpl::owned_vocab_rows() const {
+  return std::clamp<int64_t>(config_.vocab_size - vocab_start_, 0, vocab_rows_);
+}
+
 void GptImpl::load_state_dict(StateDict full, bool strict) {
   StateDict shards = shard_state_dict(std::move(full), {policy_}, comm_.rank, comm_.world_size);
+  const auto wte = shards.find("wte.weight");
+  if (vocab_parallel() && wte != shards.end() && wte->second.dim() == 2 &&
+      wte->second.size(0) == config_.vocab_size) {
+    // This rank's rows, zero-padded to Vp (a wrong width is reported below, as for any entry).
+    const at::Tensor& whole = wte->second;
+    const int64_t held = owned_vocab_rows();
+    at::Tensor part = at::zeros({vocab_rows_, whole.size(1)}, whole.options());
+    if (held > 0) part.narrow(0, 0, held).copy_(whole.narrow(0, vocab_start_, held));
+    wte->second = part;
+  }
   auto params = named_parameters(/*recurse=*/true);
   // Every check before the first copy: a refused state dict leaves the model as it was.
   std::vector<std::string> missing;

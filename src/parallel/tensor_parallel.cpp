@@ -454,6 +454,7 @@ std::unique_ptr<TensorParallel::Impl> gpt_impl(const std::string& path, const Gp
     m->spec.has_policy = true;
     m->spec.policy = std::move(*sidecar_policy);
   }
+  m->spec.vocab_parallel = options.vocab_parallel;
   m->gpt_config = config;
   m->options = std::move(options);
   return m;

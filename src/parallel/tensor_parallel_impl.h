@@ -45,6 +45,7 @@ struct TpWorkerSpec {
   double layer_norm_epsilon = 1e-5;
   bool has_policy = false;
   TensorParallelPolicy policy;
+  bool vocab_parallel = true;
   // kRegistered
   std::string model_name;
   std::string model_argument;
@@ -63,7 +64,7 @@ struct TpWorkerSpec {
   template <class Archive>
   void serialize(Archive& ar) {
     ar(world_size, source, path, vocab_size, n_positions, n_embd, n_layer, n_head, n_inner,
-       layer_norm_epsilon, has_policy, policy, model_name, model_argument, dtype, backend,
+       layer_norm_epsilon, has_policy, policy, vocab_parallel, model_name, model_argument, dtype, backend,
        master_port, authkey, timeout_s, has_seed, seed);
   }
 };

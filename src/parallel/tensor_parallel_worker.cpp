@@ -56,7 +56,7 @@ std::shared_ptr<TensorParallelModel> build_model(const TpWorkerSpec& spec,
     case TpSource::kGptFile: {
       GptConfig config = spec.gpt_config();
       config.dtype = dtype;
-      GptOptions options{.comm = comm};
+      GptOptions options{.comm = comm, .vocab_parallel = spec.vocab_parallel};
       if (spec.has_policy) options.policy = spec.policy;
       // Mapped, not read: each rank's private memory is about its shard.
       return std::make_shared<GptModel>(

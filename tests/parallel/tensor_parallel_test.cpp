@@ -494,8 +494,9 @@ TEST_F(GptReference, Tp1LogitsMatchPython) {
   }
 }
 
-/// One rank of a TP = 2 Gpt over a `backend` group: its shard's shapes, the logits, KV-cache
-/// decoding; bfloat16 too on shm (Gloo reduces no bfloat16).
+/// One rank of a TP = 2 Gpt over a `backend` group: its shard's shapes (the vocabulary split
+/// in two: 51 rows each, rank 1's last one padding), the logits, KV-cache decoding; the same
+/// logits with the vocabulary replicated; bfloat16 too on shm (Gloo reduces no bfloat16).
 void tp2_rank(int rank, int port, std::string backend, std::string dir) {
   tp::World world(tp::WorldOptions{.rank = rank,
                                    .world_size = 2,
@@ -511,8 +512,12 @@ void tp2_rank(int rank, int port, std::string backend, std::string dir) {
   const auto params = gpt->named_parameters();
   TORCHPAR_RCHECK(params["h.0.attn.c_attn.weight"].sizes().vec() == Shape({96, 64}) &&
                       params["h.1.mlp.c_proj.weight"].sizes().vec() == Shape({64, 128}) &&
-                      params["wte.weight"].sizes().vec() == Shape({101, 64}),
+                      params["wte.weight"].sizes().vec() == Shape({51, 64}) &&
+                      gpt->vocab_parallel(),
                   "rank {}: shard shapes", rank);
+  if (rank == 1)  // ids 51..100, then one zero row of padding
+    TORCHPAR_RCHECK(params["wte.weight"][50].abs().max().item<double>() == 0,
+                    "rank 1: the padding row is not zero");
 
   const auto logits = gpt->forward(ref.input_ids);
   const double err = max_abs_diff(logits, ref.logits);
@@ -526,6 +531,15 @@ void tp2_rank(int rank, int port, std::string backend, std::string dir) {
   const double inc = max_abs_diff(at::cat(steps, 1), ref.logits);
   TORCHPAR_RCHECK(inc <= kTolerance, "rank {}: TP=2 cached decoding differs by {}", rank, inc);
   TORCHPAR_RCHECK(cache.keys.at(0).sizes().vec() == Shape({2, 2, 11, 16}), "cache shape");
+
+  auto replicated = tp::load_gpt(kConfig, tp::load_state_dict_file(dir + "/state_dict.pt"),
+                                 {.comm = comm, .vocab_parallel = false});
+  TORCHPAR_RCHECK(!replicated->vocab_parallel() &&
+                      replicated->named_parameters()["wte.weight"].sizes().vec() == Shape({101, 64}),
+                  "rank {}: replicated vocabulary", rank);
+  const double rep = max_abs_diff(replicated->forward(ref.input_ids), ref.logits);
+  TORCHPAR_RCHECK(rep <= kTolerance, "rank {}: TP=2 replicated-vocabulary logits differ by {}",
+                  rank, rep);
 
   if (backend == "shm") {
     auto config = kConfig;
@@ -706,11 +720,27 @@ TEST(Gpt, Gpt2SmallShapeConstructsAndRuns) {
   // Rank 0 of 2 holds half of every attention and MLP and all of the embeddings: 81.9M.
   // Uninitialised parameters are never touched, so this costs no memory.
   const auto noop = [](at::Tensor&) {};
+  const auto gather = [](const at::Tensor& t, int64_t dim) { return at::cat({t, t}, dim); };
   tp::Gpt half(tp::GptConfig{},
                tp::GptOptions{.comm = {.rank = 0, .world_size = 2, .all_reduce_sum = noop},
-                              .initialize = false});
+                              .initialize = false,
+                              .vocab_parallel = false});
   EXPECT_EQ(half->num_parameters(), 81940224);
   EXPECT_EQ(half->heads_per_rank(), 6);
+  // With the vocabulary split too (the default), half of the token embedding: 62.6M, 50.3%.
+  tp::Gpt split(
+      tp::GptConfig{},
+      tp::GptOptions{.comm = {.rank = 1, .world_size = 2, .all_reduce_sum = noop, .all_gather = gather},
+                     .initialize = false});
+  EXPECT_EQ(split->num_parameters(), 62641920);
+  EXPECT_TRUE(split->vocab_parallel());
+  // vocab_parallel needs all_gather: a clear error, not a crash at the first forward.
+  const auto msg = error_of([&] {
+    tp::Gpt(tp::GptConfig{},
+            tp::GptOptions{.comm = {.rank = 0, .world_size = 2, .all_reduce_sum = noop},
+                           .initialize = false});
+  });
+  EXPECT_TRUE(has_all(msg, {"vocab_parallel", "all_gather"})) << msg;
 }
 
 }  // namespace

@@ -44,8 +44,8 @@ struct GptConfig {
 /// n_fused = 3 (q, k, v), attn.c_proj and mlp.c_proj are row-sliced, mlp.c_fc is
 /// column-sliced, all with transposed = true (Conv1D [in, out] weights, as GPT-2's
 /// checkpoints store them); attn.embed_dim (n_embd), attn.num_heads (n_head) and
-/// mlp.inner_dim (n_inner) shrink per rank. wte, wpe, the LayerNorms and the tied head are
-/// replicated.
+/// mlp.inner_dim (n_inner) shrink per rank. wpe and the LayerNorms are replicated; wte and the
+/// tied head are split by vocabulary rows (GptOptions::vocab_parallel) or replicated.
 ///
 /// A checkpoint with nn.Linear [out, in] weights (nanoGPT's layout) loads with the same policy
 /// after setting `transposed = false` on its four layers.
@@ -83,19 +83,30 @@ struct GptOptions {
   /// false: parameters are uninitialised (at::empty, pages untouched), for load_state_dict
   /// right after: load_gpt does this.
   bool initialize = true;
+  /// With world_size > 1: true splits the token embedding (and so the tied head) by rows, as
+  /// Megatron-LM's VocabParallelEmbedding and parallel LM head do: rank r holds ids [r * Vp,
+  /// min((r + 1) * Vp, vocab_size)) with Vp = ceil(vocab_size / world_size), zero-padded to
+  /// Vp rows (wte.weight [Vp, n_embd]); the embedding is looked up locally and summed with an
+  /// all_reduce, the head's [.., Vp] logits are all_gathered. For GPT-2 small at TP = 2 this
+  /// takes 19.3M of the 38.6M embedding parameters off each rank, and their share of every
+  /// token's matmuls. false: every rank holds the whole wte (parallelformers' layout), one
+  /// collective fewer per forward. Ignored at world_size 1.
+  bool vocab_parallel = true;
 };
 
 /// A GPT-2 decoder: token + position embeddings, n_layer pre-LayerNorm blocks (x += attn(ln_1
 /// x); x += mlp(ln_2 x)), a final LayerNorm and a head tied to the token embedding. With
 /// world_size > 1 each rank holds n_head / world_size heads of every attention and
 /// inner_size() / world_size units of every MLP (ColumnParallelLinear c_attn and c_fc,
-/// RowParallelLinear c_proj), and a full copy of the rest; every rank computes the same logits.
+/// RowParallelLinear c_proj), its part of the vocabulary (GptOptions::vocab_parallel) and a
+/// full copy of the rest; every rank computes the same logits.
 ///
 /// Parameters: named as the Python reference and GPT-2 (wte.weight, wpe.weight,
 ///          h.<i>.ln_1.{weight,bias}, h.<i>.attn.c_attn.{weight,bias}, h.<i>.attn.c_proj...,
 ///          h.<i>.ln_2..., h.<i>.mlp.c_fc..., h.<i>.mlp.c_proj..., ln_f.{weight,bias}); the
 ///          projection weights are held in nn.Linear's [out, in] layout and sliced, so their
-///          shapes are this rank's (c_attn.weight [3 n_embd / world, n_embd]).
+///          shapes are this rank's (c_attn.weight [3 n_embd / world, n_embd]; with
+///          vocab_parallel wte.weight [ceil(vocab_size / world), n_embd]).
 /// Errors:  ValueError at construction, naming the block type, attribute and numbers, when
 ///          n_head, n_embd or n_inner do not divide by the world size; for n_embd not divisible
 ///          by n_head, a size < 1, or a policy that does not fit GPT-2.
@@ -141,17 +152,25 @@ class GptImpl : public torch::nn::Module {
   const TensorParallelComm& comm() const { return comm_; }
   /// Heads of every attention on this rank (n_head / world_size).
   int64_t heads_per_rank() const { return heads_; }
-  /// Parameters on this rank (elements; the tied head counts once). GPT-2 small at TP = 1:
-  /// 124,439,808.
+  /// Parameters on this rank (elements; the tied head counts once; padded vocabulary rows
+  /// count). GPT-2 small at TP = 1: 124,439,808; at TP = 2 with vocab_parallel: 62,641,920.
   int64_t num_parameters() const;
+  /// True when this rank holds only its part of the vocabulary (vocab_parallel, world_size > 1).
+  bool vocab_parallel() const { return vocab_rows_ != config_.vocab_size; }
 
   struct Block;
 
  private:
+  /// Real (unpadded) vocabulary rows of wte_ on this rank.
+  int64_t owned_vocab_rows() const;
+
   GptConfig config_;
   TensorParallelComm comm_;
   TensorParallelPolicy policy_;
   int64_t heads_ = 0;
+  /// Rows of wte_ (Vp, or vocab_size when replicated), and the first id this rank holds.
+  int64_t vocab_rows_ = 0;
+  int64_t vocab_start_ = 0;
   at::Tensor wte_, wpe_, ln_f_weight_, ln_f_bias_;
   std::vector<std::shared_ptr<Block>> blocks_;
 };

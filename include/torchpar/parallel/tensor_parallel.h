@@ -118,6 +118,11 @@ struct TensorParallelOptions {
   /// LibTorch intra-op threads per worker; 0: cores / world_size (at least 1) with spawn and
   /// forkserver, 1 with fork (thread pools do not survive a fork).
   int threads_per_worker = 0;
+  /// Gpt only (ignored for custom models): split the token embedding and the tied head by
+  /// vocabulary rows across the ranks, as Megatron-LM does (GptOptions::vocab_parallel); false
+  /// replicates them on every rank, as parallelformers does (more memory per rank, and every
+  /// rank computes the whole head).
+  bool vocab_parallel = true;
   /// Seed of sampling. nullopt: rank 0 draws one (std::random_device). Either way rank 0
   /// broadcasts it at start and every rank seeds LibTorch's global generator with it, so a
   /// custom model's own randomness agrees across ranks too. seed() returns it.
