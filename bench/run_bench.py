@@ -24,11 +24,15 @@ Benchmarks (names for --only), run in this order:
                peers/torch_dist_collectives.py and peers/mpi_collectives.c (Open MPI, compiled
                with mpicc into <out>/raw/ when the benchmark starts)
   train        torchpar train --strategy single|hogwild|ddp vs peers/mnist_hogwild.py, mnist_ddp.py
+  inference    infer_bench (TensorParallel::generate on a seeded GPT-2-small-shaped model) at TP = 2
+               (2 processes x 1 thread) and TP = 1 (1 process x 2 threads) vs
+               peers/python_tp_infer.py (the same Megatron-style TP = 2 with torch.distributed gloo):
+               tokens/s at batch 1 and 8, memory per rank
 
 Method: every round runs ours, then each peer (round r: ours, peer1, peer2, ...). A full run does
-one untimed warm-up round, then 5 rounds; train does 3 rounds and no warm-up (each run is a fresh
+one untimed warm-up round, then 5 rounds; train and inference do 3 rounds and no warm-up (each run is a fresh
 set of processes that loads its data outside the timed region, and runs take 5-15 s). --quick
-does 2 rounds (train 1), no warm-up, smaller sizes and fewer tasks; --rounds N overrides the
+does 2 rounds (train and inference 1), no warm-up, smaller sizes and fewer tasks; --rounds N overrides the
 round count of every benchmark. The value reported for a (system, measure) is the median over
 rounds of each run's own value. Every subprocess runs in its own process group with a timeout
 (the whole group is killed when it expires). A peer that fails is reported as "not run: <reason>"
@@ -63,7 +67,8 @@ REPO = BENCH_DIR.parent
 PEERS = BENCH_DIR / "peers"
 RESULTS = BENCH_DIR / "results"
 PY = "/usr/bin/python3"
-BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "pserver", "collectives", "train")
+BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "pserver", "collectives", "train",
+              "inference")
 KiB, MiB = 1 << 10, 1 << 20
 TIME_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
@@ -94,12 +99,12 @@ class Config:
     def rounds(self, bench):
         if self.rounds_override:
             return self.rounds_override
-        if bench == "train":
+        if bench in ("train", "inference"):
             return self.pick(1, 3)
         return self.pick(2, 5)
 
     def warmup(self, bench):
-        return 0 if self.quick or bench == "train" else 1
+        return 0 if self.quick or bench in ("train", "inference") else 1
 
 
 class RunError(Exception):
@@ -1174,6 +1179,126 @@ def plot_train(runs, out):
 
 
 # ----------------------------------------------------------------------------------------------
+# inference: infer_bench (TensorParallel) vs python_tp_infer.py (torch.distributed gloo)
+
+INFER_BATCHES = (1, 8)
+INFER_NEW_TOKENS, INFER_PROMPT = 64, 16
+# runner name, label in the report, ranks
+INFER_SYSTEMS = (("torchpar TP=2", "torchpar TP = 2 (2 processes x 1 thread, shm)", 2),
+                 ("torchpar TP=1", "torchpar TP = 1 (1 process x 2 threads)", 1),
+                 ("python gloo TP=2", "Python TP = 2 (2 processes x 1 thread, gloo)", 2))
+
+
+def parse_infer(out):
+    return {r["name"]: r["value"] for r in json_lines(out)}
+
+
+def runners_inference(cfg):
+    reps = cfg.pick(1, 3)
+    common = ["--batches", ",".join(map(str, INFER_BATCHES)), "--new-tokens", INFER_NEW_TOKENS,
+              "--prompt", INFER_PROMPT, "--reps", reps]
+    timeout = cfg.pick(600, 1200)
+    ours = lambda tp, threads: [cfg.bin / "infer_bench", "--tp", tp, "--threads", threads,
+                                "--timeout", timeout - 60] + common
+    peer = [PY, PEERS / "python_tp_infer.py", "--tp", 2, "--threads", 1, "--timeout",
+            timeout - 30] + common
+    return [Runner("torchpar TP=2", True, ours(2, 1), parse_infer, timeout),
+            Runner("torchpar TP=1", True, ours(1, 2), parse_infer, timeout),
+            Runner("python gloo TP=2", False, peer, parse_infer, timeout)]
+
+
+def infer_memory(values, ranks, key):
+    """The largest of the ranks' `key` (rss_mib, hwm_mib, anon_mib), or None."""
+    vals = [values.get(f"rank{r}/{key}") for r in range(ranks)]
+    return max(vals) if vals and all(v is not None for v in vals) else None
+
+
+def report_inference(runs, limits, cfg):
+    med = {name: runs.get(name, {}).get("median", {}) for name, _, _ in INFER_SYSTEMS}
+    tp2, tp1, py = (med[n] for n, _, _ in INFER_SYSTEMS)
+    rows, summary = [], {}
+    for b in INFER_BATCHES:
+        tps = [m.get(f"batch{b}/tokens_per_s") for m in (tp2, tp1, py)]
+        mspt = [m.get(f"batch{b}/ms_per_token") for m in (tp2, tp1, py)]
+        rows.append((f"batch {b}", *(fmt(v) for v in tps), *(fmt(v) for v in mspt),
+                     fmt_x(advantage(tps[0], tps[1], True)), fmt_x(advantage(tps[0], tps[2], True))))
+        summary[f"batch{b}"] = {"tokens_per_s": dict(zip([n for n, _, _ in INFER_SYSTEMS], tps)),
+                                "ms_per_token": dict(zip([n for n, _, _ in INFER_SYSTEMS], mspt))}
+    md = table(["generate", "torchpar TP=2 tokens/s", "torchpar TP=1 (2 threads) tokens/s",
+                "Python gloo TP=2 tokens/s", "torchpar TP=2 ms/token", "torchpar TP=1 ms/token",
+                "Python TP=2 ms/token", "TP=2 vs TP=1", "torchpar vs Python (TP=2)"], rows)
+    mrows = []
+    for name, label, ranks in INFER_SYSTEMS:
+        m = med[name]
+        for r in range(ranks):
+            mrows.append((label, str(r), fmt(m.get(f"rank{r}/rss_mib")), fmt(m.get(f"rank{r}/hwm_mib")),
+                          fmt(m.get(f"rank{r}/anon_mib")),
+                          fmt(m.get("parameters_per_rank") / 1e6 if m.get("parameters_per_rank") else None),
+                          fmt(m.get("startup_s"))))
+        summary[f"memory {name}"] = {k: infer_memory(m, ranks, k) for k in ("rss_mib", "hwm_mib", "anon_mib")}
+    md += "\n\n### Memory per rank\n\n" + table(
+        ["system", "rank", "resident MiB (VmRSS)", "peak MiB (VmHWM)", "private MiB (RssAnon)",
+         "parameters (M)", "start-up (s)"], mrows, left=2)
+    b8 = advantage(tp2.get("batch8/tokens_per_s"), tp1.get("batch8/tokens_per_s"), True)
+    lat = advantage(tp2.get("batch1/ms_per_token"), py.get("batch1/ms_per_token"), False)
+    lat8 = advantage(tp2.get("batch8/ms_per_token"), py.get("batch8/ms_per_token"), False)
+    anon2, anon1 = infer_memory(tp2, 2, "anon_mib"), infer_memory(tp1, 1, "anon_mib")
+    rss2, rss1 = infer_memory(tp2, 2, "rss_mib"), infer_memory(tp1, 1, "rss_mib")
+    hwm2, hwm1 = infer_memory(tp2, 2, "hwm_mib"), infer_memory(tp1, 1, "hwm_mib")
+    frac = lambda a, b: a / b if a and b else None
+    mem_frac = frac(anon2, anon1)
+    trows = [
+        ("TP = 2 at batch 8 ≥ 1.0x the 2-thread single process (tokens/s)", fmt_x(b8), "≥ 1x",
+         verdict(b8, 1.0, True)),
+        ("per-token latency (batch 1, ms/token) ≥ 3x better than Python gloo TP = 2", fmt_x(lat),
+         "≥ 3x", verdict(lat, 3.0, True)),
+        ("(same at batch 8)", fmt_x(lat8), "", ""),
+        ("per-rank private memory (largest rank's RssAnon) ≤ 60% of the single process's",
+         fmt_pct(mem_frac), "≤ 60%",
+         "n/a" if mem_frac is None else ("yes" if mem_frac <= 0.6 else "no")),
+        ("(for reference: VmRSS, VmHWM, with LibTorch's shared code pages)",
+         f"{fmt_pct(frac(rss2, rss1))}, {fmt_pct(frac(hwm2, hwm1))}", "", ""),
+    ]
+    summary["targets"] = {"tp2_vs_tp1_batch8": b8, "latency_vs_python_batch1": lat,
+                          "latency_vs_python_batch8": lat8, "private_memory_fraction": mem_frac,
+                          "rss_fraction": frac(rss2, rss1), "hwm_fraction": frac(hwm2, hwm1)}
+    md += ("\n\nThe GPT-2-small shape (12 layers, 768 wide, 12 heads, 1024 positions, 50,257 tokens: "
+           "124.4M parameters), float32, seeded GPT-2 initialisation (each rank builds only its "
+           f"shard). Greedy generate of {INFER_NEW_TOKENS} new tokens after a {INFER_PROMPT}-token "
+           "prompt (seed 0), per batch size: one untimed warm-up generate of 4 tokens, then "
+           f"{cfg.pick(1, 3)} timed generate(s) (median), the prompt's forward included; "
+           f"{cfg.rounds('inference')} round(s), the median over rounds. tokens/s = batch x new "
+           "tokens / wall time; ms/token = wall time / new tokens. Both sides are Megatron-style: "
+           "attention heads and MLP units split across ranks (an all_reduce after each block's "
+           "two row-parallel projections), the token embedding and its tied head split by "
+           "vocabulary rows (an all_reduce after the lookup, an all_gather of the logits), a KV "
+           "cache, rank 0 picking each token and broadcasting it. torchpar: infer_bench drives "
+           "a TensorParallel engine (spawned workers, a shm CollectiveGroup, the caller sending "
+           "one request per generate); TP = 1 is the same engine with one worker and 2 intra-op "
+           "threads. Python: python_tp_infer.py, fork children in a torch.distributed gloo group "
+           "on 127.0.0.1, torch.set_num_threads(1). Memory: each worker's /proc/<pid>/status "
+           "after the timed runs; private memory (RssAnon) is what a rank costs the machine, "
+           "VmRSS adds the LibTorch code pages every process on the host shares. Ratios: how "
+           "many times better the first system is (> 1: better).\n\n### Targets (issue 17)\n\n")
+    md += table(["target", "measured", "goal", "met"], trows) + "\n\n![inference](inference.png)"
+    return md, summary
+
+
+def plot_inference(runs, out):
+    med = {name: runs.get(name, {}).get("median", {}) for name, _, _ in INFER_SYSTEMS}
+    short = {"torchpar TP=2": "torchpar\nTP=2", "torchpar TP=1": "torchpar\nTP=1 x2thr",
+             "python gloo TP=2": "Python\ngloo TP=2"}
+    panels = [(f"generate, batch {b} (tokens/s)",
+               [(short[n], med[n].get(f"batch{b}/tokens_per_s")) for n, _, _ in INFER_SYSTEMS],
+               None, True) for b in INFER_BATCHES]
+    panels.append(("largest rank's private memory (MiB)",
+                   [(short[n], infer_memory(med[n], r, "anon_mib")) for n, _, r in INFER_SYSTEMS],
+                   None, False))
+    bar_grid(out / "inference.png", "Tensor-parallel GPT-2-small generate: torchpar vs Python gloo",
+             panels, cols=3)
+
+
+# ----------------------------------------------------------------------------------------------
 # Plots, machine facts, report
 
 
@@ -1228,7 +1353,8 @@ def draw_plots(cfg, results):
                 "rpc": lambda r: plot_rpc(r, cfg.out),
                 "pserver": lambda r: plot_pserver(r, cfg.out),
                 "collectives": lambda r: plot_collectives(r, cfg.out, cfg),
-                "train": lambda r: plot_train(r, cfg.out)}
+                "train": lambda r: plot_train(r, cfg.out),
+                "inference": lambda r: plot_inference(r, cfg.out)}
     for bench, runs in results.items():
         if bench in plotters:
             try:
@@ -1277,7 +1403,7 @@ def machine_facts(cfg):
 
 TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "Process pools",
           "manager": "Manager", "rpc": "RPC", "pserver": "Parameter server",
-          "collectives": "Collectives", "train": "Training"}
+          "collectives": "Collectives", "train": "Training", "inference": "Tensor-parallel inference"}
 
 
 def write_report(cfg, path, meta, sections, notes):
@@ -1323,10 +1449,10 @@ def update_latest(out):
 
 RUNNERS = {"limits": runners_limits, "handoff": runners_handoff, "pools": runners_pools,
            "manager": runners_manager, "rpc": runners_rpc, "pserver": runners_pserver,
-           "collectives": runners_collectives, "train": runners_train}
+           "collectives": runners_collectives, "train": runners_train, "inference": runners_inference}
 REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_pools,
            "manager": report_manager, "rpc": report_rpc, "pserver": report_pserver,
-           "collectives": report_collectives, "train": report_train}
+           "collectives": report_collectives, "train": report_train, "inference": report_inference}
 
 
 def main():
