@@ -8,7 +8,10 @@
 //
 // Forks --ranks processes per system; each op is timed on its own (steady_clock) and rank 0
 // prints one JSON line per (system, op, size) like the peers in bench/peers/:
-//   {"system", "op", "bytes", "ranks", "median_us", "busbw_GBps"}
+//   {"system", "op", "bytes", "ranks", "median_us", "p99_us", "min_us", "busbw_GBps", "iters"}
+// over rank 0's per-iteration times: median_us = the upper median (sorted[iters / 2]), p99_us =
+// the nearest-rank 99th percentile (sorted[ceil(0.99 iters) - 1]; with fewer than 100 iterations
+// that is the maximum), min_us = the fastest iteration. busbw uses the median.
 // Iterations shrink with size: max(3, iters * 1 MiB / bytes) above 1 MiB.
 // Bus bandwidth as nccl-tests: all_reduce 2(n-1)/n x bytes/t, broadcast bytes/t,
 // all_gather (n-1)/n x n*bytes/t.
@@ -90,11 +93,13 @@ void measure(const Args& a, const std::string& system, int rank, const Op& run,
       }
       std::sort(us.begin(), us.end());
       const double med = us[us.size() / 2];
+      const double p99 = us[(us.size() * 99 + 99) / 100 - 1];  // nearest rank: ceil(0.99 n)
       if (rank == 0) {
         std::printf("%s\n", fmt::format("{{\"system\": \"{}\", \"op\": \"{}\", \"bytes\": {}, "
                                         "\"ranks\": {}, \"median_us\": {:.3f}, "
+                                        "\"p99_us\": {:.3f}, \"min_us\": {:.3f}, "
                                         "\"busbw_GBps\": {:.4f}, \"iters\": {}}}",
-                                        system, op, bytes, a.ranks, med,
+                                        system, op, bytes, a.ranks, med, p99, us.front(),
                                         busbw(op, bytes, a.ranks, med * 1e-6), iters)
                                 .c_str());
         std::fflush(stdout);

@@ -7,8 +7,11 @@
  * call only. Big sizes get fewer calls: timed = max(3, min(iters, iters * 1 MiB / max(bytes, 1 MiB))),
  * warm-up = max(1, min(warmup, timed)). One untimed call afterwards checks the result.
  * Rank 0 prints one JSON object per line, the same keys as the torch peer:
- *   {"system": "openmpi", "op", "bytes", "ranks", "iters", "median_us", "busbw_GBps"}
- * median_us is rank 0's median; busbw follows nccl-tests (see torch_dist_collectives.py).
+ *   {"system": "openmpi", "op", "bytes", "ranks", "iters", "median_us", "p99_us", "min_us",
+ *    "busbw_GBps"}
+ * over rank 0's per-call times: median_us is their median, p99_us the nearest-rank 99th
+ * percentile (sorted[ceil(0.99 n) - 1]; with fewer than 100 timed calls that is the maximum),
+ * min_us the fastest call; busbw follows nccl-tests (see torch_dist_collectives.py).
  *
  * usage: mpi_collectives [--ops all_reduce,broadcast,all_gather]
  *            [--sizes 4,4096,1048576,16777216,67108864] [--iters 50] [--warmup 5]
@@ -30,9 +33,14 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static double median(double *v, int n) {
-    qsort(v, n, sizeof *v, cmp_double);
+/* v must be sorted (ascending). */
+static double median(const double *v, int n) {
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* Nearest-rank 99th percentile of sorted v: v[ceil(0.99 n) - 1], the maximum when n < 100. */
+static double p99(const double *v, int n) {
+    return v[(n * 99 + 99) / 100 - 1];
 }
 
 static void die(const char *msg) {
@@ -116,13 +124,16 @@ int main(int argc, char **argv) {
             }
             check(op, buf, out, count, rank, n);
             if (rank == 0) {
+                qsort(times, timed, sizeof *times, cmp_double);
                 double med = median(times, timed);
                 double data = (double)nbytes * (op == ALL_GATHER ? n : 1);
                 double factor = op == ALL_REDUCE ? 2.0 * (n - 1) / n
                               : op == BROADCAST ? 1.0 : (double)(n - 1) / n;
                 printf("{\"system\": \"openmpi\", \"op\": \"%s\", \"bytes\": %ld, \"ranks\": %d, "
-                       "\"iters\": %d, \"median_us\": %.3f, \"busbw_GBps\": %.6g}\n",
-                       OP_NAMES[op], nbytes, n, timed, med * 1e6, data / med * factor / 1e9);
+                       "\"iters\": %d, \"median_us\": %.3f, \"p99_us\": %.3f, \"min_us\": %.3f, "
+                       "\"busbw_GBps\": %.6g}\n",
+                       OP_NAMES[op], nbytes, n, timed, med * 1e6, p99(times, timed) * 1e6,
+                       times[0] * 1e6, data / med * factor / 1e9);
                 fflush(stdout);
             }
             free(buf);

@@ -8,8 +8,10 @@ calls, then timed calls, each one timed alone with time.perf_counter() around th
 Big sizes get fewer calls: timed = max(3, min(iters, iters * 1 MiB // max(bytes, 1 MiB))),
 warm-up = max(1, min(warmup, timed)). After the timed calls one untimed call checks the result.
 Rank 0 prints one JSON object per line:
-  {"system", "op", "bytes", "ranks", "iters", "median_us", "busbw_GBps"}
-median_us is rank 0's median. Bandwidth follows nccl-tests: algbw = data bytes / median time,
+  {"system", "op", "bytes", "ranks", "iters", "median_us", "p99_us", "min_us", "busbw_GBps"}
+over rank 0's per-call times: median_us is their median, p99_us the nearest-rank 99th percentile
+(sorted[ceil(0.99 n) - 1]; with fewer than 100 timed calls that is the maximum), min_us the
+fastest call. Bandwidth follows nccl-tests: algbw = data bytes / median time,
 with data = bytes for all_reduce and broadcast and bytes * ranks (the gathered output; bytes is
 the per-rank input) for all_gather; busbw = algbw * 2(n-1)/n (all_reduce), * 1 (broadcast),
 * (n-1)/n (all_gather). GB = 1e9 bytes.
@@ -39,9 +41,16 @@ BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 
                 "all_gather": lambda n: (n - 1) / n}
 
 
-def emit(op, nbytes, ranks, iters, median_us, busbw):
+def emit(op, nbytes, ranks, iters, median_us, p99_us, min_us, busbw):
     print(json.dumps({"system": "torch.distributed-gloo", "op": op, "bytes": nbytes, "ranks": ranks,
-                      "iters": iters, "median_us": median_us, "busbw_GBps": busbw}), flush=True)
+                      "iters": iters, "median_us": median_us, "p99_us": p99_us, "min_us": min_us,
+                      "busbw_GBps": busbw}), flush=True)
+
+
+def p99(times):
+    """Nearest-rank 99th percentile: sorted[ceil(0.99 n) - 1] (the maximum below 100 values)."""
+    s = sorted(times)
+    return s[(len(s) * 99 + 99) // 100 - 1]
 
 
 def counts(nbytes, iters, warmup):
@@ -96,7 +105,7 @@ def rank_main(rank, n, port, args):
                 med = statistics.median(times)
                 data = numel * 4 * (n if op == "all_gather" else 1)
                 busbw = data / med * BUSBW_FACTOR[op](n) / 1e9
-                emit(op, numel * 4, n, timed, med * 1e6, busbw)
+                emit(op, numel * 4, n, timed, med * 1e6, p99(times) * 1e6, min(times) * 1e6, busbw)
             del t, out
     dist.barrier()
     dist.destroy_process_group()
