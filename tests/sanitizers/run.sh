@@ -28,7 +28,7 @@ if [[ $which == all || $which == asan ]]; then
   # LibTorch is not instrumented: ASan's container-overflow checks would misfire across the
   # boundary; leaks are checked (detect_leaks=1) with LibTorch's process-lifetime singletons
   # suppressed in lsan.supp.
-  export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:detect_container_overflow=0:abort_on_error=0"
+  export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:detect_container_overflow=0:abort_on_error=0:suppressions=$supp/asan.supp"
   export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$supp/ubsan.supp"
   (cd build-asan && ctest -L fast -LE notsan --output-on-failure --timeout 900)
