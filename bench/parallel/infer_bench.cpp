@@ -20,8 +20,8 @@
 // Exit status 1 with the error on stderr when anything fails.
 
 #include <ATen/ATen.h>
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -85,14 +85,14 @@ class SeededGpt final : public tp::TensorParallelModel {
 };
 
 // Registered at namespace scope: spawned workers run this program's statics too.
-const bool kRegistered = tp::register_tensor_parallel_model(
-    "infer_bench_gpt", [](const tp::TensorParallelContext& ctx) {
+const bool kRegistered =
+    tp::register_tensor_parallel_model("infer_bench_gpt", [](const tp::TensorParallelContext& ctx) {
       const Shape sh = Shape::decode(ctx.argument);
       at::manual_seed(1234);
       return std::make_shared<SeededGpt>(tp::Gpt(
-          sh.config(ctx.dtype), tp::GptOptions{.comm = ctx.comm,
-                                               .initialize = true,
-                                               .vocab_parallel = sh.vocab_parallel != 0}));
+          sh.config(ctx.dtype),
+          tp::GptOptions{
+              .comm = ctx.comm, .initialize = true, .vocab_parallel = sh.vocab_parallel != 0}));
     });
 
 /// VmRSS, VmHWM and RssAnon of process `pid` in MiB (-1 when unreadable).
@@ -134,12 +134,16 @@ int run(int argc, char** argv) {
   int64_t new_tokens = 64, prompt_len = 16;
   std::string batches_arg = "1,8", dtype_name = "float32", backend_name = "auto";
   double timeout_s = 600;
-  app.add_option("--tp", world, "tensor-parallel world size (worker processes)")->check(CLI::PositiveNumber);
-  app.add_option("--threads", threads, "LibTorch intra-op threads per worker")->check(CLI::PositiveNumber);
+  app.add_option("--tp", world, "tensor-parallel world size (worker processes)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads, "LibTorch intra-op threads per worker")
+      ->check(CLI::PositiveNumber);
   app.add_option("--batches", batches_arg, "comma-separated batch sizes");
-  app.add_option("--new-tokens", new_tokens, "tokens generated per row")->check(CLI::PositiveNumber);
+  app.add_option("--new-tokens", new_tokens, "tokens generated per row")
+      ->check(CLI::PositiveNumber);
   app.add_option("--prompt", prompt_len, "prompt tokens per row")->check(CLI::PositiveNumber);
-  app.add_option("--reps", reps, "timed generates per batch size (median)")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "timed generates per batch size (median)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--layers", shape.layers)->check(CLI::PositiveNumber);
   app.add_option("--width", shape.width)->check(CLI::PositiveNumber);
   app.add_option("--heads", shape.heads)->check(CLI::PositiveNumber);
@@ -151,7 +155,8 @@ int run(int argc, char** argv) {
       ->check(CLI::Range(0, 1));
   app.add_option("--dtype", dtype_name)->check(CLI::IsMember({"float32", "bfloat16"}));
   app.add_option("--backend", backend_name)->check(CLI::IsMember({"auto", "shm", "gloo"}));
-  app.add_option("--timeout", timeout_s, "seconds: start-up and each call")->check(CLI::PositiveNumber);
+  app.add_option("--timeout", timeout_s, "seconds: start-up and each call")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   const auto batches = parse_batches(batches_arg);
 
@@ -185,8 +190,8 @@ int run(int argc, char** argv) {
     const double median = secs.size() % 2 == 1
                               ? secs[secs.size() / 2]
                               : (secs[secs.size() / 2 - 1] + secs[secs.size() / 2]) / 2;
-    emit(fmt::format("batch{}/tokens_per_s", b),
-         static_cast<double>(b * new_tokens) / median, "tokens/s");
+    emit(fmt::format("batch{}/tokens_per_s", b), static_cast<double>(b * new_tokens) / median,
+         "tokens/s");
     emit(fmt::format("batch{}/ms_per_token", b), median * 1e3 / static_cast<double>(new_tokens),
          "ms");
   }
@@ -202,13 +207,12 @@ int run(int argc, char** argv) {
   const auto gather = [world](const at::Tensor& t, int64_t dim) {
     return at::cat(std::vector<at::Tensor>(static_cast<size_t>(world), t), dim);
   };
-  tp::Gpt counted(shape.config(at::kFloat),
-                  tp::GptOptions{.comm = {.rank = 0,
-                                          .world_size = world,
-                                          .all_reduce_sum = noop,
-                                          .all_gather = gather},
-                                 .initialize = false,
-                                 .vocab_parallel = shape.vocab_parallel != 0});
+  tp::Gpt counted(
+      shape.config(at::kFloat),
+      tp::GptOptions{
+          .comm = {.rank = 0, .world_size = world, .all_reduce_sum = noop, .all_gather = gather},
+          .initialize = false,
+          .vocab_parallel = shape.vocab_parallel != 0});
   emit("parameters_per_rank", static_cast<double>(counted->num_parameters()), "elements");
   engine.shutdown();
   return 0;

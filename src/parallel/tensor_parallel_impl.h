@@ -64,8 +64,8 @@ struct TpWorkerSpec {
   template <class Archive>
   void serialize(Archive& ar) {
     ar(world_size, source, path, vocab_size, n_positions, n_embd, n_layer, n_head, n_inner,
-       layer_norm_epsilon, has_policy, policy, vocab_parallel, model_name, model_argument, dtype, backend,
-       master_port, authkey, timeout_s, has_seed, seed);
+       layer_norm_epsilon, has_policy, policy, vocab_parallel, model_name, model_argument, dtype,
+       backend, master_port, authkey, timeout_s, has_seed, seed);
   }
 };
 

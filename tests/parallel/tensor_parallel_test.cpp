@@ -534,9 +534,10 @@ void tp2_rank(int rank, int port, std::string backend, std::string dir) {
 
   auto replicated = tp::load_gpt(kConfig, tp::load_state_dict_file(dir + "/state_dict.pt"),
                                  {.comm = comm, .vocab_parallel = false});
-  TORCHPAR_RCHECK(!replicated->vocab_parallel() &&
-                      replicated->named_parameters()["wte.weight"].sizes().vec() == Shape({101, 64}),
-                  "rank {}: replicated vocabulary", rank);
+  TORCHPAR_RCHECK(
+      !replicated->vocab_parallel() &&
+          replicated->named_parameters()["wte.weight"].sizes().vec() == Shape({101, 64}),
+      "rank {}: replicated vocabulary", rank);
   const double rep = max_abs_diff(replicated->forward(ref.input_ids), ref.logits);
   TORCHPAR_RCHECK(rep <= kTolerance, "rank {}: TP=2 replicated-vocabulary logits differ by {}",
                   rank, rep);
@@ -730,8 +731,9 @@ TEST(Gpt, Gpt2SmallShapeConstructsAndRuns) {
   // With the vocabulary split too (the default), half of the token embedding: 62.6M, 50.3%.
   tp::Gpt split(
       tp::GptConfig{},
-      tp::GptOptions{.comm = {.rank = 1, .world_size = 2, .all_reduce_sum = noop, .all_gather = gather},
-                     .initialize = false});
+      tp::GptOptions{
+          .comm = {.rank = 1, .world_size = 2, .all_reduce_sum = noop, .all_gather = gather},
+          .initialize = false});
   EXPECT_EQ(split->num_parameters(), 62641920);
   EXPECT_TRUE(split->vocab_parallel());
   // vocab_parallel needs all_gather: a clear error, not a crash at the first forward.
