@@ -1,6 +1,8 @@
 // The process Pool: each worker has its own inbox queue, so the manager thread knows
-// exactly which tasks a worker holds; when a worker dies those tasks fail with
-// WorkerLostError, the worker is replaced, and the pool goes on.
+// exactly which tasks a worker holds. Chunks travel to a worker in batches and come back
+// one result each; when a worker dies, the chunk it was running fails with
+// WorkerLostError, the ones it had not begun run elsewhere, the worker is replaced, and
+// the pool goes on.
 #include "torchpar/pool/pool.h"
 
 #include <c10/util/Type.h>
@@ -9,9 +11,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
-#include <map>
+#include <deque>
+#include <iterator>
+#include <limits>
 #include <thread>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -27,34 +34,87 @@ const Payload& worker_context_payload() {
   return g_worker_context ? *g_worker_context : empty;
 }
 
+/// One inbox message: chunks a worker runs in order, answering each with a PoolResult of
+/// its own as soon as it is done. No chunks: the worker exits. `id` numbers the batches
+/// sent to one worker process (1, 2, ...; the exit message is 0): the first id left in a
+/// dead worker's inbox says which of its chunks it never took.
+struct PoolBatch {
+  uint64_t id = 0;
+  std::vector<PoolTask> tasks;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(id, tasks);
+  }
+};
+
 // Runs in every worker process.
-void pool_worker_main(int index, Queue<PoolTask> inbox, Queue<PoolResult> results,
+void pool_worker_main(int index, Queue<PoolBatch> inbox, Queue<PoolResult> results,
                       uint64_t maxtasks, PoolInit init, WorkerContext context) {
   if (context.set) g_worker_context = context.payload;
   if (init.set) {
     auto tramp = reinterpret_cast<Trampoline>(from_code_address(init.call.tramp));
     tramp(from_code_address(init.call.fn), *init.args);
   }
-  for (uint64_t n = 0; maxtasks == 0 || n < maxtasks; ++n) {
-    PoolTask task = inbox.get();  // the parent's death kills us (PDEATHSIG)
-    if (task.job == 0) return;
-    PoolResult r;
-    r.job = task.job;
-    r.chunk = task.chunk;
-    r.worker = index;
-    try {
-      auto tramp = reinterpret_cast<TaskTrampoline>(from_code_address(task.call.tramp));
-      void* fn = from_code_address(task.call.fn);
-      r.values = tramp(fn, task.args);
-    } catch (const std::exception& e) {
-      r.ok = false;
-      r.values.clear();
-      r.type = c10::demangle(typeid(e).name());
-      r.message = e.what();
+  // The last call's code addresses, resolved: resolving searches the loaded modules, and
+  // a batch's chunks mostly share one call.
+  PoolCall resolved_call;
+  TaskTrampoline resolved_tramp = nullptr;
+  void* resolved_fn = nullptr;
+  auto same = [](const CodeAddress& a, const CodeAddress& b) {
+    return a.offset == b.offset && a.module == b.module;
+  };
+  for (uint64_t n = 0; maxtasks == 0 || n < maxtasks;) {
+    // Waits as every Queue get does: spins (kSpinIterations, tens of µs), then sleeps on
+    // the queue's futex. The parent's death kills us (PDEATHSIG).
+    PoolBatch batch = inbox.get();
+    if (batch.tasks.empty()) return;
+    // The manager never sends past the maxtasksperchild budget; a batch runs whole.
+    for (PoolTask& task : batch.tasks) {
+      PoolResult r;
+      r.job = task.job;
+      r.chunk = task.chunk;
+      r.worker = index;
+      try {
+        if (resolved_tramp == nullptr || !same(task.call.tramp, resolved_call.tramp) ||
+            !same(task.call.fn, resolved_call.fn)) {
+          resolved_tramp = nullptr;
+          auto tramp = reinterpret_cast<TaskTrampoline>(from_code_address(task.call.tramp));
+          resolved_fn = from_code_address(task.call.fn);
+          resolved_tramp = tramp;
+          resolved_call = task.call;
+        }
+        r.values = resolved_tramp(resolved_fn, task.args);
+      } catch (const std::exception& e) {
+        r.ok = false;
+        r.values.clear();
+        r.type = c10::demangle(typeid(e).name());
+        r.message = e.what();
+      }
+      results.put(r);  // one result a chunk: it never waits for the rest of the batch
+      ++n;
     }
-    results.put(r);
   }
 }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kMaxBatch = 64;              // chunks in one inbox message, at most
+constexpr size_t kBatchBytes = 64 << 10;      // a batch stops growing at this many argument bytes
+constexpr size_t kInflightBytes = 256 << 10;  // a worker holding 2+ chunks and this much waits
+// A batch aims at about this much work, estimated from the job's answers so far (so slow
+// tasks still go out one or two at a time and balance across the workers).
+constexpr std::chrono::duration<double> kBatchWork = std::chrono::microseconds(500);
+// The weight of older answers in a job's estimate of a chunk's time (about 256 answers).
+constexpr double kEstimateDecay = 1.0 - 1.0 / 256;
+// Waiters on a job that is not done are woken at most this often (its last chunk: at once).
+constexpr std::chrono::duration<double> kWakeEvery = std::chrono::microseconds(200);
+constexpr auto kReapEvery = std::chrono::milliseconds(1);  // waitpid while results stream
+constexpr auto kIdleWait = std::chrono::milliseconds(5);   // the manager's longest wait
+constexpr size_t kDrainMax = 64;  // results taken in one round before dispatching again
+
+}  // namespace
 
 class PoolCore {
  public:
@@ -63,6 +123,7 @@ class PoolCore {
     if (options_.processes == 0)
       options_.processes = std::max(1u, std::thread::hardware_concurrency());
     workers_.resize(options_.processes);
+    generations_.assign(workers_.size(), 0);
     worker_pids_.assign(workers_.size(), -1);
     for (size_t i = 0; i < workers_.size(); ++i) start_worker(i);
     thread_ = std::thread([this] { manage(); });
@@ -79,12 +140,12 @@ class PoolCore {
       if (closed_ || stop_) throw ClosedError("Pool is closed");
       if (chunks.empty()) return job;
       const uint64_t id = next_job_++;
-      jobs_[id] = job;
+      jobs_[id].state = job;
       for (uint32_t c = 0; c < chunks.size(); ++c)
         pending_.push_back(PoolTask{id, c, call, std::move(chunks[c])});
       if (!broken_) dispatch(done);  // idle workers start now, not at the manager's next turn
     }
-    finish(done);
+    finish_now(done);
     return job;
   }
 
@@ -138,18 +199,56 @@ class PoolCore {
   }
 
  private:
+  // A chunk in a worker's hands: sent, not answered yet.
+  struct Sent {
+    PoolTask task;         // kept: a chunk the worker never began is sent again, elsewhere
+    uint64_t batch = 0;    // the PoolBatch::id it travelled in
+    Clock::time_point at;  // when it was sent
+    bool passed = false;   // a later chunk of this worker was answered: this one's answer was lost
+  };
+
   struct Worker {
     std::unique_ptr<Process> proc;
-    Queue<PoolTask> inbox{0, {.capacity_bytes = 1 << 20}};
-    std::vector<std::pair<uint64_t, uint32_t>> outstanding;
-    uint64_t sent = 0;
+    Queue<PoolBatch> inbox{0, {.capacity_bytes = 1 << 20}};
+    int32_t id = -1;  // PoolResult::worker of this process's results (the slot, and a generation)
+    std::deque<Sent> outstanding;  // in the order the worker runs them
+    size_t outstanding_bytes = 0;  // their argument bytes
+    uint64_t next_batch = 1;
+    uint64_t sent = 0;      // chunks sent to this process
     uint64_t answered = 0;  // results received from it
+    Clock::time_point last_answer;
     bool told_to_exit = false;
+  };
+
+  // A submitted job until its last chunk finishes (completed or failed).
+  struct Job {
+    std::shared_ptr<JobState> state;
+    size_t finished = 0;
+    // A chunk's time in a worker, estimated from the answers (decayed sums): sizes batches.
+    double busy_s = 0, answers = 0;
+  };
+
+  // Completes (job, chunk) outside the lock: callbacks may run user code.
+  // A chunk's results stay encoded until finish(): decoding runs outside the lock.
+  struct Completion {
+    std::shared_ptr<JobState> job;
+    uint32_t chunk;
+    std::string results;
+    std::exception_ptr error;
+    std::vector<std::any> values;  // decoded from `results` by finish
   };
 
   void start_worker(size_t i) {
     Worker& w = workers_[i];
     w = Worker();
+    // Results name their process, not just its slot: an answer of a process already
+    // settled as dead can never be taken for one of its replacement's.
+    uint64_t id = generations_[i]++ * workers_.size() + i;
+    if (id > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+      generations_[i] = 1;
+      id = i;
+    }
+    w.id = static_cast<int32_t>(id);
     ProcessOptions po;
     po.name = fmt::format("PoolWorker-{}", i);
     po.daemon = options_.daemon;
@@ -163,8 +262,8 @@ class PoolCore {
       context.set = true;
       context.payload = std::make_shared<Payload>(worker_context_(i));
     }
-    w.proc = std::make_unique<Process>(po, pool_worker_main, static_cast<int>(i), w.inbox, results_,
-                                       options_.maxtasksperchild, init, context);
+    w.proc = std::make_unique<Process>(po, pool_worker_main, static_cast<int>(w.id), w.inbox,
+                                       results_, options_.maxtasksperchild, init, context);
     std::lock_guard<std::mutex> lock(pid_mu_);  // terminate() must see every live worker
     if (stop_.load()) throw ClosedError("the pool was terminated");
     w.proc->start();
@@ -179,56 +278,70 @@ class PoolCore {
     return false;
   }
 
-  // A dead worker's inbox: the tasks it never took go back to the front of pending_ (in
-  // order) and leave its outstanding list; what stays there is what it had begun.
-  void requeue_unstarted(Worker& w) {
-    std::vector<PoolTask> unstarted;
-    for (;;) {
-      try {
-        unstarted.push_back(w.inbox.get_nowait());
-      } catch (...) {
-        break;  // Empty, or a message the worker was taking when it died (it counts as begun)
-      }
-    }
-    for (auto it = unstarted.rbegin(); it != unstarted.rend(); ++it) {
-      if (it->job == 0) continue;
-      auto& out = w.outstanding;
-      auto o = std::find(out.begin(), out.end(), std::make_pair(it->job, it->chunk));
-      if (o == out.end()) continue;
-      out.erase(o);
-      pending_.push_front(std::move(*it));
-    }
+  Worker* worker_of(int32_t id) {
+    if (id < 0) return nullptr;
+    Worker& w = workers_[static_cast<size_t>(id) % workers_.size()];
+    return w.id == id ? &w : nullptr;
   }
 
-  // Completes (job, chunk) outside the lock: callbacks may run user code.
-  // A chunk's results stay encoded until finish(): decoding runs outside the lock.
-  struct Completion {
-    std::shared_ptr<JobState> job;
-    uint32_t chunk;
-    std::string results;
-    std::exception_ptr error;
-  };
-
-  void take_result(PoolResult& r, std::vector<Completion>& done) {
-    early_deaths_ = 0;  // workers do get work done
-    if (r.worker >= 0 && static_cast<size_t>(r.worker) < workers_.size()) {
-      ++workers_[r.worker].answered;
-      auto& out = workers_[r.worker].outstanding;
-      for (auto it = out.begin(); it != out.end(); ++it) {
-        if (it->first == r.job && it->second == r.chunk) {
-          out.erase(it);
-          break;
-        }
+  // Under mu_, once a dead worker's last results were taken. It ran its chunks one at a
+  // time in the order they were sent, answering each, so what it held splits exactly:
+  // - the batches still in its inbox (from the first one found there on) it never took;
+  // - of the chunks it took, those passed over by a later answer had run (their answers
+  //   were lost): they fail; the first one not answered was running: it fails with
+  //   WorkerLostError; the ones after it never began.
+  // What never began goes back to the front of pending_, in order, and runs elsewhere.
+  void settle_dead(Worker& w, int pid, int code, std::vector<Completion>& done) {
+    uint64_t first_untaken = std::numeric_limits<uint64_t>::max();
+    try {
+      const PoolBatch b = w.inbox.get_nowait();
+      if (b.id != 0) first_untaken = b.id;
+    } catch (...) {
+      // Empty, or a message the worker was taking when it died: it counts as taken.
+    }
+    const auto lost = std::make_exception_ptr(WorkerLostError(pid, code));
+    std::vector<PoolTask> again;
+    bool running_seen = false;
+    for (Sent& s : w.outstanding) {
+      if (s.batch >= first_untaken || (running_seen && !s.passed)) {
+        again.push_back(std::move(s.task));
+      } else {
+        fail_chunk(s.task.job, s.task.chunk, lost, done);
+        if (!s.passed) running_seen = true;
       }
     }
+    pending_.insert(pending_.begin(), std::make_move_iterator(again.begin()),
+                    std::make_move_iterator(again.end()));
+    w.outstanding.clear();
+    w.outstanding_bytes = 0;
+  }
+
+  // Under mu_. A result its worker's outstanding list does not hold is dropped: it comes
+  // from a process already settled as dead, whose chunks failed or were sent again.
+  void take_result(PoolResult& r, Clock::time_point now, std::vector<Completion>& done) {
+    early_deaths_ = 0;  // workers do get work done
+    Worker* w = worker_of(r.worker);
+    if (w == nullptr) return;
+    auto& out = w->outstanding;
+    size_t p = 0;
+    while (p < out.size() && !(out[p].task.job == r.job && out[p].task.chunk == r.chunk)) ++p;
+    if (p == out.size()) return;
+    for (size_t q = 0; q < p; ++q) out[q].passed = true;  // answers lost (unreadable)
+    ++w->answered;
+    // It began this chunk when it was sent or when its previous answer came, the later.
+    const auto began = std::max(out[p].at, w->last_answer);
+    w->last_answer = now;
+    w->outstanding_bytes -= std::min(w->outstanding_bytes, out[p].task.args.size());
+    out.erase(out.begin() + static_cast<std::ptrdiff_t>(p));
     auto it = jobs_.find(r.job);
     if (it == jobs_.end()) return;
+    Job& job = it->second;
+    job.busy_s = job.busy_s * kEstimateDecay +
+                 std::chrono::duration<double>(now - std::min(now, began)).count();
+    job.answers = job.answers * kEstimateDecay + 1;
     std::exception_ptr err = r.ok ? nullptr : std::make_exception_ptr(TaskError(r.type, r.message));
-    done.push_back(Completion{it->second, r.chunk, std::move(r.values), err});
-    if (++remaining_done_[r.job] == it->second->chunks.size()) {
-      remaining_done_.erase(r.job);
-      jobs_.erase(it);
-    }
+    done.push_back(Completion{job.state, r.chunk, std::move(r.values), err, {}});
+    if (++job.finished == job.state->chunks.size()) jobs_.erase(it);
   }
 
   void fail_all_pending(std::exception_ptr err, std::vector<Completion>& done) {
@@ -240,22 +353,19 @@ class PoolCore {
                   std::vector<Completion>& done) {
     auto it = jobs_.find(job);
     if (it == jobs_.end()) return;
-    done.push_back(Completion{it->second, chunk, {}, err});
-    if (++remaining_done_[job] == it->second->chunks.size()) {
-      remaining_done_.erase(job);
-      jobs_.erase(it);
-    }
+    done.push_back(Completion{it->second.state, chunk, {}, err, {}});
+    if (++it->second.finished == it->second.state->chunks.size()) jobs_.erase(it);
   }
 
-  // Never throws (it runs with mu_ released by hand). A result that cannot be read is
-  // reported once on stderr; its chunk then fails when its worker exits.
-  void drain_results(std::vector<Completion>& done, Timeout wait) {
-    for (bool first = true;; first = false) {
+  // Takes up to `max` results, waiting up to `wait` for the first (nullopt: not at all).
+  // The wait spins briefly before it sleeps (the queue's get), so a stream of results
+  // never puts the manager to sleep. Never throws (it runs with mu_ released by hand). A
+  // result that cannot be read is reported once on stderr; its chunk then fails when its
+  // worker exits.
+  void drain_results(std::vector<PoolResult>& out, Timeout wait, size_t max) {
+    for (bool first = true; out.size() < max; first = false) {
       try {
-        PoolResult r = results_.get(first ? wait.value_or(std::chrono::duration<double>(0))
-                                          : std::chrono::duration<double>(0));
-        std::lock_guard<std::mutex> lock(mu_);
-        take_result(r, done);
+        out.push_back(results_.get(first && wait ? *wait : std::chrono::duration<double>(0)));
       } catch (const Empty&) {
         return;
       } catch (const std::exception& e) {
@@ -268,19 +378,123 @@ class PoolCore {
     }
   }
 
-  static void finish(std::vector<Completion>& done) {
+  static void decode(Completion& c) {
+    if (c.error) return;
+    try {
+      c.values = c.job->unpack(c.results);
+    } catch (...) {
+      c.error = std::current_exception();
+    }
+    c.results.clear();
+  }
+
+  // Any thread: completes each chunk through JobState::complete (waking its waiters).
+  static void finish_now(std::vector<Completion>& done) {
     for (auto& c : done) {
-      std::vector<std::any> values;
-      if (!c.error) {
-        try {
-          values = c.job->unpack(c.results);
-        } catch (...) {
-          c.error = std::current_exception();
-        }
-      }
-      c.job->complete(c.chunk, std::move(values), c.error);
+      decode(c);
+      c.job->complete(c.chunk, std::move(c.values), c.error);
     }
     done.clear();
+  }
+
+  // The manager thread: completes the chunks as JobState::complete does, but wakes the
+  // waiters of a job that is not done at most every kWakeEvery (see wake_later). A job's
+  // last chunk wakes them at once and runs its on_done callback.
+  void finish(std::vector<Completion>& done) {
+    for (auto& c : done) decode(c);
+    const auto now = Clock::now();
+    for (size_t i = 0; i < done.size();) {
+      const std::shared_ptr<JobState> job = done[i].job;
+      JobState& j = *job;
+      std::function<void()> on_done;
+      bool last = false;
+      size_t e = i;
+      {
+        std::lock_guard<std::mutex> lock(j.mu);
+        for (; e < done.size() && done[e].job.get() == &j; ++e) {
+          auto& chunk = j.chunks[done[e].chunk];
+          if (chunk.done) continue;
+          chunk.done = true;
+          chunk.values = std::move(done[e].values);
+          chunk.error = done[e].error;
+          if (chunk.error && !j.first_error) j.first_error = chunk.error;
+          j.order.push_back(done[e].chunk);
+          if (++j.ndone == j.chunks.size()) {
+            last = true;
+            on_done = std::move(j.on_done);
+          }
+        }
+      }
+      i = e;
+      if (last) {
+        quiet_.erase(&j);
+        j.cv.notify_all();
+        if (on_done) {
+          try {
+            on_done();
+          } catch (...) {
+            // A throwing callback must not take the pool's thread down (as JobState::complete).
+          }
+        }
+      } else {
+        wake_later(job, now);
+      }
+    }
+    done.clear();
+  }
+
+  // A job with chunks completed since its waiters were last woken. A caller of map waits
+  // for the last chunk only, yet every completion used to wake it (a futex wake-up and a
+  // context switch a chunk); an imap consumer takes what is done when it calls next(),
+  // and one already asleep wakes within kWakeEvery.
+  struct Quiet {
+    std::shared_ptr<JobState> job;
+    Clock::time_point woken;
+    bool pending = false;
+  };
+
+  void wake_later(const std::shared_ptr<JobState>& job, Clock::time_point now) {
+    auto [it, fresh] = quiet_.try_emplace(job.get());
+    Quiet& q = it->second;
+    q.job = job;
+    if (fresh || now - q.woken >= kWakeEvery) {
+      job->cv.notify_all();
+      q.woken = now;
+      q.pending = false;
+    } else {
+      q.pending = true;
+    }
+  }
+
+  // Wakes the waiters whose kWakeEvery has passed (all of them when `all`); forgets the
+  // jobs quiet for a whole period (their next completion wakes at once).
+  void wake_due(Clock::time_point now, bool all) {
+    for (auto it = quiet_.begin(); it != quiet_.end();) {
+      Quiet& q = it->second;
+      if (!all && now - q.woken < kWakeEvery) {
+        ++it;
+      } else if (q.pending) {
+        q.job->cv.notify_all();
+        q.woken = now;
+        q.pending = false;
+        if (all)
+          it = quiet_.erase(it);
+        else
+          ++it;
+      } else {
+        it = quiet_.erase(it);
+      }
+    }
+  }
+
+  // How long the manager may wait for results: until the next due wake-up, at most kIdleWait.
+  std::chrono::duration<double> drain_wait(Clock::time_point now) const {
+    std::chrono::duration<double> wait = kIdleWait;
+    for (const auto& [key, q] : quiet_)
+      if (q.pending)
+        wait = std::min(wait, std::max(std::chrono::duration<double>(0),
+                                       std::chrono::duration<double>(q.woken - now) + kWakeEvery));
+    return wait;
   }
 
   // The manager thread. No exception leaves it: an unexpected one is reported on stderr
@@ -306,9 +520,25 @@ class PoolCore {
   }
 
   void manage_loop(std::vector<Completion>& done) {
+    std::vector<PoolResult> got;
+    auto last_reap = Clock::now();
     for (;;) {
-      drain_results(done, std::chrono::milliseconds(5));
+      // 1. Results, then (same lock) refill the workers they came from, then complete.
+      drain_results(got, drain_wait(Clock::now()), kDrainMax);
+      const auto now = Clock::now();
+      const bool idle_round = got.empty();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& r : got) take_result(r, now, done);
+        if (!stop_) dispatch(done);
+      }
+      got.clear();
       finish(done);
+      wake_due(Clock::now(), false);
+      // 2. Dead workers, close and terminate. A waitpid a worker each round cost about as
+      // much as a trivial task: while results stream in, look at most every kReapEvery.
+      if (!idle_round && !stop_.load() && now - last_reap < kReapEvery) continue;
+      last_reap = now;
       bool stop = false, all_exited = true, closed = false;
       {
         std::unique_lock<std::mutex> lock(mu_);
@@ -329,18 +559,17 @@ class PoolCore {
           }
           // Results it sent before dying are already queued: take them first.
           lock.unlock();
-          drain_results(done, std::nullopt);
+          drain_results(got, std::nullopt, std::numeric_limits<size_t>::max());
           lock.lock();
-          // Tasks still in its inbox never ran: they go to the others. The rest had begun.
-          requeue_unstarted(w);
+          for (auto& r : got) take_result(r, Clock::now(), done);
+          got.clear();
           const int code = w.proc->exitcode().value_or(-1);
           const int pid = w.proc->pid();
-          for (auto [job, chunk] : w.outstanding)
-            fail_chunk(job, chunk, std::make_exception_ptr(WorkerLostError(pid, code)), done);
+          // Fails the chunk it was running; what it never began goes to the others.
+          settle_dead(w, pid, code, done);
           // Died without answering anything (a failing initializer?). Counted on answers,
           // not on tasks sent: its unstarted tasks went back to pending_ above.
           if (code != 0 && w.answered == 0) ++early_deaths_;
-          w.outstanding.clear();
           w.proc.reset();
           if (early_deaths_ > 3 * workers_.size()) {
             // Workers die before doing anything (a failing initializer?): stop replacing them.
@@ -380,7 +609,7 @@ class PoolCore {
               if (w.proc && !w.told_to_exit) {
                 w.told_to_exit = true;
                 try {
-                  w.inbox.put(PoolTask{}, std::chrono::duration<double>(0));  // job 0: exit
+                  w.inbox.put(PoolBatch{}, std::chrono::duration<double>(0));  // exit
                 } catch (...) {
                   w.proc->kill();  // it holds no task: ending it is as good
                 }
@@ -390,6 +619,7 @@ class PoolCore {
         }
       }
       finish(done);
+      wake_due(Clock::now(), false);
       if (stop) break;
       if (all_exited && closed) break;
     }
@@ -413,9 +643,11 @@ class PoolCore {
         }
         worker_pids_[i] = -1;
       }
-      for (auto [job, chunk] : w.outstanding)
-        fail_chunk(job, chunk, error("the pool was terminated while this task ran"), done);
+      for (auto& s : w.outstanding)
+        fail_chunk(s.task.job, s.task.chunk, error("the pool was terminated while this task ran"),
+                   done);
       w.outstanding.clear();
+      w.outstanding_bytes = 0;
       w.proc.reset();
     }
     for (auto& t : pending_)
@@ -425,37 +657,123 @@ class PoolCore {
     finished_ = true;
     finished_cv_.notify_all();
     lock.unlock();
-    finish(done);
+    finish_now(done);
+    wake_due(Clock::now(), true);
   }
 
-  // Under mu_: hands pending chunks to workers with room (two in flight each, never more
-  // than a worker's remaining maxtasksperchild budget). Never blocks: an inbox that is full
-  // (in bytes) keeps the chunk pending for a later turn while its worker has tasks to take;
-  // any other failure of the put (or Full at an idle worker: it can never fit) fails that
-  // chunk with the put's error, and the pool goes on.
+  // How many chunks go to a worker in one inbox message for the job at the front of
+  // pending_: about a fair share of the backlog (pending / (2 x workers): a short job still
+  // spreads over every worker, and the last chunks go out one by one), at most kMaxBatch,
+  // and at most about kBatchWork of the job's estimated chunk time (slow tasks balance as
+  // before). A job not answered yet goes one chunk at a time until its first answer.
+  size_t batch_limit(uint64_t job, size_t takers) const {
+    auto it = jobs_.find(job);
+    if (it == jobs_.end() || it->second.answers <= 0) return 1;
+    double k = static_cast<double>(
+        std::min(kMaxBatch, pending_.size() / (2 * std::max<size_t>(takers, 1))));
+    const double per_chunk = it->second.busy_s / it->second.answers;
+    if (per_chunk > 0) k = std::min(k, kBatchWork.count() / per_chunk);
+    return std::max<size_t>(1, static_cast<size_t>(k));
+  }
+
+  // Under mu_: hands pending chunks to workers, in batches. Never blocks.
+  //
+  // Why batches. A chunk used to travel alone, with at most two in flight a worker, and
+  // with chunksize 1 every task paid the whole path: the manager's inbox put (a lock and
+  // an archive), the worker's inbox running dry whenever the manager was late (the worker
+  // spun, then slept on the inbox's futex, and the next put paid a futex wake-up), the
+  // result's put waking a sleeping manager, the map caller woken by every chunk (a futex
+  // wake-up and a context switch, though it waits for the last one), a waitpid a worker
+  // every manager round, and the worker resolving the call's code addresses: about 20 µs
+  // a trivial task (47k tasks/s), of which the wake-ups and hops (~75 µs each on these
+  // VMs when they happen) were most. Now one message carries up to K chunks (batch_limit:
+  // K from the backlog and the job's chunk time, capped at kMaxBatch and kBatchBytes), and a
+  // worker is refilled when it holds K or fewer, so while a job has a backlog each worker
+  // has K to 2K chunks queued and never sleeps, the manager never sleeps either (results
+  // stream in; its get spins before sleeping), the caller is woken at most every
+  // kWakeEvery, waitpid runs every kReapEvery, and a worker resolves a call once a batch.
+  //
+  // What stays as it was: a worker answers every chunk on its own as soon as it is done
+  // (so results, callbacks and imap_unordered never wait for the rest of a batch), and
+  // runs its chunks strictly in the order sent, so a dead worker's losses are exact
+  // (settle_dead): the chunk it was running fails, the ones it had not begun run
+  // elsewhere. In flight a worker: at most 2K chunks (K = 1, two in flight, for an
+  // apply_async or a job not answered yet), and no more once it holds two chunks and
+  // kInflightBytes; never beyond its remaining maxtasksperchild budget.
+  //
+  // An inbox that is full (in bytes) keeps the chunks pending for a later turn while its
+  // worker has chunks to take; any other failure of the put (or Full at an idle worker)
+  // is retried with the first chunk alone, and then fails that chunk with the put's error,
+  // and the pool goes on.
   void dispatch(std::vector<Completion>& done) {
+    if (pending_.empty()) return;
+    size_t takers = 0;
+    for (auto& w : workers_) takers += (w.proc && !w.told_to_exit) ? 1 : 0;
+    const auto now = Clock::now();
     for (auto& w : workers_) {
       if (!w.proc || w.told_to_exit) continue;
-      while (!pending_.empty() && w.outstanding.size() < 2 &&
-             (options_.maxtasksperchild == 0 || w.sent < options_.maxtasksperchild)) {
-        PoolTask& t = pending_.front();
-        try {
-          w.inbox.put(t, std::chrono::duration<double>(0));
-        } catch (const Full&) {
-          if (!w.outstanding.empty()) break;  // room comes as this worker takes its tasks
-          fail_chunk(t.job, t.chunk, std::current_exception(), done);
-          pending_.pop_front();
-          continue;
-        } catch (...) {
-          fail_chunk(t.job, t.chunk, std::current_exception(), done);
-          pending_.pop_front();
-          continue;
+      while (!pending_.empty()) {
+        uint64_t budget = std::numeric_limits<uint64_t>::max();
+        if (options_.maxtasksperchild != 0) {
+          if (w.sent >= options_.maxtasksperchild) break;
+          budget = options_.maxtasksperchild - w.sent;
         }
-        // Marked after the put succeeded; the worker's result needs mu_, which we hold.
-        w.outstanding.emplace_back(t.job, t.chunk);
-        ++w.sent;
-        pending_.pop_front();
+        const size_t held = w.outstanding.size();
+        if (held >= 2 && w.outstanding_bytes >= kInflightBytes) break;
+        const uint64_t job = pending_.front().job;
+        const size_t k = batch_limit(job, takers);
+        // The batch: the front chunks of one job, up to k, the budget and kBatchBytes.
+        const size_t want = static_cast<size_t>(std::min<uint64_t>(k, budget));
+        size_t n = 0, bytes = 0;
+        while (n < want && n < pending_.size() && pending_[n].job == job &&
+               (n == 0 || bytes + pending_[n].args.size() <= kBatchBytes))
+          bytes += pending_[n++].args.size();
+        // A busy worker waits for room for the whole batch: batches stay large.
+        if (held + n > 2 * k && held != 0) break;
+        if (!send_batch(w, n, now, done)) break;
       }
+    }
+  }
+
+  // Sends the first `n` pending chunks to `w` as one batch. False: `w` gets nothing more
+  // this turn.
+  bool send_batch(Worker& w, size_t n, Clock::time_point now, std::vector<Completion>& done) {
+    for (;;) {
+      PoolBatch b;
+      b.id = w.next_batch;
+      b.tasks.assign(std::make_move_iterator(pending_.begin()),
+                     std::make_move_iterator(pending_.begin() + static_cast<std::ptrdiff_t>(n)));
+      pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(n));
+      std::exception_ptr err;
+      bool full = false;
+      try {
+        w.inbox.put(b, std::chrono::duration<double>(0));
+      } catch (const Full&) {
+        err = std::current_exception();
+        full = true;
+      } catch (...) {
+        err = std::current_exception();
+      }
+      if (!err) {
+        // Marked after the put succeeded; the worker's result needs mu_, which we hold.
+        ++w.next_batch;
+        w.sent += b.tasks.size();
+        for (auto& t : b.tasks) {
+          w.outstanding_bytes += t.args.size();
+          w.outstanding.push_back(Sent{std::move(t), b.id, now, false});
+        }
+        return true;
+      }
+      pending_.insert(pending_.begin(), std::make_move_iterator(b.tasks.begin()),
+                      std::make_move_iterator(b.tasks.end()));
+      if (full && !w.outstanding.empty()) return false;  // room comes as it takes its batches
+      if (n > 1) {
+        n = 1;  // maybe too large as a batch: the first chunk alone
+        continue;
+      }
+      fail_chunk(pending_.front().job, pending_.front().chunk, err, done);
+      pending_.pop_front();
+      return true;
     }
   }
 
@@ -464,10 +782,10 @@ class PoolCore {
   std::mutex mu_;
   std::condition_variable finished_cv_;
   std::vector<Worker> workers_;
+  std::vector<uint64_t> generations_;  // processes started in each slot
   Queue<PoolResult> results_{0, {.capacity_bytes = 8 << 20}};
   std::deque<PoolTask> pending_;
-  std::map<uint64_t, std::shared_ptr<JobState>> jobs_;
-  std::map<uint64_t, size_t> remaining_done_;
+  std::unordered_map<uint64_t, Job> jobs_;
   uint64_t next_job_ = 1;
   bool closed_ = false;
   std::atomic<bool> stop_{false};
@@ -475,6 +793,8 @@ class PoolCore {
   bool broken_ = false;
   bool result_error_reported_ = false;
   size_t early_deaths_ = 0;
+  // The manager thread's own: jobs whose waiters it has not woken for every completion.
+  std::unordered_map<const JobState*, Quiet> quiet_;
   // Workers' pids for terminate(), which must not take mu_. Held only for non-blocking
   // calls (start, a WNOHANG reap) and the final kill + bounded join.
   std::mutex pid_mu_;

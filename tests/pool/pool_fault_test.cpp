@@ -25,6 +25,17 @@ int square(int x) { return x * x; }
 int my_pid(int) { return static_cast<int>(::getpid()); }
 std::string big_result(int) { return std::string(1 << 20, 'x'); }
 
+// In a worker: runs[x] counts the runs of item x (a tensor shared with the parent, set by
+// the initializer). Items kVictimA and kVictimB kill their own worker.
+constexpr int kBatchItems = 2000, kVictimA = 700, kVictimB = 1500;
+at::Tensor g_runs;
+void keep_runs(at::Tensor runs) { g_runs = runs; }
+int count_then_die(int x) {
+  std::atomic_ref<int32_t>(g_runs.data_ptr<int32_t>()[x]).fetch_add(1);
+  if (x == kVictimA || x == kVictimB) ::raise(SIGKILL);
+  return x * x;
+}
+
 bool wait_state(int pid, char want, std::chrono::duration<double> limit) {
   const auto end = std::chrono::steady_clock::now() + limit;
   while (std::chrono::steady_clock::now() < end) {
@@ -60,6 +71,46 @@ TEST_P(PoolFault, TasksQueuedAtAKilledIdleWorkerRunElsewhere) {
   ASSERT_EQ(out.size(), 8u);
   for (int i = 0; i < 8; ++i) EXPECT_EQ(out[i], i * i);
   EXPECT_EQ(pool.map(square, items, 2)[7], 49) << "the pool goes on";
+}
+
+// 2,000 trivial tasks at chunksize 1 reach the workers in batches of many chunks (a busy
+// worker holds up to two batches). Two tasks kill their own worker: each fails alone with
+// WorkerLostError; the chunks of its batch that it had not begun, and the batch queued
+// behind it, run on the other or the replacement worker; every task runs exactly once
+// (before batching, a dead worker held at most two chunks).
+TEST_P(PoolFault, AKilledWorkerFailsExactlyTheTaskItRanOfItsBatch) {
+  at::Tensor runs = at::zeros({kBatchItems}, at::kInt);
+  tp::share_memory_(runs);
+  auto o = options(2);
+  o.init = tp::initializer(keep_runs, runs);
+  tp::Pool pool(o);
+  std::vector<int> items(kBatchItems);
+  std::iota(items.begin(), items.end(), 0);
+  auto it = pool.imap(count_then_die, items, 1);
+  int lost = 0;
+  for (int i = 0; i < kBatchItems; ++i) {
+    if (i == kVictimA || i == kVictimB) {
+      try {
+        (void)it.next(60s);
+        ADD_FAILURE() << "task " << i << " killed its worker yet returned";
+      } catch (const tp::WorkerLostError& e) {
+        EXPECT_EQ(e.exit_code(), -SIGKILL) << i;
+        ++lost;
+      }
+    } else {
+      EXPECT_EQ(it.next(60s), i * i) << "task " << i;
+    }
+  }
+  EXPECT_FALSE(it.next(5s).has_value());
+  EXPECT_EQ(lost, 2);
+  const auto counts = runs.accessor<int32_t, 1>();
+  int wrong = 0;
+  for (int i = 0; i < kBatchItems; ++i)
+    if (counts[i] != 1 && ++wrong <= 10)
+      ADD_FAILURE() << "task " << i << " ran " << counts[i] << " times";
+  EXPECT_EQ(wrong, 0);
+  EXPECT_EQ(pool.map(square, items, 1)[kBatchItems - 1], (kBatchItems - 1) * (kBatchItems - 1))
+      << "the pool goes on";
 }
 
 TORCHPAR_INSTANTIATE_FOR_START_METHODS(PoolFault);

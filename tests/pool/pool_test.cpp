@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <future>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -183,6 +184,20 @@ TEST_P(PoolTest, MaxTasksPerChildReplacesWorkers) {
   tp::Pool pool(o);
   auto pids = pool.map(my_pid, std::vector<int>(6, 0), 1);
   EXPECT_EQ(std::set<int>(pids.begin(), pids.end()).size(), 3u) << "one worker per two tasks";
+}
+
+// Chunks reach a worker in batches, yet never past its budget: each process runs at most
+// maxtasksperchild chunks of a long map at chunksize 1.
+TEST_P(PoolTest, MaxTasksPerChildHoldsWithBatches) {
+  auto o = options(2);
+  o.maxtasksperchild = 25;
+  tp::Pool pool(o);
+  const auto pids = pool.map(my_pid, std::vector<int>(100, 0), 1);
+  ASSERT_EQ(pids.size(), 100u);
+  std::map<int, int> runs;
+  for (int pid : pids) ++runs[pid];
+  for (auto [pid, n] : runs) EXPECT_LE(n, 25) << "worker " << pid;
+  EXPECT_GE(runs.size(), 4u);
 }
 
 TEST_P(PoolTest, InitializerRunsOncePerWorker) {
