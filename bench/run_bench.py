@@ -544,12 +544,25 @@ POOL_ROWS = [  # label, measure, unit, higher is better
 POOL_PEERS = ("multiprocessing.Pool", "torch.multiprocessing.Pool")
 
 
+# Starting a worker: start methods (ours and Python's), and Python's extra forkserver run with
+# torch preloaded in its server; timed starts per method and run (quick, full).
+START_METHODS = ("fork", "forkserver", "spawn")
+START_COUNTS = (3, 10)  # Python spawn and forkserver starts take ~2 s each here (they import torch)
+START_PEER = "multiprocessing.Process"
+
+
 def parse_pool_bench(out):
     g = gbench(out)
-    return {"map_chunksize_1": pick_bench(g, "BM_PoolMapTrivial/chunksize:1/real_time")["tasks_per_s"],
-            "map_chunksize_1000": pick_bench(g, "BM_PoolMapTrivial/chunksize:1000/real_time")["tasks_per_s"],
-            "apply_async_rtt": pick_bench(g, "BM_PoolApplyAsyncRoundTrip/real_time")["us"],
-            "map_tensors_1k": pick_bench(g, "BM_PoolMapTensors1K/real_time")["us"] / 1e3}
+    res = {"map_chunksize_1": pick_bench(g, "BM_PoolMapTrivial/chunksize:1/real_time")["tasks_per_s"],
+           "map_chunksize_1000": pick_bench(g, "BM_PoolMapTrivial/chunksize:1000/real_time")["tasks_per_s"],
+           "apply_async_rtt": pick_bench(g, "BM_PoolApplyAsyncRoundTrip/real_time")["us"],
+           "map_tensors_1k": pick_bench(g, "BM_PoolMapTensors1K/real_time")["us"] / 1e3}
+    for method in START_METHODS:  # BM_ProcessStart/<method>/iterations:1/manual_time
+        prefix = f"BM_ProcessStart/{method}/"
+        b = pick_bench(g, next((n for n in g if n.startswith(prefix)), prefix))
+        res[f"start_median/{method}"] = b["start_us_median"]
+        res[f"start_p99/{method}"] = b["start_us_p99"]
+    return res
 
 
 def parse_python_pool(out):
@@ -557,12 +570,12 @@ def parse_python_pool(out):
 
 
 def runners_pools(cfg):
-    tasks = cfg.pick(20000, 200000)
-    ours = [cfg.bin / "pool_bench", "--benchmark_format=json", "--tasks", tasks]
+    tasks, starts = cfg.pick(20000, 200000), cfg.pick(*START_COUNTS)
+    ours = [cfg.bin / "pool_bench", "--benchmark_format=json", "--tasks", tasks, "--starts", starts]
     if cfg.quick:
         ours.append("--benchmark_min_time=0.1")
     timeout = cfg.pick(240, 900)
-    peer = [PY, PEERS / "python_pool.py", "--tasks", tasks, "--timeout", timeout - 30]
+    peer = [PY, PEERS / "python_pool.py", "--tasks", tasks, "--starts", starts, "--timeout", timeout - 30]
     if cfg.quick:
         peer.append("--quick")
     return [Runner("pool_bench", True, ours, parse_pool_bench, timeout),
@@ -584,6 +597,38 @@ def report_pools(runs, limits, cfg):
            "Ratios: how many times better torchpar is (> 1: torchpar better). pool_bench reports "
            "Google Benchmark's mean per iteration, python_pool.py medians (apply_async, tensors) "
            "or total rates (maps). No issue target and no meaningful physical limit here.")
+    srows = []
+    for method, label in [(m, m) for m in START_METHODS] + [
+            ("forkserver_preload", "forkserver; Python's server preloads torch")]:
+        mine_m = method.replace("_preload", "")
+        mine = (ours.get(f"start_median/{mine_m}"), ours.get(f"start_p99/{mine_m}"))
+        theirs = (peer.get(f"{START_PEER}/start_median/{method}"),
+                  peer.get(f"{START_PEER}/start_p99/{method}"))
+        ratio = advantage(mine[0], theirs[0], False)
+        srows.append((label, *map(fmt, mine), *map(fmt, theirs), fmt_x(ratio)))
+        summary[f"start_{method}"] = {"torchpar_median": mine[0], "torchpar_p99": mine[1],
+                                      f"{START_PEER}_median": theirs[0], f"{START_PEER}_p99": theirs[1],
+                                      "unit": "us", "ratio_medians": ratio}
+    starts = cfg.pick(*START_COUNTS)
+    md += ("\n\n### Starting a worker (Process.start to the child running its target)\n\n"
+           + table(["start method", "torchpar median (us)", "torchpar p99 (us)",
+                    f"{START_PEER} median (us)", f"{START_PEER} p99 (us)",
+                    "torchpar vs Python (medians)"], srows)
+           + f"\n\nThe parent reads CLOCK_MONOTONIC just before `start()`; the child's target reads it as "
+           "its first action and stores it in shared memory (torchpar `Value<int64_t>`, Python "
+           "`RawValue('q')`), read by the parent after joining the child: the value is child - parent, "
+           "so the hand-back is not in it. Per run and start method: one untimed start first (on both "
+           f"sides: it starts the forkserver's server, and Python's resource tracker), then {starts} "
+           "timed starts one after another, each joined before the next; the median and the p99 "
+           f"(nearest rank, so with {starts} starts the slowest one) of the run; the table shows the "
+           "median over rounds of each. torchpar's spawn child execs pool_bench (LibTorch loaded by the "
+           "dynamic linker) and reaches the target from `torchpar::init`; Python's spawn child starts "
+           "an interpreter that re-runs the main script, which imports torch (as a torch user's "
+           "script does). Before Python 3.13 the forkserver does not preload `__main__` (CPython "
+           "gh-126631, gh-137996), so each of its children also re-runs the script and imports "
+           "torch; the last row restarts Python's forkserver with "
+           "`set_forkserver_preload(['torch'])`, the documented way to import torch once in the "
+           "server, against torchpar's same forkserver row.")
     return md, summary
 
 
@@ -592,7 +637,14 @@ def plot_pools(runs, out):
     panels = [(f"{label} ({unit})", [("torchpar", ours.get(m))] +
                [(p.replace("multiprocessing", "mp"), peer.get(f"{p}/{m}")) for p in POOL_PEERS], None, higher)
               for label, m, unit, higher in POOL_ROWS]
-    bar_grid(out / "pools.png", "Process pools, 2 workers (mp = multiprocessing)", panels, cols=4)
+    for method in START_METHODS:
+        bars = [("torchpar", ours.get(f"start_median/{method}")),
+                ("mp", peer.get(f"{START_PEER}/start_median/{method}"))]
+        if method == "forkserver":
+            bars.append(("mp, torch\npreloaded", peer.get(f"{START_PEER}/start_median/forkserver_preload")))
+        panels.append((f"Process start, {method}, median (us)", bars, None, False))
+    bar_grid(out / "pools.png", "Process pools, 2 workers; process start (mp = multiprocessing)", panels,
+             cols=4)
 
 
 # ----------------------------------------------------------------------------------------------
