@@ -17,6 +17,8 @@ std::string to_string(Backend backend) {
       return "gloo";
     case Backend::kShm:
       return "shm";
+    case Backend::kHierarchical:
+      return "hierarchical";
   }
   return "?";
 }
@@ -41,7 +43,9 @@ Backend backend_from_string(const std::string& name) {
   if (name == "auto") return Backend::kAuto;
   if (name == "gloo") return Backend::kGloo;
   if (name == "shm") return Backend::kShm;
-  throw Error(fmt::format("unknown collective backend '{}': expected auto, gloo or shm", name));
+  if (name == "hierarchical") return Backend::kHierarchical;
+  throw Error(fmt::format(
+      "unknown collective backend '{}': expected auto, gloo, shm or hierarchical", name));
 }
 
 // ---- Work ------------------------------------------------------------------------------

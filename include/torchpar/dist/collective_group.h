@@ -21,17 +21,27 @@ namespace torchpar {
 /// (shm backend) kSum and kMax mean OR, kProduct and kMin mean AND.
 enum class ReduceOp { kSum, kProduct, kMin, kMax, kAvg };
 
-/// Where a group's collectives run.
-///   kGloo: LibTorch's c10d ProcessGroupGloo over TCP; works across hosts.
+/// Where a group's collectives run. A "host" is a host key of the rendezvous: host name,
+/// boot id, pid and network namespace and the device of /dev/shm (what TensorPipe's shm
+/// domain compares), never user input alone.
+///   kGloo: LibTorch's c10d ProcessGroupGloo over TCP among all ranks (flat); works across
+///          hosts.
 ///   kShm:  torchpar's shared-memory backend; every rank of the group on one host.
-///   kAuto: kShm when all ranks of the group are on one host, else kGloo.
-enum class Backend { kAuto, kGloo, kShm };
+///   kHierarchical: shared memory inside each host, Gloo between one leader per host (the
+///          host's lowest group rank), as NCCL's and MPI's hierarchical collectives:
+///          all_reduce = shm reduce to the leader, Gloo all_reduce among the leaders, shm
+///          broadcast from the leader; the other collectives are composed the same way
+///          (all_to_all and send/recv go over a flat Gloo group). Works on one host too.
+///   kAuto: kShm when all ranks of the group are on one host, else kHierarchical when some
+///          host has more than one of them, else kGloo.
+enum class Backend { kAuto, kGloo, kShm, kHierarchical };
 
-/// "auto", "gloo", "shm".
+/// "auto", "gloo", "shm", "hierarchical".
 std::string to_string(Backend backend);
 /// "SUM", "PRODUCT", "MIN", "MAX", "AVG" (torch.distributed's names).
 std::string to_string(ReduceOp op);
-/// Parses "auto" | "gloo" | "shm"; throws torchpar::Error naming the bad value.
+/// Parses "auto" | "gloo" | "shm" | "hierarchical"; throws torchpar::Error naming the bad
+/// value.
 Backend backend_from_string(const std::string& name);
 
 /// Options of all_reduce, reduce and reduce_scatter (as gloo's AllreduceOptions):
