@@ -102,13 +102,17 @@ std::string local_address_towards(const std::string& addr, int port) {
 
 std::string host_key() {
   struct stat ns {};
+  struct stat net {};
   struct stat shm {};
   ::stat("/proc/self/ns/pid", &ns);
+  ::stat("/proc/self/ns/net", &net);
   ::stat("/dev/shm", &shm);
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
-  return fmt::format("{}/{}/{:x}/{:x}", host, read_first_line("/proc/sys/kernel/random/boot_id"),
-                     static_cast<uint64_t>(ns.st_ino), static_cast<uint64_t>(shm.st_dev));
+  return fmt::format("{}/{}/{:x}/{:x}/{:x}", host,
+                     read_first_line("/proc/sys/kernel/random/boot_id"),
+                     static_cast<uint64_t>(ns.st_ino), static_cast<uint64_t>(net.st_ino),
+                     static_cast<uint64_t>(shm.st_dev));
 }
 
 Rendezvous::Rendezvous(WorldOptions options) : opts(std::move(options)) {

@@ -15,8 +15,11 @@
 
 namespace torchpar::detail {
 
-/// Ranks with equal keys share /dev/shm and a pid namespace: the shm backend works among
-/// them. "<host name>/<boot id>/<pid namespace inode>/<the device of /dev/shm>", in hex.
+/// Ranks with equal keys share /dev/shm, a pid and a network namespace: the shm backend
+/// works among them, and they count as one host (Backend::kAuto, kHierarchical). As
+/// TensorPipe's shm domain, a network namespace is a host of its own, so namespaces joined
+/// by a veth pair stand in for hosts in the tests. "<host name>/<boot id>/<pid namespace
+/// inode>/<network namespace inode>/<the device of /dev/shm>", numbers in hex.
 std::string host_key();
 
 /// This rank's view of the job once every rank joined.

@@ -16,6 +16,7 @@
 #include <string_view>
 
 #include "dist/backend/gloo/backend.h"
+#include "dist/backend/hierarchical/backend.h"
 #include "dist/backend/shm/backend.h"
 #include "dist/rendezvous.h"
 #include "dist/rpc/agent.h"
@@ -129,7 +130,10 @@ struct World::Impl {
     auto gstore = c10::make_intrusive<c10d::PrefixStore>(key, rdv.store);
     const Seconds t = timeout.value_or(rdv.opts.timeout);
 
-    // Which backend: every member publishes its host; shm only when all are on one host.
+    std::vector<detail::MemberInfo> info;
+    for (int r : ranks) info.push_back(rdv.members[static_cast<size_t>(r)]);
+    // Which backend: every member publishes its host; shm only when all are on one host,
+    // hierarchical when they span hosts and some host holds more than one of them.
     if (backend != Backend::kGloo) {
       gstore->set(fmt::format("host/{}", rel), detail::store_bytes(rdv.host));
       std::vector<std::string> host_keys;
@@ -141,19 +145,23 @@ struct World::Impl {
             ranks[static_cast<size_t>(missing)], join(ranks), t.count()));
       }
       bool one_host = true;
-      for (const auto& hk : host_keys) {
-        if (detail::store_string(gstore->get(hk)) != rdv.host) one_host = false;
+      for (size_t q = 0; q < host_keys.size(); ++q) {
+        info[q].host = detail::store_string(gstore->get(host_keys[q]));
+        if (info[q].host != rdv.host) one_host = false;
       }
       if (!one_host && backend == Backend::kShm) {
         throw Error(
             fmt::format("World::create_collective_group: backend shm needs every rank "
-                        "of [{}] on one host; use gloo or auto",
+                        "of [{}] on one host; use hierarchical, gloo or auto",
                         join(ranks)));
       }
-      backend = one_host ? Backend::kShm : Backend::kGloo;
+      if (backend == Backend::kAuto) {
+        const size_t hosts = detail::hosts_of(info).size();
+        backend = one_host              ? Backend::kShm
+                  : hosts < ranks.size() ? Backend::kHierarchical
+                                         : Backend::kGloo;
+      }
     }
-    std::vector<detail::MemberInfo> info;
-    for (int r : ranks) info.push_back(rdv.members[static_cast<size_t>(r)]);
     const std::string gname = fmt::format("group [{}] #{} (rank {} of {}, {})", join(ranks), n, rel,
                                           ranks.size(), to_string(backend));
     auto gloo = detail::create_gloo_backend(
@@ -166,6 +174,17 @@ struct World::Impl {
          .members = info,
          .my_host = rdv.host});
     if (backend == Backend::kGloo) return CollectiveGroup(gloo);
+    if (backend == Backend::kHierarchical) {
+      return CollectiveGroup(detail::create_hierarchical_backend({.store = gstore,
+                                                                  .rank = rel,
+                                                                  .world_ranks = ranks,
+                                                                  .timeout = t,
+                                                                  .name = gname,
+                                                                  .device = rdv.device,
+                                                                  .members = info,
+                                                                  .my_host = rdv.host,
+                                                                  .flat = gloo}));
+    }
     return CollectiveGroup(
         detail::create_shm_backend({.store = c10::make_intrusive<c10d::PrefixStore>("shm", gstore),
                                     .rank = rel,

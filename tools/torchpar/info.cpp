@@ -3,7 +3,10 @@
 #include <sys/statvfs.h>
 #include <torch/version.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include <fmt/format.h>
@@ -24,7 +27,21 @@ std::string read_first_line(const char* path) {
   return line;
 }
 
-int run_info() {
+/// A positive count from the environment variable `name`, else `fallback`.
+int env_count(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return *end == '\0' && n > 0 && n < (1 << 20) ? static_cast<int>(n) : fallback;
+}
+
+struct InfoOptions {
+  int nnodes = 0;          // 0: WORLD_SIZE / LOCAL_WORLD_SIZE, else 1
+  int nproc_per_node = 0;  // 0: LOCAL_WORLD_SIZE, else 1
+};
+
+int run_info(const InfoOptions& o) {
   fmt::print("torchpar          {}\n", torchpar::version());
   fmt::print("LibTorch          {}\n", TORCH_VERSION);
   fmt::print("sharing strategies {} (current: {})\n", fmt::join(get_all_sharing_strategies(), ", "),
@@ -50,14 +67,36 @@ int run_info() {
   fmt::print("vm.max_map_count  {}\n", read_first_line("/proc/sys/vm/max_map_count"));
   fmt::print("shmem huge pages  {}\n",
              read_first_line("/sys/kernel/mm/transparent_hugepage/shmem_enabled"));
+  // Backend::kAuto's rule (World::create_collective_group): shm on one host, hierarchical
+  // across hosts with several ranks on some host, gloo with one rank per host. Under
+  // `torchpar run` the job's shape comes from its environment.
+  const int per_node = o.nproc_per_node > 0 ? o.nproc_per_node : env_count("LOCAL_WORLD_SIZE", 1);
+  const int nodes =
+      o.nnodes > 0 ? o.nnodes : std::max(1, env_count("WORLD_SIZE", per_node) / per_node);
+  const char* backend = nodes == 1 ? "shm" : per_node > 1 ? "hierarchical" : "gloo";
+  fmt::print(
+      "collectives       backend auto for {} node(s) x {} rank(s): {} (shm inside one host, "
+      "hierarchical = shm inside each host + gloo between host leaders, gloo for one rank per "
+      "host)\n",
+      nodes, per_node, backend);
   return 0;
 }
 
 }  // namespace
 
 Command add_info(CLI::App& app) {
-  app.add_subcommand("info", "print versions, sharing strategies, start methods and limits");
-  return run_info;
+  auto o = std::make_shared<InfoOptions>();
+  auto* cmd = app.add_subcommand(
+      "info",
+      "print versions, sharing strategies, start methods, limits, and the collective backend "
+      "a job of this shape would use");
+  cmd->add_option("--nnodes", o->nnodes,
+                  "hosts of the job (default: WORLD_SIZE / LOCAL_WORLD_SIZE, else 1)")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--nproc-per-node", o->nproc_per_node,
+                  "ranks per host (default: LOCAL_WORLD_SIZE, else 1)")
+      ->check(CLI::Range(1, 1 << 20));
+  return [o] { return run_info(*o); };
 }
 
 }  // namespace torchpar::cli

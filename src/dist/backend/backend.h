@@ -29,8 +29,8 @@ inline const char* message_of(const std::exception& e) {
 struct MemberInfo {
   /// The member's process id in its own pid namespace; 0 when unknown.
   int pid = 0;
-  /// The member's host key (World's host_key(): host name, boot id, pid namespace, /dev/shm);
-  /// pids are comparable only between members with equal keys.
+  /// The member's host key (host_key(): host name, boot id, pid and network namespace,
+  /// /dev/shm); pids are comparable only between members with equal keys.
   std::string host;
 };
 

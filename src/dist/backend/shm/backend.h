@@ -92,6 +92,15 @@ class ShmBackend final : public GroupBackend {
   Work isend(const at::Tensor& t, int dst, int tag) override;
   Work irecv(const at::Tensor& t, std::optional<int> src, int tag) override;
 
+  /// Breaks the group for every member, as a failed wait does (StepBarrier::abort): their
+  /// current and later operations throw RankLostError(failed_rank, "<name>: the group is
+  /// broken: <message>"); failed_rank is a rank of this group or -1. For a backend composed
+  /// of this one (the hierarchical backend) that saw a failure elsewhere. No-op once
+  /// destroyed; never throws; any thread.
+  void abort(int failed_rank, const std::string& message) noexcept {
+    if (data_) barrier_.abort(failed_rank, message);
+  }
+
  private:
   // ---- backend.cpp: segment and steps
   void attach(const c10::intrusive_ptr<c10d::Store>& store);
