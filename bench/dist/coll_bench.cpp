@@ -28,10 +28,10 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "support/call_times.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -47,15 +47,7 @@ struct Args {
   int ranks = 2;
 };
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) {
-    if (!x.empty()) out.push_back(x);
-  }
-  return out;
-}
+using torchpar::bench::split_commas;
 
 using Op = std::function<void(const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out)>;
 
@@ -77,30 +69,18 @@ void measure(const Args& a, const std::string& system, int rank, const Op& run,
       if (op == "all_gather") {
         for (int q = 0; q < a.ranks; ++q) out.push_back(at::empty({numel}));
       }
-      const int iters = bytes > (1 << 20)
-                            ? std::max(3, static_cast<int>(1L * a.iters * (1 << 20) / bytes))
-                            : a.iters;
+      const int iters = torchpar::bench::iters_for(bytes, a.iters);
       barrier();
       for (int i = 0; i < a.warmup; ++i) run(op, t, out);
-      std::vector<double> us;
-      us.reserve(static_cast<size_t>(iters));
-      for (int i = 0; i < iters; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        run(op, t, out);
-        us.push_back(
-            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                .count());
-      }
-      std::sort(us.begin(), us.end());
-      const double med = us[us.size() / 2];
-      const double p99 = us[(us.size() * 99 + 99) / 100 - 1];  // nearest rank: ceil(0.99 n)
+      const auto times = torchpar::bench::time_calls(iters, [&] { run(op, t, out); });
       if (rank == 0) {
         std::printf("%s\n", fmt::format("{{\"system\": \"{}\", \"op\": \"{}\", \"bytes\": {}, "
                                         "\"ranks\": {}, \"median_us\": {:.3f}, "
                                         "\"p99_us\": {:.3f}, \"min_us\": {:.3f}, "
                                         "\"busbw_GBps\": {:.4f}, \"iters\": {}}}",
-                                        system, op, bytes, a.ranks, med, p99, us.front(),
-                                        busbw(op, bytes, a.ranks, med * 1e-6), iters)
+                                        system, op, bytes, a.ranks, times.median_us, times.p99_us,
+                                        times.min_us,
+                                        busbw(op, bytes, a.ranks, times.median_us * 1e-6), iters)
                                 .c_str());
         std::fflush(stdout);
       }
@@ -167,12 +147,12 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--systems") {
-      a.systems = split(v);
+      a.systems = split_commas(v);
     } else if (k == "--ops") {
-      a.ops = split(v);
+      a.ops = split_commas(v);
     } else if (k == "--sizes") {
       a.sizes.clear();
-      for (auto& s : split(v)) a.sizes.push_back(std::stol(s));
+      for (auto& s : split_commas(v)) a.sizes.push_back(std::stol(s));
     } else if (k == "--iters") {
       a.iters = std::stoi(v);
     } else if (k == "--warmup") {

@@ -1,0 +1,53 @@
+#pragma once
+// What the collective benchmarks whose ranks are processes (coll_bench, scaleout_bench)
+// share: their list options and how they time calls, so their JSON lines mean the same.
+
+#include <algorithm>
+#include <chrono>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace torchpar::bench {
+
+/// "a,b,,c" -> {"a", "b", "c"}.
+inline std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) {
+    if (!x.empty()) out.push_back(x);
+  }
+  return out;
+}
+
+/// Timed calls for a message of `bytes`: `iters` up to 1 MiB, max(3, iters x 1 MiB / bytes)
+/// above (big messages take long; the peers in bench/peers/ shrink the same way).
+inline int iters_for(long bytes, int iters) {
+  return bytes > (1L << 20) ? std::max(3, static_cast<int>(1L * iters * (1L << 20) / bytes))
+                            : iters;
+}
+
+/// Statistics of one rank's timed calls, in microseconds.
+struct CallTimes {
+  double median_us = 0;  // the upper median: sorted[n / 2]
+  double p99_us = 0;     // nearest rank: sorted[ceil(0.99 n) - 1] (the maximum below 100 calls)
+  double min_us = 0;     // the fastest call
+};
+
+/// Runs `call` `iters` (>= 1) times, each timed alone with steady_clock.
+template <typename Call>
+CallTimes time_calls(int iters, Call&& call) {
+  std::vector<double> us;
+  us.reserve(static_cast<size_t>(iters));
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    us.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(us.begin(), us.end());
+  return {us[us.size() / 2], us[(us.size() * 99 + 99) / 100 - 1], us.front()};
+}
+
+}  // namespace torchpar::bench
