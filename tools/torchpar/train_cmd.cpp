@@ -108,8 +108,8 @@ Command add_train(CLI::App& app) {
                                      "(default: steps / 10)")
                          ->check(CLI::Range(int64_t{1}, int64_t{1} << 40)));
   cmd->add_option("--timeout", c->timeout,
-                  "seconds: collective and RPC timeout, and how long workers may stay silent; as one "
-                  "rank of a job also how long to wait for every rank to join")
+                  "seconds: collective and RPC timeout, and how long workers may stay silent; "
+                  "as one rank of a job also how long to wait for every rank to join")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   return [c, mnist_only, gpt_only, batch_size, lr] {

@@ -312,14 +312,13 @@ void print_plan(const GptSession& s) {
       "AdamW lr %g -> %s\n"
       "model: %lld layers, width %lld, %lld heads, context %lld, %lld parameters; data: %lld "
       "files, %lld fortunes, %lld training bytes, %lld held out; unigram baseline %.4f nats/byte\n",
-      cfg.strategy.c_str(), who.c_str(),
-      static_cast<long long>(cfg.steps), cfg.batch_size, static_cast<long long>(cfg.context),
-      cfg.lr, cfg.out.c_str(), static_cast<long long>(cfg.layers),
-      static_cast<long long>(cfg.width), static_cast<long long>(cfg.heads),
-      static_cast<long long>(cfg.context), static_cast<long long>(s.gpt->num_parameters()),
-      static_cast<long long>(s.corpus.files), static_cast<long long>(s.corpus.fortunes),
-      static_cast<long long>(s.corpus.train.numel()), static_cast<long long>(s.corpus.val.numel()),
-      s.unigram_train);
+      cfg.strategy.c_str(), who.c_str(), static_cast<long long>(cfg.steps), cfg.batch_size,
+      static_cast<long long>(cfg.context), cfg.lr, cfg.out.c_str(),
+      static_cast<long long>(cfg.layers), static_cast<long long>(cfg.width),
+      static_cast<long long>(cfg.heads), static_cast<long long>(cfg.context),
+      static_cast<long long>(s.gpt->num_parameters()), static_cast<long long>(s.corpus.files),
+      static_cast<long long>(s.corpus.fortunes), static_cast<long long>(s.corpus.train.numel()),
+      static_cast<long long>(s.corpus.val.numel()), s.unigram_train);
   std::fflush(stdout);
 }
 

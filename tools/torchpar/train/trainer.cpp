@@ -412,9 +412,9 @@ void print_plan(const Session& s) {
   std::printf(
       "torchpar train: %s, %s, %d epoch%s, %lld training samples, batch %d, "
       "lr %g, momentum %g -> %s\n",
-      cfg.strategy.c_str(), who.c_str(), cfg.epochs,
-      cfg.epochs == 1 ? "" : "s", static_cast<long long>(s.per_epoch), cfg.batch_size,
-      effective_lr(cfg), cfg.momentum, cfg.out.c_str());
+      cfg.strategy.c_str(), who.c_str(), cfg.epochs, cfg.epochs == 1 ? "" : "s",
+      static_cast<long long>(s.per_epoch), cfg.batch_size, effective_lr(cfg), cfg.momentum,
+      cfg.out.c_str());
   std::fflush(stdout);
 }
 
