@@ -652,19 +652,27 @@ int run_gpt_train(TrainConfig cfg) {
     }
     if (s.lead()) sample(s);
   } catch (const Interrupted&) {
+    code = 130;
+  } catch (const std::exception& e) {  // Failed (a worker's end) and every other error
+    // A rank of a job stopped by its launcher may first see a peer that stopped before it
+    // as lost: that is the same interruption, not a failure.
+    if (s.env && stop_signal() != 0) {
+      code = 130;
+    } else {
+      std::fprintf(stderr, "\ntorchpar train: %sfailed: %s\n", me.c_str(), e.what());
+      kill_workers(workers);
+      s.status = "failed";
+      s.error = me + e.what();
+      code = 1;
+    }
+  }
+  if (code == 130) {
     if (s.lead()) {
       std::printf("\ntorchpar train: interrupted; %skeeping %zu finished evaluation(s) in %s\n",
                   s.env ? "" : "stopping the workers, ", s.evals.size(), cfg.out.c_str());
     }
     kill_workers(workers);
     s.status = "interrupted";
-    code = 130;
-  } catch (const std::exception& e) {  // Failed (a worker's end) and every other error
-    std::fprintf(stderr, "\ntorchpar train: %sfailed: %s\n", me.c_str(), e.what());
-    kill_workers(workers);
-    s.status = "failed";
-    s.error = me + e.what();
-    code = 1;
   }
   if (!s.lead()) return code;
   return finish_run(s, code);
