@@ -14,8 +14,8 @@ A=tp_mna_$$
 B=tp_mnb_$$
 VA=tpmna$$
 VB=tpmnb$$
-IP_A=10.213.8.1
-IP_B=10.213.8.2
+IP_A=10.213.9.1
+IP_B=10.213.9.2
 PORT=29591
 TMP=$(mktemp -d /tmp/torchpar_multinode_train.XXXXXX)
 cleanup() {
