@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """`torchpar train` end to end: the data loader on the real files and on a truncated and a
 wrong-magic copy; a short run of each strategy (metrics.json fields, accuracy clearly above
-chance and, for pserver, within 3 points of single; model.pt, curves.png); a ddp worker and
+chance and, for pserver, within 3 points of single; model.pt, curves.png); ddp as the ranks
+of `torchpar run -n 2` (within 2 points of --workers 2, only rank 0 reporting); a ddp worker and
 the pserver server SIGKILLed mid-run end the run naming them (pserver: the trainers fail on
 their own, naming the server, within the timeout), with no process left behind.
 usage: train_test.py BIN_DIR"""
@@ -164,6 +165,29 @@ try:
         gap = accuracy["pserver"] - accuracy["single"]
         check(abs(gap) <= 3, f"pserver: accuracy {accuracy['pserver']:.2f}% within 3 points of "
                              f"single's {accuracy['single']:.2f}% ({gap:+.2f})")
+    # ---- ddp as the 2 ranks `torchpar run` starts (RANK/WORLD_SIZE set): no workers of its
+    # own, the shards and seeds of --workers 2, hence its accuracy; only rank 0 reports.
+    out = os.path.join(tmp, "run_launched")
+    p = subprocess.run([TORCHPAR, "run", "-n", "2", "--", TORCHPAR, "train", "--strategy", "ddp",
+                        "--limit", "6000", "--lr", "0.05", "--batch-size", "32", "--out", out],
+                       capture_output=True, text=True, timeout=300)
+    check(p.returncode == 0, f"torchpar run -n 2 -- train: exit {p.returncode} {p.stderr.strip()[-300:]}")
+    lines = p.stdout.splitlines()
+    check(any(l.startswith("[0]: done: test accuracy") for l in lines),
+          "torchpar run -n 2 -- train: rank 0 prints the summary")
+    check(not any(l.startswith("[1]: ") for l in lines),
+          "torchpar run -n 2 -- train: rank 1 prints nothing on stdout")
+    if p.returncode == 0:
+        m = json.load(open(os.path.join(out, "metrics.json")))
+        check(m.get("launch") == "environment" and m["workers"] == 2 and m["status"] == "completed",
+              f"torchpar run -n 2 -- train: metrics.json says 2 ranks from the environment "
+              f"({m.get('launch')}, {m['workers']}, {m['status']})")
+        if "ddp" in accuracy:
+            got = m["epochs"][0]["test_accuracy"]
+            check(abs(got - accuracy["ddp"]) <= 2,
+                  f"torchpar run -n 2 -- train: accuracy {got:.2f}% within 2 points of "
+                  f"--workers 2's {accuracy['ddp']:.2f}%")
+
     code, _, err = train("--strategy", "pserver", "--workers", "1", "--out", os.path.join(tmp, "o1"))
     check(code == 2 and "--workers 2 or more" in err, f"pserver with 1 worker: exit {code}: {err.strip()[:160]}")
 

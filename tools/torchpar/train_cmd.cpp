@@ -18,7 +18,10 @@ Command add_train(CLI::App& app) {
       "gradients with all_reduce (ddp), or a parameter server and N-1 trainers pushing "
       "gradients and pulling parameters over RPC (pserver). Or a byte-level GPT on the "
       "fortunes corpus (--model gpt; single or ddp), which also writes model.json and a "
-      "sample. Writes metrics.json, curves.png and model.pt to --out.");
+      "sample. Writes metrics.json, curves.png and model.pt to --out. Started by `torchpar "
+      "run` or torchrun (RANK and WORLD_SIZE set, on one node or several), ddp runs as one "
+      "rank of that job instead of spawning workers: each rank trains its shard, rank 0 "
+      "prints and writes the outputs.");
   cmd->add_option("--model", c->model,
                   "mnist (Fashion-MNIST, the mnist_hogwild network) | gpt (a byte-level GPT on "
                   "/usr/share/games/fortunes)")
@@ -29,7 +32,8 @@ Command add_train(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--workers", c->workers,
                   "worker processes (default: number of cores); pserver: 1 server + N-1 "
-                  "trainers, N >= 2")
+                  "trainers, N >= 2; as one rank of a job (RANK/WORLD_SIZE set): WORLD_SIZE, "
+                  "any other value is refused")
       ->check(CLI::Range(1, 256));
   // Options of one model only; given with the other, the run is refused (exit 2).
   std::vector<CLI::Option*> mnist_only, gpt_only;
@@ -59,8 +63,10 @@ Command add_train(CLI::App& app) {
                   "LibTorch intra-op threads per worker")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
-  cmd->add_option("--backend", c->backend, "ddp's collective backend: auto | shm | gloo")
-      ->check(CLI::IsMember({"auto", "shm", "gloo"}))
+  cmd->add_option("--backend", c->backend,
+                  "ddp's collective backend: auto (shm within a host; across hosts, shm inside "
+                  "each and Gloo between them) | shm | gloo | hierarchical")
+      ->check(CLI::IsMember({"auto", "shm", "gloo", "hierarchical"}))
       ->capture_default_str();
   mnist_only.push_back(
       cmd->add_option("--lr-scaling", c->lr_scaling,
@@ -102,7 +108,8 @@ Command add_train(CLI::App& app) {
                                      "(default: steps / 10)")
                          ->check(CLI::Range(int64_t{1}, int64_t{1} << 40)));
   cmd->add_option("--timeout", c->timeout,
-                  "seconds: collective and RPC timeout, and how long workers may stay silent")
+                  "seconds: collective and RPC timeout, and how long workers may stay silent; "
+                  "as one rank of a job also how long to wait for every rank to join")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   return [c, mnist_only, gpt_only, batch_size, lr] {

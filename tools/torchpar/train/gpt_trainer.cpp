@@ -194,9 +194,13 @@ struct EvalPoint {
 };
 
 /// A run: its options and results, the corpus, the held-out windows and the parent's model
-/// (trained by single; a copy of rank 0's after every round for ddp).
+/// (trained by single; a copy of rank 0's after every round for ddp; as one rank of a job,
+/// this rank's).
 struct GptSession {
   TrainConfig cfg;
+  std::optional<EnvRank> env;  // set: one rank of a job its launcher started
+  /// The process that reports and writes the outputs: the parent, or rank 0 of a job.
+  bool lead() const { return !env || env->rank == 0; }
   FortuneCorpus corpus;
   at::Tensor eval_x, eval_y;  // int64 [windows, context]
   double unigram_train = 0;   // entropy of the training split's bytes (nats)
@@ -299,19 +303,22 @@ int prepare(GptSession& s) {
 
 void print_plan(const GptSession& s) {
   const TrainConfig& cfg = s.cfg;
+  const std::string who =
+      s.env ? fmt::format("{} rank{} (RANK/WORLD_SIZE from the environment; this is rank 0)",
+                          cfg.workers, cfg.workers == 1 ? "" : "s")
+            : fmt::format("{} worker{}", cfg.workers, cfg.workers == 1 ? "" : "s");
   std::printf(
-      "torchpar train: gpt, %s, %d worker%s, %lld steps, batch %d x %lld bytes per worker, "
+      "torchpar train: gpt, %s, %s, %lld steps, batch %d x %lld bytes per worker, "
       "AdamW lr %g -> %s\n"
       "model: %lld layers, width %lld, %lld heads, context %lld, %lld parameters; data: %lld "
       "files, %lld fortunes, %lld training bytes, %lld held out; unigram baseline %.4f nats/byte\n",
-      cfg.strategy.c_str(), cfg.workers, cfg.workers == 1 ? "" : "s",
-      static_cast<long long>(cfg.steps), cfg.batch_size, static_cast<long long>(cfg.context),
-      cfg.lr, cfg.out.c_str(), static_cast<long long>(cfg.layers),
-      static_cast<long long>(cfg.width), static_cast<long long>(cfg.heads),
-      static_cast<long long>(cfg.context), static_cast<long long>(s.gpt->num_parameters()),
-      static_cast<long long>(s.corpus.files), static_cast<long long>(s.corpus.fortunes),
-      static_cast<long long>(s.corpus.train.numel()), static_cast<long long>(s.corpus.val.numel()),
-      s.unigram_train);
+      cfg.strategy.c_str(), who.c_str(), static_cast<long long>(cfg.steps), cfg.batch_size,
+      static_cast<long long>(cfg.context), cfg.lr, cfg.out.c_str(),
+      static_cast<long long>(cfg.layers), static_cast<long long>(cfg.width),
+      static_cast<long long>(cfg.heads), static_cast<long long>(cfg.context),
+      static_cast<long long>(s.gpt->num_parameters()), static_cast<long long>(s.corpus.files),
+      static_cast<long long>(s.corpus.fortunes), static_cast<long long>(s.corpus.train.numel()),
+      static_cast<long long>(s.corpus.val.numel()), s.unigram_train);
   std::fflush(stdout);
 }
 
@@ -408,6 +415,44 @@ void train_ddp(GptSession& s, Workers& w, ProgressBar& bar) {
   stop_workers(w, cfg);
 }
 
+/// ddp as one rank of a job its launcher started (s.env): the World from the environment,
+/// this process takes the steps spawned ddp worker `rank` would (same seeds, same
+/// DistributedDataParallel), and only rank 0 draws progress and evaluates. A round's training
+/// losses are summed over the ranks (one all_reduce), so rank 0 reports the job's train loss
+/// as a spawned run's parent does.
+void train_ddp_as_rank(GptSession& s, ProgressBar& bar) {
+  const TrainConfig& cfg = s.cfg;
+  const int rank = s.env->rank;
+  World world = join_env_world(cfg);
+  // kAuto: shared memory among the ranks of one host, and across hosts what the World's
+  // host keys call for (Gloo between hosts), never decided here.
+  CollectiveGroup group = world.create_collective_group({}, backend_from_string(cfg.backend));
+  DistributedDataParallel ddp(*s.gpt, group);  // s.gpt: seed cfg.seed, as every worker's
+  Stepper stepper(s.gpt, cfg, rank, s.corpus.train);
+  const int64_t ranks = cfg.workers;
+  for (int64_t round = 1; round <= rounds(cfg); ++round) {
+    std::optional<RoundProgress> progress;
+    if (s.lead()) progress.emplace(bar, cfg, round);
+    double loss_sum = 0;
+    int64_t steps = 0;
+    stepper.train(
+        last_step(cfg, round - 1) + 1, last_step(cfg, round), [&] { ddp.synchronize_gradients(); },
+        [&](int64_t tokens, double l, int64_t n) {
+          throw_if_stopped();
+          loss_sum += l;
+          steps += n;
+          // The ranks step in lockstep: as if every rank had reported this rank's numbers.
+          if (progress) progress->add(tokens * ranks, l * static_cast<double>(ranks), n * ranks);
+        });
+    at::Tensor sums = torch::tensor({loss_sum, static_cast<double>(steps)}, torch::kDouble);
+    group.all_reduce(sums);
+    if (!progress) continue;
+    progress->loss_sum = sums[0].item<double>();
+    progress->steps = static_cast<int64_t>(sums[1].item<double>());
+    record_round(s, round, Seconds(Clock::now() - progress->start).count(), *progress);
+  }
+}
+
 nlohmann::json metrics_json(const GptSession& s) {
   const TrainConfig& cfg = s.cfg;
   const GptConfig mc = gpt_config(cfg);
@@ -416,6 +461,7 @@ nlohmann::json metrics_json(const GptSession& s) {
   j["strategy"] = cfg.strategy;
   j["workers"] = cfg.workers;
   if (cfg.strategy == "ddp") j["backend"] = cfg.backend;
+  if (cfg.strategy == "ddp") j["launch"] = s.env ? "environment" : "spawn";
   j["config"] = {{"vocab_size", mc.vocab_size}, {"n_positions", mc.n_positions},
                  {"n_embd", mc.n_embd},         {"n_layer", mc.n_layer},
                  {"n_head", mc.n_head},         {"n_inner", mc.inner_size()}};
@@ -576,41 +622,59 @@ std::string generate_bytes(GptImpl& gpt, const SampleOptions& o) {
 }
 
 int run_gpt_train(TrainConfig cfg) {
+  GptSession s;
+  // Started by a launcher as one rank of a job: no workers of its own (cfg.workers = ranks).
+  if (int code = rank_from_env(cfg, s.env)) return code;
   if (int code = complete_gpt_config(cfg)) return code;
   // Before any ATen work: an OpenMP pool made wider now keeps spinning beside the training.
   at::set_num_threads(cfg.threads_per_worker);
-  GptSession s;
   s.cfg = cfg;
   if (int code = prepare(s)) return code;
-  if (int code = check_out_writable(cfg)) return code;
-  print_plan(s);
+  // Only the lead writes: the other ranks of a job leave --out alone (it may be shared).
+  if (s.lead()) {
+    if (int code = check_out_writable(cfg)) return code;
+    print_plan(s);
+  }
   install_stop_handlers();
 
   int code = 0;
   std::optional<Workers> workers;
   ProgressBar bar("train", cfg.steps, "steps", "tokens/s");
+  const std::string me =
+      s.env ? fmt::format("rank {} of {} ", s.env->rank, s.env->world_size) : std::string();
   try {
     if (cfg.strategy == "single") {
       train_single(s, bar);
+    } else if (s.env) {
+      train_ddp_as_rank(s, bar);
     } else {
       train_ddp(s, workers.emplace(), bar);
     }
-    sample(s);
+    if (s.lead()) sample(s);
   } catch (const Interrupted&) {
-    std::printf(
-        "\ntorchpar train: interrupted; stopping the workers, keeping %zu finished "
-        "evaluation(s) in %s\n",
-        s.evals.size(), cfg.out.c_str());
-    kill_workers(workers);
-    s.status = "interrupted";
     code = 130;
   } catch (const std::exception& e) {  // Failed (a worker's end) and every other error
-    std::fprintf(stderr, "\ntorchpar train: failed: %s\n", e.what());
-    kill_workers(workers);
-    s.status = "failed";
-    s.error = e.what();
-    code = 1;
+    // A rank of a job stopped by its launcher may first see a peer that stopped before it
+    // as lost: that is the same interruption, not a failure.
+    if (s.env && stop_signal() != 0) {
+      code = 130;
+    } else {
+      std::fprintf(stderr, "\ntorchpar train: %sfailed: %s\n", me.c_str(), e.what());
+      kill_workers(workers);
+      s.status = "failed";
+      s.error = me + e.what();
+      code = 1;
+    }
   }
+  if (code == 130) {
+    if (s.lead()) {
+      std::printf("\ntorchpar train: interrupted; %skeeping %zu finished evaluation(s) in %s\n",
+                  s.env ? "" : "stopping the workers, ", s.evals.size(), cfg.out.c_str());
+    }
+    kill_workers(workers);
+    s.status = "interrupted";
+  }
+  if (!s.lead()) return code;
   return finish_run(s, code);
 }
 

@@ -270,6 +270,7 @@ struct EpochMetrics {
 
 struct Run {
   TrainConfig cfg;
+  bool env_ranks = false;  // one rank of a job its launcher started (RANK / WORLD_SIZE)
   std::vector<EpochMetrics> epochs;
   std::string status = "completed";
   std::string error;
@@ -282,6 +283,7 @@ nlohmann::json metrics_json(const Run& run) {
   j["strategy"] = cfg.strategy;
   j["workers"] = cfg.strategy == "single" ? 1 : cfg.workers;
   if (cfg.strategy == "ddp") j["backend"] = cfg.backend;
+  if (cfg.strategy != "single") j["launch"] = run.env_ranks ? "environment" : "spawn";
   if (cfg.strategy == "pserver") {
     j["trainers"] = trainers(cfg);
     j["reduce_method"] = "mean";
@@ -331,13 +333,16 @@ void write_outputs(const Run& run, Net& net, bool with_model) {
 
 /// What a run works on: its options (run.cfg) and results, the data, and the parent's model
 /// (trained by single; for hogwild the workers' shared one, for ddp a copy of rank 0's, for
-/// pserver a copy of the server's).
+/// pserver a copy of the server's; as one rank of a job, this rank's).
 struct Session {
   Run run;
   FashionMnist data;
   int64_t per_epoch = 0;  // training samples of an epoch: the same number for every trainer
   Net net{nullptr};
+  std::optional<EnvRank> env;  // set: one rank of a job its launcher started
   const TrainConfig& cfg() const { return run.cfg; }
+  /// The process that reports and writes the outputs: the parent, or rank 0 of a job.
+  bool lead() const { return !env || env->rank == 0; }
 };
 
 /// The progress reports of one epoch, summed and drawn.
@@ -400,12 +405,16 @@ void print_plan(const Session& s) {
                                 ? fmt::format(" (1 parameter server, {} trainer{})", trainers(cfg),
                                               trainers(cfg) == 1 ? "" : "s")
                                 : "";
+  const std::string who =
+      s.env ? fmt::format("{} rank{} (RANK/WORLD_SIZE from the environment; this is rank 0)",
+                          cfg.workers, cfg.workers == 1 ? "" : "s")
+            : fmt::format("{} worker{}{}", cfg.workers, cfg.workers == 1 ? "" : "s", roles);
   std::printf(
-      "torchpar train: %s, %d worker%s%s, %d epoch%s, %lld training samples, batch %d, "
+      "torchpar train: %s, %s, %d epoch%s, %lld training samples, batch %d, "
       "lr %g, momentum %g -> %s\n",
-      cfg.strategy.c_str(), cfg.workers, cfg.workers == 1 ? "" : "s", roles.c_str(), cfg.epochs,
-      cfg.epochs == 1 ? "" : "s", static_cast<long long>(s.per_epoch), cfg.batch_size,
-      effective_lr(cfg), cfg.momentum, cfg.out.c_str());
+      cfg.strategy.c_str(), who.c_str(), cfg.epochs, cfg.epochs == 1 ? "" : "s",
+      static_cast<long long>(s.per_epoch), cfg.batch_size, effective_lr(cfg), cfg.momentum,
+      cfg.out.c_str());
   std::fflush(stdout);
 }
 
@@ -519,6 +528,53 @@ void train_with_workers(Session& s, Workers& w) {
   stop_workers(w, s.cfg());
 }
 
+/// ddp as one rank of a job its launcher started (s.env): the World from the environment,
+/// this process trains the shard spawned ddp worker `rank` would (same seeds, same
+/// DistributedDataParallel), and only rank 0 draws progress and evaluates. The epoch's
+/// training losses are summed over the ranks (one all_reduce), so rank 0 reports the job's
+/// train loss as a spawned run's parent does.
+void train_as_rank(Session& s) {
+  const TrainConfig& cfg = s.cfg();
+  const int rank = s.env->rank;
+  World world = join_env_world(cfg);
+  // kAuto: shared memory among the ranks of one host, and across hosts what the World's
+  // host keys call for (Gloo between hosts), never decided here.
+  CollectiveGroup group = world.create_collective_group({}, backend_from_string(cfg.backend));
+  torch::manual_seed(cfg.seed + rank);
+  s.net = Net();  // rank 0's is the parent's initial model of a spawned run (seed + 0)
+  DistributedDataParallel ddp(*s.net, group);  // every rank starts from rank 0's parameters
+  auto opt = make_sgd(s.net, cfg);
+  for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
+    const auto t0 = Clock::now();
+    std::optional<EpochProgress> progress;
+    if (s.lead()) progress.emplace(s, epoch);
+    double loss_sum = 0;
+    int64_t batches = 0;
+    const auto idx = shard(s.data.train.size(), cfg.seed, epoch, rank, cfg.workers);
+    train_epoch(
+        s.net, s.data.train, idx, cfg.batch_size,
+        [&](int64_t n, double l, int64_t b) {
+          throw_if_stopped();
+          loss_sum += l;
+          batches += b;
+          // The ranks step in lockstep: the job trained world size times this rank's samples.
+          if (progress) progress->add(n * cfg.workers, l, b);
+        },
+        [&] {
+          ddp.synchronize_gradients();
+          opt.step();
+        });
+    at::Tensor sums = torch::tensor({loss_sum, static_cast<double>(batches)}, torch::kDouble);
+    group.all_reduce(sums);
+    if (!progress) continue;
+    const double secs = Seconds(Clock::now() - t0).count();
+    progress->bar.finish();
+    progress->loss_sum = sums[0].item<double>();
+    progress->batches = static_cast<int64_t>(sums[1].item<double>());
+    record_epoch(s, epoch, secs, *progress);
+  }
+}
+
 /// Writes the outputs (with the model when the run completed or finished an epoch) and, for
 /// a completed run, the closing line. Returns the exit code.
 int finish_run(Session& s, int code) {
@@ -550,41 +606,60 @@ int run_train(TrainConfig cfg) {
     std::fprintf(stderr, "torchpar train: unknown model '%s' (mnist or gpt)\n", cfg.model.c_str());
     return 2;
   }
+  Session s;
+  // Started by a launcher as one rank of a job: no workers of its own (cfg.workers = ranks).
+  if (int code = rank_from_env(cfg, s.env)) return code;
   if (int code = complete_config(cfg)) return code;
   // Before any ATen work: an OpenMP pool made wider now keeps spinning beside the training.
   at::set_num_threads(cfg.threads_per_worker);
-  Session s;
   s.run.cfg = cfg;
+  s.run.env_ranks = s.env.has_value();
   if (int code = load_data(s)) return code;
-  if (int code = check_out_writable(cfg)) return code;
-  print_plan(s);
+  // Only the lead writes: the other ranks of a job leave --out alone (it may be shared).
+  if (s.lead()) {
+    if (int code = check_out_writable(cfg)) return code;
+    print_plan(s);
+  }
   install_stop_handlers();
 
   torch::manual_seed(cfg.seed);
   s.net = Net();
   int code = 0;
   std::optional<Workers> workers;
+  const std::string me =
+      s.env ? fmt::format("rank {} of {} ", s.env->rank, s.env->world_size) : std::string();
   try {
     if (cfg.strategy == "single") {
       train_single(s);
+    } else if (s.env) {
+      train_as_rank(s);
     } else {
       train_with_workers(s, workers.emplace());
     }
   } catch (const Interrupted&) {
-    std::printf(
-        "\ntorchpar train: interrupted; stopping the workers, keeping %zu finished "
-        "epoch(s) in %s\n",
-        s.run.epochs.size(), cfg.out.c_str());
-    kill_workers(workers);
-    s.run.status = "interrupted";
     code = 130;
   } catch (const std::exception& e) {  // Failed (a worker's end) and every other error
-    std::fprintf(stderr, "\ntorchpar train: failed: %s\n", e.what());
-    kill_workers(workers);
-    s.run.status = "failed";
-    s.run.error = e.what();
-    code = 1;
+    // A rank of a job stopped by its launcher may first see a peer that stopped before it
+    // as lost: that is the same interruption, not a failure.
+    if (s.env && stop_signal() != 0) {
+      code = 130;
+    } else {
+      std::fprintf(stderr, "\ntorchpar train: %sfailed: %s\n", me.c_str(), e.what());
+      kill_workers(workers);
+      s.run.status = "failed";
+      s.run.error = me + e.what();
+      code = 1;
+    }
   }
+  if (code == 130) {
+    if (s.lead()) {
+      std::printf("\ntorchpar train: interrupted; %skeeping %zu finished epoch(s) in %s\n",
+                  s.env ? "" : "stopping the workers, ", s.run.epochs.size(), cfg.out.c_str());
+    }
+    kill_workers(workers);
+    s.run.status = "interrupted";
+  }
+  if (!s.lead()) return code;
   return finish_run(s, code);
 }
 

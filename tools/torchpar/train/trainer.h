@@ -28,7 +28,7 @@ struct TrainConfig {
   std::string data;                   ///< mnist: the idx .gz files; gpt: the fortune files
   std::string out;                    ///< output directory ("" : runs/<timestamp>)
   int threads_per_worker = 1;         ///< LibTorch intra-op threads per worker
-  std::string backend = "auto";       ///< ddp: auto | shm | gloo
+  std::string backend = "auto";       ///< ddp: auto | shm | gloo | hierarchical
   int64_t limit = 0;                  ///< mnist: the first `limit` training samples; gpt: the
                                       ///< first `limit` bytes of the corpus (0: all)
   double timeout = 120;               ///< seconds: collectives, worker start, progress silence
@@ -54,6 +54,10 @@ struct TrainConfig {
 /// process exit code: 0 done, 1 failed (a worker's error is printed, naming it), 2 bad
 /// input (missing or corrupt data, bad option), 130 interrupted by SIGINT/SIGTERM.
 /// cfg.model "gpt" runs run_gpt_train (gpt_trainer.h).
+/// With RANK and WORLD_SIZE in the environment (torchrun, `torchpar run`) this process is
+/// one rank of a ddp job and spawns nothing: it trains its shard, and only rank 0 prints
+/// and writes cfg.out; the other ranks print errors only (see rank_from_env in workers.h
+/// for what is refused with 2).
 int run_train(TrainConfig cfg);
 
 /// `torchpar train --model gpt`: a byte-level Gpt on the fortunes corpus (gpt_trainer.cpp).

@@ -67,6 +67,30 @@ bool uses_world(const TrainConfig& c);
 /// connections prove it).
 World join_world(int rank, const TrainConfig& cfg, int port, AuthKey key);
 
+/// This process's place in a job whose launcher started it as one rank (torchrun, or
+/// `torchpar run`, on one node or several): RANK and WORLD_SIZE from the environment.
+struct EnvRank {
+  int rank = 0;
+  int world_size = 1;
+};
+
+/// Reads RANK and WORLD_SIZE as torchrun and `torchpar run` set them. Leaves `env` empty when
+/// neither is set (train spawns its own workers on this host). When they are, `torchpar
+/// train` is one rank of the job: only --strategy ddp trains that way, and cfg.workers
+/// becomes WORLD_SIZE.
+///
+/// Returns 2 (after a message on stderr naming the variables) when only one of them is set,
+/// either is not a number, RANK is outside [0, WORLD_SIZE), MASTER_ADDR or MASTER_PORT is
+/// missing or malformed, the strategy is not ddp, or --workers was given with another value
+/// than WORLD_SIZE; else 0.
+int rank_from_env(TrainConfig& cfg, std::optional<EnvRank>& env);
+
+/// The World of a job that started this process as one of its ranks: rank, world size,
+/// master address and port from the environment (see rank_from_env), the job key from
+/// TORCHPAR_AUTHKEY (`torchpar run` passes its own to every rank; all nodes' launchers must
+/// be given the same). cfg.timeout bounds the rendezvous and every collective.
+World join_env_world(const TrainConfig& cfg);
+
 /// Copies of the module's parameters (recursively, in parameters() order), detached.
 std::vector<at::Tensor> clone_parameters(const torch::nn::Module& module);
 /// Copies `values` (as clone_parameters returned them) into the module's parameters.
