@@ -63,6 +63,16 @@ rank() {
   PIDS+=($!)
 }
 
+# 0. `torchpar info` names what Backend::kAuto picks for a job's shape (options, or the
+#    environment `torchpar run` sets).
+"$BIN/torchpar" info --nnodes 2 --nproc-per-node 2 | grep -q "2 node(s) x 2 rank(s): hierarchical" ||
+  fail "torchpar info --nnodes 2 --nproc-per-node 2 does not say hierarchical"
+"$BIN/torchpar" info --nnodes 2 --nproc-per-node 1 | grep -q ": gloo" ||
+  fail "torchpar info --nnodes 2 --nproc-per-node 1 does not say gloo"
+WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 "$BIN/torchpar" info | grep -q "1 node(s) x 4 rank(s): shm" ||
+  fail "torchpar info under WORLD_SIZE=LOCAL_WORLD_SIZE=4 does not say shm"
+echo "PASSED: torchpar info names the backend auto picks"
+
 # 1. 2 + 2 through the launcher, as a multi-node job is started.
 rm -f "$OUT"/*.out
 ip netns exec "$A" timeout 300 "$BIN/torchpar" run --nnodes 2 --node-rank 0 \

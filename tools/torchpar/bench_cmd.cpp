@@ -30,7 +30,7 @@ Command add_bench(CLI::App& app) {
   cmd->add_flag("--quick", o->quick, "small sizes and 2 rounds: a smoke check (< 3 min)");
   cmd->add_option("--only", o->only,
                   "comma-separated subset of handoff, pools, manager, rpc, pserver, collectives, "
-                  "train, inference, limits");
+                  "scale-out (root: two network namespaces), train, inference, limits");
   cmd->add_option("--out", o->out, "output directory (default bench/results/<date>)");
   cmd->add_option("--rounds", o->rounds, "interleaved rounds per benchmark (default 5)")
       ->check(CLI::Range(1, 100));
