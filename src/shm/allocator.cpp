@@ -28,9 +28,24 @@ namespace {
 
 constexpr uint64_t kMinBlock = 512;            // smallest slab size class
 constexpr uint64_t kMaxSlabBlock = 256 << 10;  // larger storages get their own segment
-constexpr uint64_t kSlabBytes = 2 << 20;       // data bytes per slab segment
-constexpr uint64_t kLargeRound = 2 << 20;      // large segments round up to 2 MiB
-constexpr size_t kMaxPending = 1 << 20;        // released-but-still-referenced blocks kept
+constexpr uint64_t kSlabBytes = 2 << 20;       // data bytes per slab segment, at most
+// A size class's first slab holds 64 KiB (or one block), the later ones kSlabBytes: a slab
+// is reserved (posix_fallocate zeroes every page) when it is made, so a cold share_memory_
+// of 4 KiB paid for 2 MiB (197 us against PyTorch's 49 us for its exact-size segment). One
+// small slab more per class in use costs one fd and mapping; a doubling series cost six
+// and broke ipc_test's fd budget for a queue of 1,000 tensors.
+constexpr uint64_t kFirstSlabBytes = 64 << 10;
+constexpr uint64_t kLargeRound = 2 << 20;       // large segments of 8 MiB and more round to 2 MiB,
+constexpr uint64_t kSmallLargeRound = 64 << 10;  // smaller ones to 64 KiB (reserving is paid
+constexpr uint64_t kSmallLargeMax = 8 << 20;     // per page: 1 MiB reserved 2 MiB before)
+
+/// Bytes of the segment for a large storage of `nbytes`.
+uint64_t large_segment_bytes(uint64_t nbytes) {
+  const uint64_t round = nbytes < kSmallLargeMax ? kSmallLargeRound : kLargeRound;
+  return (nbytes + round - 1) / round * round;
+}
+
+constexpr size_t kMaxPending = 1 << 20;  // released-but-still-referenced blocks kept
 
 uint64_t cache_limit_bytes() {
   static const uint64_t limit = []() -> uint64_t {
@@ -402,7 +417,9 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
         break;
     }
     const uint64_t block_size = kMinBlock << c;
-    const auto nblocks = static_cast<uint32_t>(kSlabBytes / block_size);
+    const uint64_t slab_bytes =
+        slabs.empty() ? std::max(block_size, kFirstSlabBytes) : kSlabBytes;
+    const auto nblocks = static_cast<uint32_t>(slab_bytes / block_size);
     lock.unlock();  // creating a segment may fork the cleaner and fault memory in
     auto seg = create_segment(strategy, block_size, nblocks);
     lock.lock();
@@ -417,7 +434,7 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
     return make_data_ptr(s, seg, 0, nbytes, true);
   }
 
-  const uint64_t want = (nbytes + kLargeRound - 1) / kLargeRound * kLargeRound;
+  const uint64_t want = large_segment_bytes(nbytes);
   auto& cache = s.large_cache[si];
   auto it = cache.lower_bound(want);
   if ((it == cache.end() || it->first > want + want / 4 + kLargeRound) && !s.pending.empty()) {

@@ -234,6 +234,36 @@ TEST_P(ShmTest, SegmentCacheReusesLargeSegments) {
   EXPECT_EQ(tp::shm_stats().cached_bytes, 0u);
 }
 
+// A cold small share_memory_ reserves a 64 KiB slab, not 2 MiB (posix_fallocate zeroes every
+// page it reserves: a 4 KiB tensor cost 4x PyTorch's exact-size segment); a class that keeps
+// growing goes on with 2 MiB slabs, and every block of every slab holds its data.
+TEST_P(ShmTest, FirstSlabOfAClassIsSmallAndSlabsGrow) {
+  tp::empty_shm_cache();
+  ASSERT_EQ(tp::shm_stats().live_blocks, 0u) << "another test left storages alive";
+  const auto s0 = tp::shm_stats();
+  std::vector<at::Tensor> held;
+  held.push_back(at::full({1024}, 0.0f));  // 4 KiB
+  tp::share_memory_(held.back());
+  const auto s1 = tp::shm_stats();
+  EXPECT_EQ(s1.segments_created - s0.segments_created, 1u);
+  EXPECT_LE(s1.mapped_bytes - s0.mapped_bytes, uint64_t{68} << 10) << "the first slab is not small";
+  // 16 blocks of 4 KiB fill 64 KiB; 1000 of them need slabs of 64, 2048 and 2048 KiB.
+  for (int i = 1; i < 1000; ++i) {
+    held.push_back(at::full({1024}, static_cast<float>(i)));
+    tp::share_memory_(held.back());
+  }
+  const auto s2 = tp::shm_stats();
+  EXPECT_EQ(s2.segments_created - s0.segments_created, 3u) << "later slabs are not full size";
+  EXPECT_LE(s2.mapped_bytes - s0.mapped_bytes, uint64_t{5} << 20);
+  for (int i = 0; i < 1000; ++i) {
+    ASSERT_TRUE(tp::is_shared(held[static_cast<size_t>(i)]));
+    ASSERT_EQ(held[static_cast<size_t>(i)][1023].item<float>(), static_cast<float>(i));
+  }
+  held.clear();
+  tp::empty_shm_cache();
+  EXPECT_EQ(tp::shm_stats().segments, s0.segments);
+}
+
 TEST_P(ShmTest, BlockHeldByReceiverIsNotReused) {
   Child c = fork_child([](int sock) {
     auto t = tp::loads<at::Tensor>(tp::recv_payload(sock, std::chrono::seconds(30)));
