@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "core/prefault.h"
 #include "torchpar/core/syscall.h"
 
 #include "torchpar/shm/handle.h"
@@ -206,6 +207,10 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       c10::Storage st(c10::Storage::use_byte_size_t(), nbytes, at::getCPUAllocator(),
                       /*resizable=*/true);
       const char* src = ar.take(nbytes);
+      // Above glibc's largest mmap threshold (32 MiB) the CPU allocator's memory is a fresh
+      // mapping: populate it in one call before the copy (smaller blocks come warm from
+      // the heap, where a populate call only costs).
+      if (nbytes >= (32u << 20)) prefault_for_write(st.data(), nbytes);
       if (nbytes > 0) std::memcpy(st.data(), src, nbytes);
       storages.push_back(std::move(st));
     } else if (mode == static_cast<uint8_t>(StorageMode::kTable)) {

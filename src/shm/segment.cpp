@@ -18,6 +18,7 @@
 
 #include "cleaner.h"
 #include "core/meminfo.h"
+#include "core/prefault.h"
 #include "torchpar/core/syscall.h"
 
 namespace torchpar::detail {
@@ -64,13 +65,6 @@ void raise_nofile_limit() {
     }
   });
 }
-
-// MADV_POPULATE_WRITE (Linux 5.14); older headers lack the name.
-#ifdef MADV_POPULATE_WRITE
-constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
-#else
-constexpr int kMadvPopulateWrite = 23;
-#endif
 
 // posix_fallocate, retried on EINTR; returns its error (0: reserved).
 int reserve(int fd, uint64_t bytes) {
@@ -136,10 +130,8 @@ std::shared_ptr<Segment> Segment::create(SharingStrategy strategy, uint64_t bloc
   seg->fd_ = std::move(fd);
   seg->map(total, what);
   if (block_size >= (2u << 20)) ::madvise(seg->base_, total, MADV_HUGEPAGE);  // best effort
-  // A one-block segment is written whole right away (share_memory_ copies the tensor in):
-  // fill its page tables in one call instead of one fault per 4 KiB page on first touch
-  // (~12 us a fault on these VMs). Best effort: kernels before 5.14 refuse it (EINVAL).
-  if (num_blocks == 1) ::madvise(seg->base_, total, kMadvPopulateWrite);
+  // A one-block segment is written whole right away (share_memory_ copies the tensor in).
+  if (num_blocks == 1) prefault_for_write(seg->base_, total);
 
   auto* h = seg->header();
   h->magic = kSegmentMagic;
