@@ -11,36 +11,16 @@
 # refuse network namespaces.
 set -u
 BIN=$1
-A=tph_a_$$
-B=tph_b_$$
-VA=tphva$$
-VB=tphvb$$
-ADDR_A=10.213.8.1
-ADDR_B=10.213.8.2
 OUT=$(mktemp -d /tmp/tph_out.XXXXXX)
+. "$(dirname "$0")/two_hosts.sh"
 cleanup() {
-  ip netns del "$A" 2>/dev/null
-  ip netns del "$B" 2>/dev/null
-  ip link del "$VA" 2>/dev/null
+  two_hosts_down
   rm -rf "$OUT"
-  true
 }
 trap cleanup EXIT
-if ! ip netns add "$A" 2>"$OUT/err" || ! ip netns add "$B" 2>>"$OUT/err"; then
-  echo "SKIPPED: cannot create network namespaces here: $(cat "$OUT/err")"
-  exit 77
-fi
-set -e
-ip link add "$VA" type veth peer name "$VB"
-ip link set "$VA" netns "$A"
-ip link set "$VB" netns "$B"
-ip -n "$A" addr add $ADDR_A/24 dev "$VA"
-ip -n "$B" addr add $ADDR_B/24 dev "$VB"
-for ns in "$A" "$B"; do
-  ip -n "$ns" link set lo up
-done
-ip -n "$A" link set "$VA" up
-ip -n "$B" link set "$VB" up
+two_hosts_up hr 10.213.8
+A=$HOST_A
+B=$HOST_B
 set +e
 # One fresh job key for every rank, in the environment (never on a command line).
 export TORCHPAR_AUTHKEY

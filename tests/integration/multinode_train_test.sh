@@ -10,38 +10,19 @@
 set -u
 BIN=$1
 DATA=/usr/share/datasets/fashion-mnist
-A=tp_mna_$$
-B=tp_mnb_$$
-VA=tpmna$$
-VB=tpmnb$$
-IP_A=10.213.9.1
-IP_B=10.213.9.2
 PORT=29591
 TMP=$(mktemp -d /tmp/torchpar_multinode_train.XXXXXX)
+. "$(dirname "$0")/two_hosts.sh"
 cleanup() {
-  ip netns del "$A" 2>/dev/null
-  ip netns del "$B" 2>/dev/null
-  ip link del "$VA" 2>/dev/null
+  two_hosts_down
   rm -rf "$TMP"
-  true
 }
 trap cleanup EXIT
-if ! ip netns add "$A" 2>"$TMP/netns_err" || ! ip netns add "$B" 2>>"$TMP/netns_err"; then
-  echo "SKIPPED: cannot create network namespaces here: $(cat "$TMP/netns_err")"
-  exit 77
-fi
-set -e
-ip link add "$VA" type veth peer name "$VB"
-ip link set "$VA" netns "$A"
-ip link set "$VB" netns "$B"
-ip -n "$A" addr add $IP_A/24 dev "$VA"
-ip -n "$B" addr add $IP_B/24 dev "$VB"
-for ns in "$A" "$B"; do
-  ip -n "$ns" link set lo up
-done
-ip -n "$A" link set "$VA" up
-ip -n "$B" link set "$VB" up
-ip netns exec "$A" ping -c1 -W2 $IP_B >/dev/null 2>&1 || true
+two_hosts_up mn 10.213.9
+A=$HOST_A
+B=$HOST_B
+IP_A=$ADDR_A
+IP_B=$ADDR_B
 set +e
 
 failures=0

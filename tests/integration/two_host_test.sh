@@ -6,36 +6,11 @@
 # network namespaces.
 set -u
 BIN=$1
-A=tp_a_$$
-B=tp_b_$$
-VA=tpva$$
-VB=tpvb$$
-cleanup() {
-  ip netns del "$A" 2>/dev/null
-  ip netns del "$B" 2>/dev/null
-  ip link del "$VA" 2>/dev/null
-  true
-}
-trap cleanup EXIT
-if ! ip netns add "$A" 2>/tmp/tp_netns_err.$$ || ! ip netns add "$B" 2>>/tmp/tp_netns_err.$$; then
-  echo "SKIPPED: cannot create network namespaces here: $(cat /tmp/tp_netns_err.$$)"
-  rm -f /tmp/tp_netns_err.$$
-  exit 77
-fi
-rm -f /tmp/tp_netns_err.$$
-set -e
-ip link add "$VA" type veth peer name "$VB"
-ip link set "$VA" netns "$A"
-ip link set "$VB" netns "$B"
-ip -n "$A" addr add 10.213.7.1/24 dev "$VA"
-ip -n "$B" addr add 10.213.7.2/24 dev "$VB"
-for ns in "$A" "$B"; do
-  ip -n "$ns" link set lo up
-done
-ip -n "$A" link set "$VA" up
-ip -n "$B" link set "$VB" up
-# each namespace sees only its own address and the other's over the veth
-ip netns exec "$A" ping -c1 -W2 10.213.7.2 >/dev/null 2>&1 || true
+. "$(dirname "$0")/two_hosts.sh"
+trap two_hosts_down EXIT
+two_hosts_up th 10.213.7
+A=$HOST_A
+B=$HOST_B
 set +e
 # run_pair WHAT PORT "WANT0" "WANT1" PROGRAM ARGS...: rank 0 in A, rank 1 in B (each with its
 # namespace's address as TORCHPAR_RPC_ADDR, where RPC listeners bind); both must exit 0 and
