@@ -157,7 +157,7 @@ struct World::Impl {
       }
       if (backend == Backend::kAuto) {
         const size_t hosts = detail::hosts_of(info).size();
-        backend = one_host              ? Backend::kShm
+        backend = one_host               ? Backend::kShm
                   : hosts < ranks.size() ? Backend::kHierarchical
                                          : Backend::kGloo;
       }

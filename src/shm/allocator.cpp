@@ -35,7 +35,7 @@ constexpr uint64_t kSlabBytes = 2 << 20;       // data bytes per slab segment, a
 // small slab more per class in use costs one fd and mapping; a doubling series cost six
 // and broke ipc_test's fd budget for a queue of 1,000 tensors.
 constexpr uint64_t kFirstSlabBytes = 64 << 10;
-constexpr uint64_t kLargeRound = 2 << 20;       // large segments of 8 MiB and more round to 2 MiB,
+constexpr uint64_t kLargeRound = 2 << 20;        // large segments of 8 MiB and more round to 2 MiB,
 constexpr uint64_t kSmallLargeRound = 64 << 10;  // smaller ones to 64 KiB (reserving is paid
 constexpr uint64_t kSmallLargeMax = 8 << 20;     // per page: 1 MiB reserved 2 MiB before)
 
@@ -417,8 +417,7 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
         break;
     }
     const uint64_t block_size = kMinBlock << c;
-    const uint64_t slab_bytes =
-        slabs.empty() ? std::max(block_size, kFirstSlabBytes) : kSlabBytes;
+    const uint64_t slab_bytes = slabs.empty() ? std::max(block_size, kFirstSlabBytes) : kSlabBytes;
     const auto nblocks = static_cast<uint32_t>(slab_bytes / block_size);
     lock.unlock();  // creating a segment may fork the cleaner and fault memory in
     auto seg = create_segment(strategy, block_size, nblocks);

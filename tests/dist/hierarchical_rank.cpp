@@ -51,8 +51,7 @@ int compare_with_flat(tp::CollectiveGroup& hier, tp::CollectiveGroup& flat) {
   const std::vector<at::ScalarType> dtypes{at::kFloat, at::kDouble, at::kInt,
                                            at::kLong,  at::kChar,   at::kByte};
   const std::vector<tp::ReduceOp> ops{tp::ReduceOp::kSum, tp::ReduceOp::kProduct,
-                                      tp::ReduceOp::kMin, tp::ReduceOp::kMax,
-                                      tp::ReduceOp::kAvg};
+                                      tp::ReduceOp::kMin, tp::ReduceOp::kMax, tp::ReduceOp::kAvg};
   for (auto dt : dtypes) {
     for (auto op : ops) {
       if (op == tp::ReduceOp::kAvg && !at::isFloatingType(dt)) continue;
@@ -131,9 +130,9 @@ int check(tp::World& world) {
     TORCHPAR_RCHECK(at::equal(out[q], at::full({5}, q * 100 + me, at::kLong)), "all_to_all");
   auto s = hier.isend(at::full({4}, double(me)), (me + 1) % P, 3);
   auto r = at::zeros({4});
-  TORCHPAR_RCHECK(hier.irecv(r, std::nullopt, 3).wait(std::chrono::duration<double>(30)) ==
-                      (me + P - 1) % P,
-                  "irecv sender");
+  TORCHPAR_RCHECK(
+      hier.irecv(r, std::nullopt, 3).wait(std::chrono::duration<double>(30)) == (me + P - 1) % P,
+      "irecv sender");
   s.wait(std::chrono::duration<double>(30));
   TORCHPAR_RCHECK(at::equal(r, at::full({4}, double((me + P - 1) % P))), "irecv value");
   hier.barrier();
@@ -144,8 +143,8 @@ int check(tp::World& world) {
 
 int kill_test(tp::World& world, int victim) {
   const double timeout = 10;
-  auto g = world.create_collective_group({}, tp::Backend::kAuto,
-                                         std::chrono::duration<double>(timeout));
+  auto g =
+      world.create_collective_group({}, tp::Backend::kAuto, std::chrono::duration<double>(timeout));
   TORCHPAR_RCHECK(g.backend() == tp::Backend::kHierarchical, "resolved to {}",
                   tp::to_string(g.backend()));
   auto t = at::ones({1 << 18});
@@ -163,8 +162,7 @@ int kill_test(tp::World& world, int victim) {
       std::fflush(stdout);
       TORCHPAR_RCHECK(e.rank() == victim, "the error names group rank {}, want {}", e.rank(),
                       victim);
-      TORCHPAR_RCHECK(s < timeout + 2, "raised after {:.2f} s, over the {} s timeout", s,
-                      timeout);
+      TORCHPAR_RCHECK(s < timeout + 2, "raised after {:.2f} s, over the {} s timeout", s, timeout);
       // The group stays broken: the next call raises at once, naming the same rank.
       try {
         g.barrier();

@@ -83,15 +83,15 @@ class HierarchicalBackend final : public GroupBackend {
     if (mine.size() > 1) {
       std::vector<int> wr;
       for (int q : mine) wr.push_back(world_ranks()[static_cast<size_t>(q)]);
-      local_ = std::make_shared<shm_backend::ShmBackend>(ShmBackendOptions{
-          .store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("hier/local/{}", my_host_),
-                                                          store_),
-          .rank = me,
-          .world_ranks = wr,
-          .timeout = o.timeout,
-          .name = fmt::format("{} host {} (shm, world ranks [{}], local rank {})", name(),
-                              my_host_, join(wr), me),
-          .p2p = nullptr});
+      local_ = std::make_shared<shm_backend::ShmBackend>(
+          ShmBackendOptions{.store = c10::make_intrusive<c10d::PrefixStore>(
+                                fmt::format("hier/local/{}", my_host_), store_),
+                            .rank = me,
+                            .world_ranks = wr,
+                            .timeout = o.timeout,
+                            .name = fmt::format("{} host {} (shm, world ranks [{}], local rank {})",
+                                                name(), my_host_, join(wr), me),
+                            .p2p = nullptr});
     }
     if (me == 0 && hosts_.size() > 1) {
       std::vector<int> wr;
@@ -171,8 +171,8 @@ class HierarchicalBackend final : public GroupBackend {
     run("gather", o.timeout, [&] {
       const int root_host = host_of(dst);
       const bool on_root_host = my_host_ == root_host;
-      at::Tensor all = at::empty({(on_root_host ? host_count() : 1) * rows_, in.numel()},
-                                 in.options());
+      at::Tensor all =
+          at::empty({(on_root_host ? host_count() : 1) * rows_, in.numel()}, in.options());
       at::Tensor mine = block(all, on_root_host ? my_host_ : 0);
       gather_to_leader(in, mine);
       if (leaders_)
@@ -198,8 +198,8 @@ class HierarchicalBackend final : public GroupBackend {
       else if (relay || (on_root_host && leader()))
         all = at::empty({host_count() * rows_, out.numel()}, out.options());
       if (relay && local_) loc().broadcast(all, local_of(src), left());
-      at::Tensor mine = all.defined() ? block(all, my_host_)
-                                      : at::empty({rows_, out.numel()}, out.options());
+      at::Tensor mine =
+          all.defined() ? block(all, my_host_) : at::empty({rows_, out.numel()}, out.options());
       if (leaders_)
         ldr().scatter(mine, on_root_host ? blocks(all) : std::vector<at::Tensor>{}, root_host,
                       left());
@@ -319,9 +319,8 @@ class HierarchicalBackend final : public GroupBackend {
   void throw_if_broken(const char* what) const {
     if (!flat_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
     if (broken_) {
-      throw RankLostError(broken_->lost,
-                          fmt::format("{}: {}: the group is broken: {}", name(), what,
-                                      broken_->message));
+      throw RankLostError(broken_->lost, fmt::format("{}: {}: the group is broken: {}", name(),
+                                                     what, broken_->message));
     }
   }
 

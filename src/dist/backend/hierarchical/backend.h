@@ -72,7 +72,8 @@ struct HierarchicalBackendOptions {
 /// Errors: those of create_shm_backend and create_gloo_backend (TimeoutError, ShmError,
 /// torchpar::Error naming the level's group); torchpar::Error when `members` and
 /// `world_ranks` differ in length or `flat` is missing.
-std::shared_ptr<GroupBackend> create_hierarchical_backend(const HierarchicalBackendOptions& options);
+std::shared_ptr<GroupBackend> create_hierarchical_backend(
+    const HierarchicalBackendOptions& options);
 
 /// The hosts of a group, as the hierarchical backend numbers them: hosts by their lowest
 /// group rank, each host's group ranks ascending. For `torchpar info` and the tests.
