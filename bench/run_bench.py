@@ -36,8 +36,8 @@ Benchmarks (names for --only), run in this order:
 Method: every round runs ours, then each peer (round r: ours, peer1, peer2, ...). A full run does
 one untimed warm-up round, then 5 rounds; train, inference and scale-out do 3 rounds and no
 warm-up (each run is a fresh set of processes that loads its data or warms up outside the timed
-region, and runs take 5-20 s). --quick does 2 rounds (train, inference and scale-out 1), no
-warm-up, smaller sizes and fewer tasks; --rounds N overrides the round count of every benchmark.
+region, and runs take 5-20 s). --quick does 1 round, no warm-up, smaller sizes and fewer
+tasks (a smoke check in under 3 minutes, not a measurement); --rounds N overrides the round count of every benchmark.
 The value reported for a (system, measure) is the median over rounds of each run's own value.
 Every subprocess runs in its own process group with a timeout (the whole group is killed when it
 expires). A peer that fails is reported as "not run: <reason>"
@@ -107,7 +107,7 @@ class Config:
             return self.rounds_override
         if bench in ("train", "inference", "scale-out"):
             return self.pick(1, 3)
-        return self.pick(2, 5)
+        return self.pick(1, 5)
 
     def warmup(self, bench):
         return 0 if self.quick or bench in ("train", "inference", "scale-out") else 1
@@ -1785,7 +1785,7 @@ def write_report(cfg, path, meta, sections, notes):
                          for b, _, _ in sections) + ". "
              "\"vs\" ratios are how many times better torchpar is (> 1: torchpar better). The "
              "machine is shared: other load (see the load averages) shows up as noise."
-             + (" With 2 rounds a median is the mean of both, so one disturbed round moves it: "
+             + (" One round: a disturbed run shows as it is, with nothing to outvote it: "
                 "--quick is a smoke check, not a measurement." if cfg.quick else ""), ""]
     for bench, md, runs in sections:
         lines += [f"## {TITLES[bench]} ({bench})", "", md, ""]
@@ -1825,12 +1825,12 @@ def main():
     ap.add_argument("--bin", required=True,
                     help="the build's bin directory (ipc_bench, coll_bench, torchpar, ...)")
     ap.add_argument("--cli", help="the torchpar program (default: <--bin>/torchpar)")
-    ap.add_argument("--quick", action="store_true", help="smaller sizes, 2 rounds (train 1), no warm-up")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, 1 round, no warm-up: a smoke check")
     ap.add_argument("--only", default=",".join(BENCHMARKS),
                     help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     ap.add_argument("--out", help="output directory (default bench/results/<YYYY-MM-DD_HHMMSS>)")
     ap.add_argument("--rounds", type=int,
-                    help="interleaved rounds of every benchmark (default 5, quick 2; train 3, quick 1)")
+                    help="interleaved rounds of every benchmark (default 5; train, inference, scale-out 3; quick 1)")
     args = ap.parse_args()
     only = [b for b in args.only.split(",") if b]
     unknown = [b for b in only if b not in BENCHMARKS]

@@ -27,7 +27,7 @@ Command add_bench(CLI::App& app) {
       "torch.distributed.rpc and a parameter server written with it, torch.distributed gloo, c10d "
       "Gloo, OpenMPI, the PyTorch training recipes) interleaved, and write a report with ratios "
       "and plots to bench/results/<date>/.");
-  cmd->add_flag("--quick", o->quick, "small sizes and 2 rounds: a smoke check (< 3 min)");
+  cmd->add_flag("--quick", o->quick, "small sizes and 1 round: a smoke check (< 3 min)");
   cmd->add_option("--only", o->only,
                   "comma-separated subset of handoff, pools, manager, rpc, pserver, collectives, "
                   "scale-out (root: two network namespaces), train, inference, limits");
