@@ -164,26 +164,22 @@ struct World::Impl {
     }
     const std::string gname = fmt::format("group [{}] #{} (rank {} of {}, {})", join(ranks), n, rel,
                                           ranks.size(), to_string(backend));
-    auto gloo = detail::create_gloo_backend(
-        {.store = c10::make_intrusive<c10d::PrefixStore>("gloo", gstore),
-         .rank = rel,
-         .world_ranks = ranks,
-         .timeout = t,
-         .name = gname,
-         .device = rdv.device,
-         .members = info,
-         .my_host = rdv.host});
+    // The group in Gloo's terms; the flat Gloo group (every backend's send/recv) meets
+    // under "gloo" in the group's store.
+    const detail::GlooBackendOptions group{.store = gstore,
+                                           .rank = rel,
+                                           .world_ranks = ranks,
+                                           .timeout = t,
+                                           .name = gname,
+                                           .device = rdv.device,
+                                           .members = info,
+                                           .my_host = rdv.host};
+    detail::GlooBackendOptions flat = group;
+    flat.store = c10::make_intrusive<c10d::PrefixStore>("gloo", gstore);
+    auto gloo = detail::create_gloo_backend(flat);
     if (backend == Backend::kGloo) return CollectiveGroup(gloo);
     if (backend == Backend::kHierarchical) {
-      return CollectiveGroup(detail::create_hierarchical_backend({.store = gstore,
-                                                                  .rank = rel,
-                                                                  .world_ranks = ranks,
-                                                                  .timeout = t,
-                                                                  .name = gname,
-                                                                  .device = rdv.device,
-                                                                  .members = info,
-                                                                  .my_host = rdv.host,
-                                                                  .flat = gloo}));
+      return CollectiveGroup(detail::create_hierarchical_backend({.group = group, .flat = gloo}));
     }
     return CollectiveGroup(
         detail::create_shm_backend({.store = c10::make_intrusive<c10d::PrefixStore>("shm", gstore),

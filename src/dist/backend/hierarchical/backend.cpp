@@ -57,11 +57,13 @@ at::Tensor as_1d(const at::Tensor& t) { return t.view({-1}); }
 
 class HierarchicalBackend final : public GroupBackend {
  public:
-  explicit HierarchicalBackend(const HierarchicalBackendOptions& o)
-      : GroupBackend(o.rank, o.world_ranks, o.timeout, o.name),
-        store_(o.store),
-        members_(o.members),
-        flat_(o.flat) {
+  explicit HierarchicalBackend(const HierarchicalBackendOptions& options)
+      : GroupBackend(options.group.rank, options.group.world_ranks, options.group.timeout,
+                     options.group.name),
+        store_(options.group.store),
+        members_(options.group.members),
+        flat_(options.flat) {
+    const GlooBackendOptions& o = options.group;
     if (!flat_) throw Error(fmt::format("{}: the hierarchical backend needs a flat group", name()));
     if (members_.size() != world_ranks().size()) {
       throw Error(fmt::format("{}: {} members for {} ranks", name(), members_.size(),

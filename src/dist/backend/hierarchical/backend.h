@@ -42,26 +42,15 @@
 
 namespace torchpar::detail {
 
-/// Everything a hierarchical group needs; every member passes the same `world_ranks` and
-/// `members`, and its own `rank`.
+/// Everything a hierarchical group needs; every member passes the same `group.world_ranks`
+/// and `group.members`, and its own `group.rank`.
 struct HierarchicalBackendOptions {
-  /// The group's store, already prefixed for this group: the levels' groups meet under
-  /// "hier/..." in it, and the failure record is kept there.
-  c10::intrusive_ptr<c10d::Store> store;
-  /// This process' rank in the group (0 .. world_ranks.size()-1).
-  int rank = 0;
-  /// World ranks of the members, in group order.
-  std::vector<int> world_ranks;
-  /// Seconds: the limit for creating each level, and the default limit of each operation.
-  std::chrono::duration<double> timeout = std::chrono::seconds(300);
-  /// For messages: "group [0,1,2,3] #0 (rank 1 of 4, hierarchical)".
-  std::string name;
-  /// The interface or address the leaders' Gloo group binds to.
-  GlooDeviceSpec device;
-  /// Every member by group rank: its host key decides the levels; its pid names a lost rank.
-  std::vector<MemberInfo> members;
-  /// This process' host key (equal to members[rank].host).
-  std::string my_host;
+  /// The group as a whole, in a flat Gloo group's terms: `store` is the group's store,
+  /// already prefixed for this group (the levels' groups meet under "hier/..." in it, and
+  /// the failure record is kept there); `timeout` limits creating each level and is the
+  /// default limit of each operation; `device` is where the leaders' Gloo group binds;
+  /// every member's host key in `members` decides the levels, its pid names a lost rank.
+  GlooBackendOptions group;
   /// A gloo group of every member (made by the caller): it carries all_to_all and
   /// send/recv. The hierarchical backend owns it from here on.
   std::shared_ptr<GroupBackend> flat;
@@ -70,8 +59,8 @@ struct HierarchicalBackendOptions {
 /// Creates the hierarchical backend of a group; collective over its members (each creates
 /// its host's shm group, then the leaders their gloo group).
 /// Errors: those of create_shm_backend and create_gloo_backend (TimeoutError, ShmError,
-/// torchpar::Error naming the level's group); torchpar::Error when `members` and
-/// `world_ranks` differ in length or `flat` is missing.
+/// torchpar::Error naming the level's group); torchpar::Error when `group.members` and
+/// `group.world_ranks` differ in length or `flat` is missing.
 std::shared_ptr<GroupBackend> create_hierarchical_backend(
     const HierarchicalBackendOptions& options);
 
