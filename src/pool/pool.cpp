@@ -411,31 +411,14 @@ class PoolCore {
       size_t e = i;
       {
         std::lock_guard<std::mutex> lock(j.mu);
-        for (; e < done.size() && done[e].job.get() == &j; ++e) {
-          auto& chunk = j.chunks[done[e].chunk];
-          if (chunk.done) continue;
-          chunk.done = true;
-          chunk.values = std::move(done[e].values);
-          chunk.error = done[e].error;
-          if (chunk.error && !j.first_error) j.first_error = chunk.error;
-          j.order.push_back(done[e].chunk);
-          if (++j.ndone == j.chunks.size()) {
-            last = true;
-            on_done = std::move(j.on_done);
-          }
-        }
+        for (; e < done.size() && done[e].job.get() == &j; ++e)
+          last |= j.record_locked(done[e].chunk, std::move(done[e].values), done[e].error, on_done);
       }
       i = e;
       if (last) {
         quiet_.erase(&j);
         j.cv.notify_all();
-        if (on_done) {
-          try {
-            on_done();
-          } catch (...) {
-            // A throwing callback must not take the pool's thread down (as JobState::complete).
-          }
-        }
+        JobState::run_on_done(on_done);
       } else {
         wake_later(job, now);
       }

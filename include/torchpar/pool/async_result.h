@@ -33,27 +33,40 @@ struct JobState {
   explicit JobState(size_t nchunks, Unpack unpack_fn = nullptr)
       : chunks(nchunks), unpack(unpack_fn) {}
 
+  /// Records one chunk's outcome without waking anyone; `mu` must be held. A chunk already
+  /// done is left as it is. Returns true when this was the last chunk, and then moves
+  /// on_done into `cb`: the caller notifies `cv` and runs it with run_on_done, outside `mu`.
+  bool record_locked(size_t chunk, std::vector<std::any>&& values, std::exception_ptr error,
+                     std::function<void()>& cb) {
+    auto& c = chunks[chunk];
+    if (c.done) return false;
+    c.done = true;
+    c.values = std::move(values);
+    c.error = error;
+    if (error && !first_error) first_error = error;
+    order.push_back(chunk);
+    if (++ndone != chunks.size()) return false;
+    cb = std::move(on_done);
+    return true;
+  }
+  /// Runs a job's on_done callback; a throwing callback must not take the pool's thread
+  /// down (Python logs and goes on).
+  static void run_on_done(const std::function<void()>& cb) noexcept {
+    if (!cb) return;
+    try {
+      cb();
+    } catch (...) {
+    }
+  }
+  /// Records one chunk's outcome and wakes the job's waiters at once.
   void complete(size_t chunk, std::vector<std::any> values, std::exception_ptr error) {
     std::function<void()> cb;
     {
       std::lock_guard<std::mutex> lock(mu);
-      auto& c = chunks[chunk];
-      if (c.done) return;
-      c.done = true;
-      c.values = std::move(values);
-      c.error = error;
-      if (error && !first_error) first_error = error;
-      order.push_back(chunk);
-      if (++ndone == chunks.size()) cb = std::move(on_done);
+      record_locked(chunk, std::move(values), error, cb);
     }
     cv.notify_all();
-    if (cb) {
-      try {
-        cb();
-      } catch (...) {
-        // A throwing callback must not take the pool's thread down (Python logs and goes on).
-      }
-    }
+    run_on_done(cb);
   }
   bool wait(Timeout timeout) {
     std::unique_lock<std::mutex> lock(mu);

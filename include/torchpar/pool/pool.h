@@ -256,8 +256,9 @@ struct PoolOptions {
   bool daemon = true;
 };
 
-/// Worker processes that run tasks. A worker killed mid-task fails exactly the tasks it
-/// held with WorkerLostError and is replaced; the pool goes on and never hangs.
+/// Worker processes that run tasks. A worker killed mid-task fails exactly the chunk it
+/// was running with WorkerLostError and is replaced; the chunks of its batch it had not
+/// started are queued again, in order. The pool goes on and never hangs.
 ///
 /// Lifetime: the destructor terminates (kills workers; unfinished results fail with
 /// ClosedError), as Python's context-manager exit does.
