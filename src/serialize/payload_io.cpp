@@ -25,16 +25,19 @@ struct FrameHeader {
   uint64_t nbytes;
 };
 
-// Sends `len` bytes, attaching `fds` (if any) to the first byte.
-void send_with_fds(int sock, const char* data, size_t len, const int* fds, size_t nfds) {
+// Sends the `iovcnt` buffers of `iov` in order, attaching `fds` (if any) to the first byte.
+// `iov` is consumed (advanced past what was sent).
+void send_iov(int sock, struct iovec* iov, int iovcnt, const int* fds, size_t nfds) {
   alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kFdsPerMessage)];
-  while (len > 0) {
-    struct iovec iov {
-      const_cast<char*>(data), len
-    };
+  for (;;) {
+    while (iovcnt > 0 && iov->iov_len == 0) {
+      ++iov;
+      --iovcnt;
+    }
+    if (iovcnt == 0) return;
     struct msghdr msg {};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(iovcnt);
     if (nfds > 0) {
       std::memset(control, 0, sizeof control);
       msg.msg_control = control;
@@ -45,12 +48,24 @@ void send_with_fds(int sock, const char* data, size_t len, const int* fds, size_
       c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
       std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
     }
-    ssize_t n = detail::check_syscall("sendmsg", fmt::format("socket fd {}", sock),
-                                      [&] { return ::sendmsg(sock, &msg, MSG_NOSIGNAL); });
-    data += n;
-    len -= static_cast<size_t>(n);
+    auto n = static_cast<size_t>(
+        detail::check_syscall("sendmsg", fmt::format("socket fd {}", sock),
+                              [&] { return ::sendmsg(sock, &msg, MSG_NOSIGNAL); }));
     nfds = 0;  // the fds went with the first byte
+    for (; iovcnt > 0 && n >= iov->iov_len; ++iov, --iovcnt) n -= iov->iov_len;
+    if (n > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + n;
+      iov->iov_len -= n;
+    }
   }
+}
+
+// Sends `len` bytes, attaching `fds` (if any) to the first byte.
+void send_with_fds(int sock, const char* data, size_t len, const int* fds, size_t nfds) {
+  struct iovec iov {
+    const_cast<char*>(data), len
+  };
+  send_iov(sock, &iov, 1, fds, nfds);
 }
 
 using Clock = detail::SteadyClock;
@@ -81,7 +96,6 @@ void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bo
   alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kFdsPerMessage)];
   size_t got = 0;
   while (got < len) {
-    wait_readable(sock, deadline);
     struct iovec iov {
       data + got, len - got
     };
@@ -90,8 +104,18 @@ void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bo
     msg.msg_iovlen = 1;
     msg.msg_control = control;
     msg.msg_controllen = sizeof control;
-    ssize_t n = detail::check_syscall("recvmsg", fmt::format("socket fd {}", sock),
-                                      [&] { return ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC); });
+    // With a deadline, try first and poll only when nothing is there: the bytes of a frame
+    // usually arrive together, and a poll per read was a system call each time.
+    const int flags = MSG_CMSG_CLOEXEC | (deadline ? MSG_DONTWAIT : 0);
+    ssize_t n = ::recvmsg(sock, &msg, flags);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (deadline && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        wait_readable(sock, deadline);
+        continue;
+      }
+      detail::throw_system_error("recvmsg", errno, fmt::format("socket fd {}", sock));
+    }
     for (struct cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
       if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
         const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -127,6 +151,13 @@ void send_payload(int sock, const Payload& payload) {
   for (const auto& fd : payload.fds) raw.push_back(fd.get());
   FrameHeader h{kFrameMagic, static_cast<uint32_t>(raw.size()), payload.bytes.size()};
   const size_t first = std::min(raw.size(), kFdsPerMessage);
+  if (first == raw.size()) {
+    // The header and the bytes in one sendmsg: one system call, and the receiver wakes once.
+    struct iovec iov[2] = {{&h, sizeof h},
+                           {const_cast<char*>(payload.bytes.data()), payload.bytes.size()}};
+    send_iov(sock, iov, 2, raw.data(), first);
+    return;
+  }
   send_with_fds(sock, reinterpret_cast<const char*>(&h), sizeof h, raw.data(), first);
   for (size_t i = first; i < raw.size(); i += kFdsPerMessage) {
     const char one = 0;
