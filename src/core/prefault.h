@@ -27,4 +27,24 @@ inline void prefault_for_write(void* p, size_t n) noexcept {
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, kAdvice);
 }
 
+/// The threshold of prefault_private_for_write's callers: glibc's malloc serves blocks of
+/// this size and more (its largest dynamic mmap threshold) from a fresh mapping of their own,
+/// given back at free, so the huge pages asked for here never stay in the heap.
+constexpr size_t kPrivatePrefaultBytes = size_t{32} << 20;
+
+/// For private anonymous memory about to be written whole (a fresh malloc'd block of at
+/// least kPrivatePrefaultBytes): asks for transparent huge pages on its 2 MiB-aligned
+/// interior (THP "madvise" mode; no effect where THP is off), then populates it. Why: on the
+/// pvm-hypervisor VMs we measure on, writing 64 MiB of fresh memory in 4 KiB pages took
+/// 340-400 ms, and still 85-200 ms after MADV_POPULATE_WRITE (the hypervisor's shadow page
+/// tables fault per page again); in huge pages, madvise + populate + the write took 5-9 ms.
+/// Best effort, never throws. Safety: any thread; the range must be mapped writable.
+inline void prefault_private_for_write(void* p, size_t n) noexcept {
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~(kHugePage - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  prefault_for_write(p, n);
+}
+
 }  // namespace torchpar::detail

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "core/prefault.h"
+#include "shm/allocator.h"
 #include "torchpar/core/syscall.h"
 
 #include "torchpar/shm/handle.h"
@@ -60,6 +61,15 @@ OutputArchive::OutputArchive(Payload& out, DumpsOptions opts)
       opts_(opts) {
   saveBinary(kMagic, sizeof kMagic);
   saveBinary(&kFormatVersion, 1);
+}
+
+void OutputArchive::reserve_more(size_t n) {
+  std::string& bytes = out_.bytes;
+  if (bytes.capacity() - bytes.size() >= n) return;
+  bytes.reserve(bytes.size() + n + 256);
+  // The block is fresh (mmapped by malloc at this size): fault it in at once, in huge pages
+  // where the kernel allows, before the append writes it (prefault.h has the figures).
+  if (n >= kPrivatePrefaultBytes) prefault_private_for_write(bytes.data() + bytes.size(), n);
 }
 
 std::pair<uint32_t, bool> OutputArchive::storage_id(const c10::StorageImpl* impl) {
@@ -210,7 +220,7 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       // Above glibc's largest mmap threshold (32 MiB) the CPU allocator's memory is a fresh
       // mapping: populate it in one call before the copy (smaller blocks come warm from
       // the heap, where a populate call only costs).
-      if (nbytes >= (32u << 20)) prefault_for_write(st.data(), nbytes);
+      if (nbytes >= kPrivatePrefaultBytes) prefault_private_for_write(st.data(), nbytes);
       if (nbytes > 0) std::memcpy(st.data(), src, nbytes);
       storages.push_back(std::move(st));
     } else if (mode == static_cast<uint8_t>(StorageMode::kTable)) {
@@ -230,9 +240,11 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       StorageHandle h;
       h.nbytes = nbytes;
       UniqueFd fd;
+      uint32_t fd_idx = kNoFd;
       if (mode == static_cast<uint8_t>(StorageMode::kFd)) {
         h.strategy = SharingStrategy::kFileDescriptor;
         const auto idx = read<uint32_t>(ar);
+        fd_idx = idx;
         h.pid = read<int32_t>(ar);
         h.fd_number = read<int32_t>(ar);
         h.dev = read<uint64_t>(ar);
@@ -243,7 +255,6 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
                                                  idx, ar.payload().fds.size()));
           if (!ar.payload().fds[idx].valid())
             throw SerializationError(fmt::format("fd #{} of the payload is not open", idx));
-          fd = ar.payload().fds[idx].dup();
         }
       } else {
         h.strategy = SharingStrategy::kFileSystem;
@@ -251,7 +262,15 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       }
       h.segment_bytes = read<uint64_t>(ar);
       h.block = read<uint32_t>(ar);
-      storages.push_back(import_storage(h, std::move(fd), ar.options().adopt_shared));
+      // A segment mapped here already needs no fd: no dup of the payload's, no fstat.
+      if (auto dp =
+              fd_idx != kNoFd ? shm_import_if_mapped(h, ar.options().adopt_shared) : std::nullopt) {
+        storages.emplace_back(c10::Storage::use_byte_size_t(), h.nbytes, std::move(*dp),
+                              shm_allocator(), /*resizable=*/false);
+      } else {
+        if (fd_idx != kNoFd) fd = ar.payload().fds[fd_idx].dup();
+        storages.push_back(import_storage(h, std::move(fd), ar.options().adopt_shared));
+      }
     } else {
       throw SerializationError(fmt::format("invalid tensor storage mode {}", mode));
     }

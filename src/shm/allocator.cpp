@@ -461,61 +461,24 @@ at::DataPtr shm_allocate(uint64_t nbytes) {
   return make_data_ptr(s, seg, 0, nbytes, true);
 }
 
-at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd, bool adopt) {
-  State& s = state();
-  std::shared_ptr<Segment> seg;
-  std::string key;
-  const SharingStrategy strategy = h.strategy;
+namespace {
+
+std::string fd_key(uint64_t dev, uint64_t ino) { return fmt::format("fd:{}:{}", dev, ino); }
+
+// The live mapping of `key` in this process, or nullptr.
+std::shared_ptr<Segment> find_mapped(State& s, const std::string& key) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto it = s.mapped.find(key);
+  return it == s.mapped.end() ? nullptr : it->second.lock();
+}
+
+// The block of a handle in its mapped segment `seg`: checks the handle against the
+// segment, then adopts (claims one export) or borrows a reference.
+at::DataPtr import_block(State& s, std::shared_ptr<Segment> seg, const StorageHandle& h,
+                         bool adopt) {
   const uint64_t segment_bytes = h.segment_bytes;
   const uint32_t block = h.block;
   const uint64_t nbytes = h.nbytes;
-  if (strategy == SharingStrategy::kFileDescriptor) {
-    if (fd.valid()) {
-      struct stat st {};
-      check_syscall("fstat", fmt::format("received fd {}", fd.get()),
-                    [&] { return ::fstat(fd.get(), &st); });
-      key = fmt::format("fd:{}:{}", st.st_dev, st.st_ino);
-    } else {
-      key = fmt::format("fd:{}:{}", h.dev, h.ino);
-      std::shared_ptr<Segment> known;
-      {
-        std::lock_guard<std::mutex> lock(s.mu);
-        auto it = s.mapped.find(key);
-        if (it != s.mapped.end()) known = it->second.lock();
-      }
-      if (!known) {
-        if (h.pid <= 0 || h.fd_number < 0)
-          throw SerializationError("shared tensor handle without its file descriptor");
-        const std::string path = fmt::format("/proc/{}/fd/{}", h.pid, h.fd_number);
-        const int raw = retry_eintr([&] { return ::open(path.c_str(), O_RDWR | O_CLOEXEC); });
-        if (raw < 0)
-          throw ShmError("open", errno, path,
-                         "cannot reach the exporter's segment (has the sending process exited?)");
-        fd.reset(raw);
-        struct stat st {};
-        if (::fstat(fd.get(), &st) != 0 || static_cast<uint64_t>(st.st_dev) != h.dev ||
-            static_cast<uint64_t>(st.st_ino) != h.ino)
-          throw ShmError("open", ESTALE, path, "the fd no longer names the exported segment");
-      }
-    }
-  } else {
-    key = "fs:" + h.name;
-  }
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    auto it = s.mapped.find(key);
-    if (it != s.mapped.end()) seg = it->second.lock();
-  }
-  if (!seg) {
-    seg = strategy == SharingStrategy::kFileDescriptor ? Segment::open_fd(std::move(fd))
-                                                       : Segment::open_name(h.name);
-    std::lock_guard<std::mutex> lock(s.mu);
-    auto it = s.mapped.find(key);
-    if (auto existing = it == s.mapped.end() ? nullptr : it->second.lock())
-      seg = existing;
-    else
-      register_mapped(s, seg);
-  }
   {
     std::vector<std::shared_ptr<Segment>> drop;
     std::lock_guard<std::mutex> lock(s.mu);
@@ -553,6 +516,63 @@ at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd, bool adopt) {
   }
   std::lock_guard<std::mutex> lock(s.mu);
   return make_data_ptr(s, std::move(seg), block, nbytes, false);
+}
+
+}  // namespace
+
+std::optional<at::DataPtr> shm_import_if_mapped(const StorageHandle& h, bool adopt) {
+  if (h.strategy != SharingStrategy::kFileDescriptor) return std::nullopt;
+  State& s = state();
+  auto seg = find_mapped(s, fd_key(h.dev, h.ino));
+  if (!seg) return std::nullopt;
+  return import_block(s, std::move(seg), h, adopt);
+}
+
+at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd, bool adopt) {
+  State& s = state();
+  std::shared_ptr<Segment> seg;
+  std::string key;
+  const SharingStrategy strategy = h.strategy;
+  if (strategy == SharingStrategy::kFileDescriptor) {
+    // A segment this process has mapped already (the usual case when the same tensors go
+    // back and forth) is found by the handle's identity, without a look at the fd.
+    key = fd_key(h.dev, h.ino);
+    seg = find_mapped(s, key);
+    if (!seg && fd.valid()) {
+      struct stat st {};
+      check_syscall("fstat", fmt::format("received fd {}", fd.get()),
+                    [&] { return ::fstat(fd.get(), &st); });
+      key = fd_key(st.st_dev, st.st_ino);
+      seg = find_mapped(s, key);
+    } else if (!seg) {
+      if (h.pid <= 0 || h.fd_number < 0)
+        throw SerializationError("shared tensor handle without its file descriptor");
+      const std::string path = fmt::format("/proc/{}/fd/{}", h.pid, h.fd_number);
+      const int raw = retry_eintr([&] { return ::open(path.c_str(), O_RDWR | O_CLOEXEC); });
+      if (raw < 0)
+        throw ShmError("open", errno, path,
+                       "cannot reach the exporter's segment (has the sending process exited?)");
+      fd.reset(raw);
+      struct stat st {};
+      if (::fstat(fd.get(), &st) != 0 || static_cast<uint64_t>(st.st_dev) != h.dev ||
+          static_cast<uint64_t>(st.st_ino) != h.ino)
+        throw ShmError("open", ESTALE, path, "the fd no longer names the exported segment");
+    }
+  } else {
+    key = "fs:" + h.name;
+    seg = find_mapped(s, key);
+  }
+  if (!seg) {
+    seg = strategy == SharingStrategy::kFileDescriptor ? Segment::open_fd(std::move(fd))
+                                                       : Segment::open_name(h.name);
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.mapped.find(key);
+    if (auto existing = it == s.mapped.end() ? nullptr : it->second.lock())
+      seg = existing;
+    else
+      register_mapped(s, seg);
+  }
+  return import_block(s, std::move(seg), h, adopt);
 }
 
 void claim_fork_refs(int pid) {

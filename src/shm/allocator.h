@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <optional>
 
 #include "segment.h"
 #include "torchpar/shm/handle.h"
@@ -36,6 +37,9 @@ at::DataPtr shm_allocate(uint64_t nbytes);
 /// block, adopting one reference (claiming one export), or with `adopt` false taking a
 /// new reference while an unclaimed export pins the block. `fd` is consumed.
 at::DataPtr shm_import(const StorageHandle& handle, UniqueFd fd, bool adopt = true);
+/// shm_import of a file_descriptor handle whose segment this process has mapped already
+/// (found by the handle's dev/ino); nullopt when it has not (then the caller needs the fd).
+std::optional<at::DataPtr> shm_import_if_mapped(const StorageHandle& handle, bool adopt = true);
 
 /// In the parent right after fork(): the references the fork took on every live storage
 /// (for the child) now belong to `pid`.

@@ -232,8 +232,9 @@ void Segment::validate(const std::string& what) {
 }
 
 namespace {
-// getpid() is a system call; allocation and release ask it often. Forked children refresh it.
 std::atomic<int> g_pid{0};
+}  // namespace
+
 int cached_pid() {
   int p = g_pid.load(std::memory_order_relaxed);
   if (p == 0) {
@@ -244,7 +245,6 @@ int cached_pid() {
   }
   return p;
 }
-}  // namespace
 
 bool Segment::owned_here() const { return owner_pid_ == cached_pid(); }
 

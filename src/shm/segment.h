@@ -164,4 +164,9 @@ void* map_shared_fd_noexcept(int fd, size_t bytes) noexcept;
 /// memfd). Used for the ShmError message and the pre-check.
 uint64_t shm_bytes_free(SharingStrategy strategy);
 
+/// This process's pid without a system call each time (getpid() is one, and allocation,
+/// release and export ask often); a forked child refreshes it (pthread_atfork).
+/// Safety: any thread.
+int cached_pid();
+
 }  // namespace torchpar::detail

@@ -44,7 +44,7 @@ StorageHandle export_storage(const c10::Storage& storage) {
   h.block = ref->block;
   h.nbytes = storage.nbytes();
   if (h.strategy == SharingStrategy::kFileDescriptor) {
-    h.pid = static_cast<int>(::getpid());
+    h.pid = cached_pid();
     h.fd_number = h.fd;
     h.dev = ref->seg->dev();
     h.ino = ref->seg->ino();

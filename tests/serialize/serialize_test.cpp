@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -244,10 +245,22 @@ TEST(SerializeHostile, SharedHandleWithoutFdOrBadName) {
   tp::Payload p = tp::dumps(t, {.copy_tensor = false});
   tp::Payload nofd{p.bytes, {}};
   EXPECT_THROW((void)tp::loads<at::Tensor>(nofd), tp::SerializationError);
-  // A file that is not a torchpar segment.
+  // A file that is not a torchpar segment, with a handle that names it (dev and ino: a
+  // handle naming a segment this process has mapped is served from that mapping, fd unseen).
   tp::Payload wrongfd{p.bytes, {}};
   wrongfd.fds.emplace_back(::memfd_create("notours", 0));
   ASSERT_EQ(::ftruncate(wrongfd.fds[0].get(), 1 << 16), 0);
+  struct stat real {
+  }, fake{};
+  ASSERT_EQ(::fstat(p.fds.at(0).get(), &real), 0);
+  ASSERT_EQ(::fstat(wrongfd.fds[0].get(), &fake), 0);
+  const uint64_t real_id[2] = {static_cast<uint64_t>(real.st_dev),
+                               static_cast<uint64_t>(real.st_ino)};
+  const uint64_t fake_id[2] = {static_cast<uint64_t>(fake.st_dev),
+                               static_cast<uint64_t>(fake.st_ino)};
+  const auto pos = wrongfd.bytes.find(std::string(reinterpret_cast<const char*>(real_id), 16));
+  ASSERT_NE(pos, std::string::npos) << "the handle's dev and ino are not in the payload";
+  std::memcpy(wrongfd.bytes.data() + pos, fake_id, 16);
   EXPECT_THROW((void)tp::loads<at::Tensor>(wrongfd), tp::SerializationError);
   // Consume the reference the first dumps took, as a receiver would.
   (void)tp::loads<at::Tensor>(p);

@@ -81,10 +81,9 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
     out_.bytes.append(static_cast<const char*>(data), size);
   }
   const DumpsOptions& options() const { return opts_; }
-  void reserve_more(size_t n) {
-    if (out_.bytes.capacity() - out_.bytes.size() < n)
-      out_.bytes.reserve(out_.bytes.size() + n + 256);
-  }
+  /// Room for `n` more bytes in one allocation (no doubling copies); a large reservation is
+  /// also backed by memory ready for writing (transparent huge pages where the kernel allows).
+  void reserve_more(size_t n);
   /// Storage identity: returns {id, true} the first time a storage is seen.
   std::pair<uint32_t, bool> storage_id(const c10::StorageImpl* impl);
   /// Index of a borrowed fd in the payload's fd list (dup'ed the first time).
