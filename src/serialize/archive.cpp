@@ -277,7 +277,13 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
   }
   const c10::Storage& storage = storages[id];
   check_view_fits(dtype, sizes, strides, offset, storage.nbytes());
-  tensor = at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, offset, sizes, strides);
+  // The tensor built directly (as at::empty_cpu does) rather than by empty + set_: two
+  // dispatcher calls less on every message of a queue or pipe.
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage),
+                                                   c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                   caffe2::TypeMeta::fromScalarType(dtype));
+  impl->set_sizes_and_strides(sizes, strides, offset);
+  tensor = at::Tensor(std::move(impl));
   if (requires_grad != 0 && (at::isFloatingType(dtype) || at::isComplexType(dtype)))
     tensor.requires_grad_(true);
 }
