@@ -553,7 +553,7 @@ POOL_PEERS = ("multiprocessing.Pool", "torch.multiprocessing.Pool")
 # Starting a worker: start methods (ours and Python's), and Python's extra forkserver run with
 # torch preloaded in its server; timed starts per method and run (quick, full).
 START_METHODS = ("fork", "forkserver", "spawn")
-START_COUNTS = (3, 10)  # Python spawn and forkserver starts take ~2 s each here (they import torch)
+START_COUNTS = (2, 10)  # Python spawn and forkserver starts take ~2 s each here (they import torch)
 START_PEER = "multiprocessing.Process"
 
 
@@ -1187,7 +1187,7 @@ SCALE_HOSTS, SCALE_PER_HOST = 2, 2
 
 
 def scaleout_params(cfg):
-    return [4 * KiB, MiB, 16 * MiB], cfg.pick(50, 200), cfg.pick(3, 10)
+    return [4 * KiB, MiB, 16 * MiB], cfg.pick(20, 200), cfg.pick(3, 10)
 
 
 def ring_link_bytes(system, nbytes, hosts=SCALE_HOSTS, per_host=SCALE_PER_HOST):
@@ -1436,6 +1436,7 @@ def plot_scaleout(runs, out, cfg):
 # ----------------------------------------------------------------------------------------------
 # train: torchpar train vs the PyTorch recipes
 
+TRAIN_QUICK_LIMIT = 4000  # training samples a --quick run trains on (a smoke check)
 TRAIN_STRATEGIES = ("single", "hogwild", "ddp", "pserver")
 # pserver has no PyTorch recipe among the peers: its row shows torchpar alone. With --workers 2
 # it is 1 server + 1 trainer, so its samples/s are one trainer's (no speed-up target).
@@ -1470,7 +1471,7 @@ def torchpar_train_runner(cfg, strategy, limit):
 
 
 def runners_train(cfg):
-    limit = ["--limit", "12000"] if cfg.quick else []
+    limit = ["--limit", str(TRAIN_QUICK_LIMIT)] if cfg.quick else []
     runners = []
     for s in TRAIN_STRATEGIES:
         runners.append(torchpar_train_runner(cfg, s, limit))
@@ -1506,7 +1507,8 @@ def report_train(runs, limits, cfg):
                           f"({-gap:+.2f} points)", "yes" if gap <= 2 else f"no ({gap - 2:.2f} points over)"))
         else:
             trows.append((f"{s} accuracy within 2 points of single", "n/a", "n/a"))
-    data = "the first 12,000 training samples (--limit 12000)" if cfg.quick else "all 60,000 training samples"
+    data = (f"the first {TRAIN_QUICK_LIMIT:,} training samples (--limit {TRAIN_QUICK_LIMIT})"
+            if cfg.quick else "all 60,000 training samples")
     md = table(["strategy", "torchpar samples/s", "PyTorch samples/s", "torchpar vs PyTorch",
                 "torchpar vs its single", "PyTorch vs its single", "torchpar test acc %",
                 "PyTorch test acc %"], rows)
@@ -1557,7 +1559,8 @@ def parse_infer(out):
 
 def runners_inference(cfg):
     reps = cfg.pick(1, 3)
-    common = ["--batches", ",".join(map(str, INFER_BATCHES)), "--new-tokens", INFER_NEW_TOKENS,
+    common = ["--batches", ",".join(map(str, INFER_BATCHES)), "--new-tokens",
+              cfg.pick(INFER_NEW_TOKENS // 2, INFER_NEW_TOKENS),
               "--prompt", INFER_PROMPT, "--reps", reps]
     timeout = cfg.pick(600, 1200)
     ours = lambda tp, threads: [cfg.bin / "infer_bench", "--tp", tp, "--threads", threads,
@@ -1626,7 +1629,7 @@ def report_inference(runs, limits, cfg):
                           "rss_fraction": frac(rss2, rss1), "hwm_fraction": frac(hwm2, hwm1)}
     md += ("\n\nThe GPT-2-small shape (12 layers, 768 wide, 12 heads, 1024 positions, 50,257 tokens: "
            "124.4M parameters), float32, seeded GPT-2 initialisation (each rank builds only its "
-           f"shard). Greedy generate of {INFER_NEW_TOKENS} new tokens after a {INFER_PROMPT}-token "
+           f"shard). Greedy generate of {cfg.pick(INFER_NEW_TOKENS // 2, INFER_NEW_TOKENS)} new tokens after a {INFER_PROMPT}-token "
            "prompt (seed 0), per batch size: one untimed warm-up generate of 4 tokens, then "
            f"{cfg.pick(1, 3)} timed generate(s) (median), the prompt's forward included; "
            f"{cfg.rounds('inference')} round(s), the median over rounds. tokens/s = batch x new "
