@@ -103,6 +103,16 @@ void Connection::send_payload_checked(const Payload& p) {
   send_python_frame(fileno(), p.bytes);
 }
 
+void Connection::send_payload_borrowed(Payload& p) {
+  struct Release {
+    Payload& p;
+    ~Release() {
+      for (auto& fd : p.fds) (void)fd.release();
+    }
+  } release{p};
+  send_payload_checked(p);
+}
+
 Payload Connection::recv_payload_checked(Timeout timeout, size_t max_bytes) {
   if (!readable_) throw Error("Connection is write-only");
   const detail::Deadline deadline = detail::deadline_after(timeout);

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 
+#include <exception>
+
 #include <fmt/format.h>
 
 #include "core/prefault.h"
@@ -58,9 +60,18 @@ void write(OutputArchive& ar, T v) {
 OutputArchive::OutputArchive(Payload& out, DumpsOptions opts)
     : cereal::OutputArchive<OutputArchive, cereal::AllowEmptyClassElision>(this),
       out_(out),
-      opts_(opts) {
+      opts_(opts),
+      uncaught_(std::uncaught_exceptions()) {
   saveBinary(kMagic, sizeof kMagic);
   saveBinary(&kFormatVersion, 1);
+}
+
+OutputArchive::~OutputArchive() {
+  // Unwinding out of dumps: the payload is about to be destroyed, and borrowed fds must not
+  // be closed with it.
+  if (opts_.borrow_fds && std::uncaught_exceptions() > uncaught_) {
+    for (auto& fd : out_.fds) (void)fd.release();
+  }
 }
 
 void OutputArchive::reserve_more(size_t n) {
@@ -109,8 +120,13 @@ uint32_t OutputArchive::fd_index(int fd) {
   auto it = fds_.find(fd);
   if (it != fds_.end()) return it->second;
   const auto idx = static_cast<uint32_t>(out_.fds.size());
-  out_.fds.emplace_back(check_syscall("fcntl(F_DUPFD_CLOEXEC)", fmt::format("segment fd {}", fd),
-                                      [&] { return ::fcntl(fd, F_DUPFD_CLOEXEC, 0); }));
+  if (opts_.borrow_fds) {
+    out_.fds.emplace_back(fd);  // the caller releases it after sending (DumpsOptions)
+  } else {
+    out_.fds.emplace_back(check_syscall("fcntl(F_DUPFD_CLOEXEC)",
+                                        fmt::format("segment fd {}", fd),
+                                        [&] { return ::fcntl(fd, F_DUPFD_CLOEXEC, 0); }));
+  }
   fds_.emplace(fd, idx);
   return idx;
 }
@@ -134,7 +150,7 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
               tensor.device());
   TORCH_CHECK(tensor.layout() == at::kStrided && tensor.has_storage() && !tensor.is_quantized(),
               "dumps: only strided, non-quantized tensors can be serialized");
-  at::Tensor t = tensor.detach();
+  at::Tensor t = tensor;  // metadata and storage only: no detach (a dispatcher call)
   if (t.is_conj() || t.is_neg()) t = t.resolve_conj().resolve_neg();
   TORCH_CHECK(supported_dtype(static_cast<int8_t>(t.scalar_type())), "dumps: unsupported dtype ",
               t.scalar_type());

@@ -1,6 +1,7 @@
 // Pipe/Connection and Queue/SimpleQueue/JoinableQueue across real processes, under the
 // fork and spawn start methods: tensors shared and copied, timeouts, close, many
 // producers and consumers, killed consumers, and resource hygiene.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -300,6 +301,39 @@ TEST(Queue, KilledConsumerDoesNotWedgeTheOthers) {
   for (int i = 0; i < 3; ++i) got.insert(out.get(10s));
   EXPECT_EQ(got, (std::set<int>{0, 1, 2}));
   EXPECT_EQ(tp::testing::wait_child(survivor), 0);
+}
+
+// Connection::send passes the value's own fds (DumpsOptions::borrow_fds): a thousand
+// shared tensors later the sender has closed none of them by mistake (the tensor still
+// reads back, its segment fd is open) and leaked none.
+TEST(Pipe, SharedTensorsSentManyTimesKeepFdsBalanced) {
+  auto [mine, theirs] = tp::Pipe();
+  at::Tensor t = at::zeros({1024});
+  tp::share_memory_(t);
+  const int fds0 = tp::testing::count_open_fds();
+  auto c = tp::testing::fork_child([theirs = theirs](int) mutable {
+    for (int i = 0; i < 1000; ++i) {
+      at::Tensor got = theirs.recv<at::Tensor>(30s);
+      got.add_(1);  // shared: the sender sees every increment
+      theirs.send(i);
+    }
+    return 0;
+  });
+  for (int i = 0; i < 1000; ++i) {
+    mine.send(t);
+    ASSERT_EQ(mine.recv<int>(30s), i);
+  }
+  EXPECT_EQ(tp::testing::wait_child(c, 120s), 0);
+  EXPECT_EQ(t[0].item<float>(), 1000.0f);
+  EXPECT_LE(tp::testing::count_open_fds(), fds0 + 2);
+  // A send that fails in dumps (a sparse tensor after the Connection) must release, not
+  // close, the fds it borrowed from the value.
+  auto [a, b] = tp::Pipe();
+  using Bad = std::tuple<tp::Connection, at::Tensor>;
+  EXPECT_ANY_THROW(mine.send(Bad{a, at::eye(3).to_sparse()}));
+  EXPECT_NE(::fcntl(a.fileno(), F_GETFD), -1) << "a borrowed fd was closed by a failed send";
+  a.send_bytes("still open");
+  EXPECT_EQ(b.recv_bytes(5s), "still open");
 }
 
 TEST(Pipe, BytesPollClosedAndDirection) {

@@ -65,7 +65,9 @@ class Connection {
   template <class T>
   void send(const T& value, DumpsOptions options = {.copy_tensor = false}) {
     if (framing_ == Framing::kPython) options.copy_tensor = true;
-    send_payload_checked(dumps(value, options));
+    options.borrow_fds = true;  // sent at once: the value's own fds travel, no duplicates
+    Payload p = dumps(value, options);
+    send_payload_borrowed(p);
   }
   /// Receives a value sent with send<T>. Errors: as recv_bytes, and SerializationError when
   /// the bytes are not a `T` (the frame was read whole: the connection stays usable).
@@ -106,6 +108,9 @@ class Connection {
 
  private:
   void send_payload_checked(const Payload& p);
+  /// send_payload_checked of a payload made with DumpsOptions::borrow_fds; releases its
+  /// fds afterwards, also when the send throws.
+  void send_payload_borrowed(Payload& p);
   Payload recv_payload_checked(Timeout timeout, size_t max_bytes);
   std::shared_ptr<UniqueFd> fd_;
   bool readable_ = false;

@@ -53,6 +53,12 @@ struct DumpsOptions {
   /// handle (no copy) instead, reopened by the receiver through /proc/<pid>/fd while the
   /// sender lives (pass_fds is ignored): only for a receiver on the same host.
   bool shared_as_handles = false;
+  /// For a payload sent at once and then dropped (Connection::send): its fds are the
+  /// value's own descriptors (a shared tensor's segment, a Queue's), not duplicates, which
+  /// saves a dup and a close a message. The caller must release() every one of them
+  /// (never close them), and must not let the payload outlive the value. If dumps throws,
+  /// they are released for it. Leave false anywhere else.
+  bool borrow_fds = false;
 };
 
 /// Options of `loads`.
@@ -77,6 +83,10 @@ namespace detail {
 class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowEmptyClassElision> {
  public:
   OutputArchive(Payload& out, DumpsOptions opts);
+  /// With borrow_fds, when an exception unwinds the dumps: releases the borrowed fds.
+  ~OutputArchive();
+  OutputArchive(const OutputArchive&) = delete;
+  OutputArchive& operator=(const OutputArchive&) = delete;
   void saveBinary(const void* data, size_t size) {
     out_.bytes.append(static_cast<const char*>(data), size);
   }
@@ -95,6 +105,7 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
   std::unordered_map<const c10::StorageImpl*, uint32_t> storages_;
   std::vector<c10::Storage> kept_;  // keeps numbered storages alive: no address reuse
   std::unordered_map<int, uint32_t> fds_;
+  int uncaught_;  // std::uncaught_exceptions() at construction
 };
 
 class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmptyClassElision> {
