@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -46,8 +47,6 @@ struct Args {
   int warmup = 10;
   int ranks = 2;
 };
-
-using torchpar::bench::split_commas;
 
 using Op = std::function<void(const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out)>;
 
@@ -144,26 +143,19 @@ void run_c10d(const Args& a, int rank, int port) {
 int main(int argc, char** argv) {
   tp::init(argc, argv);
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--systems") {
-      a.systems = split_commas(v);
-    } else if (k == "--ops") {
-      a.ops = split_commas(v);
-    } else if (k == "--sizes") {
-      a.sizes.clear();
-      for (auto& s : split_commas(v)) a.sizes.push_back(std::stol(s));
-    } else if (k == "--iters") {
-      a.iters = std::stoi(v);
-    } else if (k == "--warmup") {
-      a.warmup = std::stoi(v);
-    } else if (k == "--ranks") {
-      a.ranks = std::stoi(v);
-    } else {
-      std::fprintf(stderr, "coll_bench: unknown option %s\n", k.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"collectives of 2+ forked ranks: torchpar (shm, gloo) and c10d's Gloo"};
+  app.add_option("--systems", a.systems, "torchpar-shm, torchpar-gloo, c10d-gloo-cpp")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp"}));
+  app.add_option("--ops", a.ops, "all_reduce, broadcast, all_gather")->delimiter(',');
+  app.add_option("--sizes", a.sizes, "message sizes (bytes)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  app.add_option("--iters", a.iters, "timed calls per size")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", a.warmup, "untimed calls per size first")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--ranks", a.ranks, "ranks (forked processes)")->check(CLI::Range(2, 64));
+  CLI11_PARSE(app, argc, argv);
   int status_all = 0;
   for (const auto& system : a.systems) {
     const int port = tp::find_free_port();

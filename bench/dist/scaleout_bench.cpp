@@ -26,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -49,8 +50,6 @@ struct Args {
   std::string link = "unshaped";
   double timeout_s = 120;
 };
-
-using torchpar::bench::split_commas;
 
 tp::Backend backend_of(const std::string& system) {
   if (system == "torchpar-hier") return tp::Backend::kHierarchical;
@@ -116,37 +115,21 @@ void measure(const Args& a, const std::string& system, tp::World& world, int hos
   g.barrier();
 }
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; i += 2) {
-    const std::string k = argv[i];
-    if (i + 1 >= argc) throw std::invalid_argument(fmt::format("{} needs a value", k));
-    const std::string v = argv[i + 1];
-    if (k == "--systems") {
-      a.systems = split_commas(v);
-      for (const auto& s : a.systems) backend_of(s);
-    } else if (k == "--sizes") {
-      a.sizes.clear();
-      for (auto& s : split_commas(v)) a.sizes.push_back(std::stol(s));
-    } else if (k == "--iters") {
-      a.iters = std::stoi(v);
-    } else if (k == "--warmup") {
-      a.warmup = std::stoi(v);
-    } else if (k == "--link") {
-      if (v != "shaped" && v != "unshaped") {
-        throw std::invalid_argument(fmt::format("--link {}: shaped or unshaped", v));
-      }
-      a.link = v;
-    } else if (k == "--timeout") {
-      a.timeout_s = std::stod(v);
-    } else {
-      throw std::invalid_argument(fmt::format("unknown option {}", k));
-    }
-  }
-  if (a.iters < 1 || a.warmup < 0 || a.sizes.empty() || a.systems.empty()) {
-    throw std::invalid_argument("need --iters >= 1, --warmup >= 0, sizes and systems");
-  }
-  return a;
+// Options as in CLI11: lists comma-separated; a bad value or an unknown option exits 2.
+void add_options(CLI::App& app, Args& a) {
+  app.add_option("--systems", a.systems, "torchpar-hier and/or torchpar-gloo")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"torchpar-hier", "torchpar-gloo"}));
+  app.add_option("--sizes", a.sizes, "message sizes (bytes)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  app.add_option("--iters", a.iters, "timed calls per size")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", a.warmup, "untimed calls per size first")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--link", a.link, "label of the link in the output")
+      ->check(CLI::IsMember({"shaped", "unshaped"}));
+  app.add_option("--timeout", a.timeout_s, "the World's timeout (seconds)")
+      ->check(CLI::PositiveNumber);
 }
 
 }  // namespace
@@ -154,12 +137,10 @@ Args parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   tp::init(argc, argv);
   Args a;
-  try {
-    a = parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "scaleout_bench: %s\n", e.what());
-    return 2;
-  }
+  CLI::App app{
+      "all_reduce across hosts: hierarchical vs flat Gloo (one rank of a torchpar run job)"};
+  add_options(app, a);
+  CLI11_PARSE(app, argc, argv);
   // One thread per rank, as coll_bench's ranks: the reduction's own threads would compete
   // with the other ranks of the host for its cores.
   at::set_num_threads(1);

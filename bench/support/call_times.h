@@ -4,22 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <sstream>
 #include <string>
 #include <vector>
 
 namespace torchpar::bench {
-
-/// "a,b,,c" -> {"a", "b", "c"}.
-inline std::vector<std::string> split_commas(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) {
-    if (!x.empty()) out.push_back(x);
-  }
-  return out;
-}
 
 /// Timed calls for a message of `bytes`: `iters` up to 1 MiB, max(3, iters x 1 MiB / bytes)
 /// above (big messages take long; the peers in bench/peers/ shrink the same way).
