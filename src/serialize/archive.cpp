@@ -123,8 +123,7 @@ uint32_t OutputArchive::fd_index(int fd) {
   if (opts_.borrow_fds) {
     out_.fds.emplace_back(fd);  // the caller releases it after sending (DumpsOptions)
   } else {
-    out_.fds.emplace_back(check_syscall("fcntl(F_DUPFD_CLOEXEC)",
-                                        fmt::format("segment fd {}", fd),
+    out_.fds.emplace_back(check_syscall("fcntl(F_DUPFD_CLOEXEC)", fmt::format("segment fd {}", fd),
                                         [&] { return ::fcntl(fd, F_DUPFD_CLOEXEC, 0); }));
   }
   fds_.emplace(fd, idx);
