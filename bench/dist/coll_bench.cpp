@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "support/call_times.h"
+#include "support/size_options.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -148,12 +149,7 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({"torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp"}));
   app.add_option("--ops", a.ops, "all_reduce, broadcast, all_gather")->delimiter(',');
-  app.add_option("--sizes", a.sizes, "message sizes (bytes)")
-      ->delimiter(',')
-      ->check(CLI::PositiveNumber);
-  app.add_option("--iters", a.iters, "timed calls per size")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", a.warmup, "untimed calls per size first")
-      ->check(CLI::NonNegativeNumber);
+  torchpar::bench::add_size_options(app, a.sizes, a.iters, a.warmup);
   app.add_option("--ranks", a.ranks, "ranks (forked processes)")->check(CLI::Range(2, 64));
   CLI11_PARSE(app, argc, argv);
   int status_all = 0;

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "support/call_times.h"
+#include "support/size_options.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -115,17 +116,12 @@ void measure(const Args& a, const std::string& system, tp::World& world, int hos
   g.barrier();
 }
 
-// Options as in CLI11: lists comma-separated; a bad value or an unknown option exits 2.
+// Lists are comma-separated; a bad value or an unknown option exits with CLI11's code.
 void add_options(CLI::App& app, Args& a) {
   app.add_option("--systems", a.systems, "torchpar-hier and/or torchpar-gloo")
       ->delimiter(',')
       ->check(CLI::IsMember({"torchpar-hier", "torchpar-gloo"}));
-  app.add_option("--sizes", a.sizes, "message sizes (bytes)")
-      ->delimiter(',')
-      ->check(CLI::PositiveNumber);
-  app.add_option("--iters", a.iters, "timed calls per size")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", a.warmup, "untimed calls per size first")
-      ->check(CLI::NonNegativeNumber);
+  torchpar::bench::add_size_options(app, a.sizes, a.iters, a.warmup);
   app.add_option("--link", a.link, "label of the link in the output")
       ->check(CLI::IsMember({"shaped", "unshaped"}));
   app.add_option("--timeout", a.timeout_s, "the World's timeout (seconds)")
