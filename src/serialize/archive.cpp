@@ -254,7 +254,6 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
                mode == static_cast<uint8_t>(StorageMode::kName)) {
       StorageHandle h;
       h.nbytes = nbytes;
-      UniqueFd fd;
       uint32_t fd_idx = kNoFd;
       if (mode == static_cast<uint8_t>(StorageMode::kFd)) {
         h.strategy = SharingStrategy::kFileDescriptor;
@@ -277,15 +276,11 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       }
       h.segment_bytes = read<uint64_t>(ar);
       h.block = read<uint32_t>(ar);
-      // A segment mapped here already needs no fd: no dup of the payload's, no fstat.
-      if (auto dp =
-              fd_idx != kNoFd ? shm_import_if_mapped(h, ar.options().adopt_shared) : std::nullopt) {
-        storages.emplace_back(c10::Storage::use_byte_size_t(), h.nbytes, std::move(*dp),
-                              shm_allocator(), /*resizable=*/false);
-      } else {
-        if (fd_idx != kNoFd) fd = ar.payload().fds[fd_idx].dup();
-        storages.push_back(import_storage(h, std::move(fd), ar.options().adopt_shared));
-      }
+      // The payload's fd is borrowed: a segment mapped here already needs no dup of it.
+      const int fd = fd_idx != kNoFd ? ar.payload().fds[fd_idx].get() : -1;
+      storages.emplace_back(c10::Storage::use_byte_size_t(), h.nbytes,
+                            shm_import_borrowed(h, fd, ar.options().adopt_shared), shm_allocator(),
+                            /*resizable=*/false);
     } else {
       throw SerializationError(fmt::format("invalid tensor storage mode {}", mode));
     }

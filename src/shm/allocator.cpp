@@ -520,28 +520,24 @@ at::DataPtr import_block(State& s, std::shared_ptr<Segment> seg, const StorageHa
 
 }  // namespace
 
-std::optional<at::DataPtr> shm_import_if_mapped(const StorageHandle& h, bool adopt) {
-  if (h.strategy != SharingStrategy::kFileDescriptor) return std::nullopt;
-  State& s = state();
-  auto seg = find_mapped(s, fd_key(h.dev, h.ino));
-  if (!seg) return std::nullopt;
-  return import_block(s, std::move(seg), h, adopt);
+at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd, bool adopt) {
+  return shm_import_borrowed(h, fd.get(), adopt, &fd);
 }
 
-at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd, bool adopt) {
+at::DataPtr shm_import_borrowed(const StorageHandle& h, int fd, bool adopt, UniqueFd* owned) {
   State& s = state();
   std::shared_ptr<Segment> seg;
   std::string key;
+  UniqueFd opened;  // the /proc/<pid>/fd path's own fd
   const SharingStrategy strategy = h.strategy;
   if (strategy == SharingStrategy::kFileDescriptor) {
     // A segment this process has mapped already (the usual case when the same tensors go
     // back and forth) is found by the handle's identity, without a look at the fd.
     key = fd_key(h.dev, h.ino);
     seg = find_mapped(s, key);
-    if (!seg && fd.valid()) {
+    if (!seg && fd >= 0) {
       struct stat st {};
-      check_syscall("fstat", fmt::format("received fd {}", fd.get()),
-                    [&] { return ::fstat(fd.get(), &st); });
+      check_syscall("fstat", fmt::format("received fd {}", fd), [&] { return ::fstat(fd, &st); });
       key = fd_key(st.st_dev, st.st_ino);
       seg = find_mapped(s, key);
     } else if (!seg) {
@@ -552,9 +548,9 @@ at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd, bool adopt) {
       if (raw < 0)
         throw ShmError("open", errno, path,
                        "cannot reach the exporter's segment (has the sending process exited?)");
-      fd.reset(raw);
+      opened.reset(raw);
       struct stat st {};
-      if (::fstat(fd.get(), &st) != 0 || static_cast<uint64_t>(st.st_dev) != h.dev ||
+      if (::fstat(raw, &st) != 0 || static_cast<uint64_t>(st.st_dev) != h.dev ||
           static_cast<uint64_t>(st.st_ino) != h.ino)
         throw ShmError("open", ESTALE, path, "the fd no longer names the exported segment");
     }
@@ -563,8 +559,21 @@ at::DataPtr shm_import(const StorageHandle& h, UniqueFd fd, bool adopt) {
     seg = find_mapped(s, key);
   }
   if (!seg) {
-    seg = strategy == SharingStrategy::kFileDescriptor ? Segment::open_fd(std::move(fd))
-                                                       : Segment::open_name(h.name);
+    if (strategy == SharingStrategy::kFileDescriptor) {
+      // The mapping keeps an fd of its own: the one opened above, the caller's if it gave
+      // it away, or else a duplicate of the borrowed one.
+      UniqueFd mine;
+      if (opened.valid())
+        mine = std::move(opened);
+      else if (owned != nullptr && owned->get() == fd)
+        mine = std::move(*owned);
+      else
+        mine.reset(check_syscall("fcntl(F_DUPFD_CLOEXEC)", fmt::format("received fd {}", fd),
+                                 [&] { return ::fcntl(fd, F_DUPFD_CLOEXEC, 0); }));
+      seg = Segment::open_fd(std::move(mine));
+    } else {
+      seg = Segment::open_name(h.name);
+    }
     std::lock_guard<std::mutex> lock(s.mu);
     auto it = s.mapped.find(key);
     if (auto existing = it == s.mapped.end() ? nullptr : it->second.lock())

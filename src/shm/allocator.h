@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 
 #include <memory>
-#include <optional>
 
 #include "segment.h"
 #include "torchpar/shm/handle.h"
@@ -37,9 +36,11 @@ at::DataPtr shm_allocate(uint64_t nbytes);
 /// block, adopting one reference (claiming one export), or with `adopt` false taking a
 /// new reference while an unclaimed export pins the block. `fd` is consumed.
 at::DataPtr shm_import(const StorageHandle& handle, UniqueFd fd, bool adopt = true);
-/// shm_import of a file_descriptor handle whose segment this process has mapped already
-/// (found by the handle's dev/ino); nullopt when it has not (then the caller needs the fd).
-std::optional<at::DataPtr> shm_import_if_mapped(const StorageHandle& handle, bool adopt = true);
+/// shm_import with the received fd borrowed (-1: none): a segment mapped here already is
+/// found by the handle's dev/ino and the fd is not touched; otherwise the mapping keeps a
+/// duplicate of it, or `*owned` when that holds the same fd (it is then moved from).
+at::DataPtr shm_import_borrowed(const StorageHandle& handle, int fd, bool adopt = true,
+                                UniqueFd* owned = nullptr);
 
 /// In the parent right after fork(): the references the fork took on every live storage
 /// (for the child) now belong to `pid`.
