@@ -38,7 +38,10 @@ std::chrono::steady_clock::time_point deadline_after(Seconds s) {
 
 std::string join(const std::vector<int>& v) {
   std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(v[i]);
+  }
   return s;
 }
 

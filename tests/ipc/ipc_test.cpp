@@ -262,7 +262,10 @@ TEST(Queue, LargeMessagesAndStrings) {
 TEST(Queue, ThousandTransfersLeaveNoFdsOrSegments) {
   tp::Queue<at::Tensor> q;
   const int fds0 = tp::testing::count_open_fds();
-  const auto shm0 = tp::testing::shm_entries("torchpar_").size();
+  // Names this process and its child made (by pid, so other tests running beside this one
+  // do not count).
+  const std::string own = "torchpar_" + std::to_string(::getpid()) + "_";
+  const auto shm0 = tp::testing::shm_entries(own).size();
   auto c = tp::testing::fork_child([q](int) mutable {
     for (int i = 0; i < 1000; ++i) {
       at::Tensor t = q.get(30s);
@@ -273,7 +276,8 @@ TEST(Queue, ThousandTransfersLeaveNoFdsOrSegments) {
   for (int i = 0; i < 1000; ++i) q.put(at::full({1024}, static_cast<float>(i)));
   EXPECT_EQ(tp::testing::wait_child(c, 120s), 0);
   EXPECT_LE(tp::testing::count_open_fds(), fds0 + 4);
-  EXPECT_EQ(tp::testing::shm_entries("torchpar_").size(), shm0);
+  EXPECT_EQ(tp::testing::shm_entries(own).size(), shm0);
+  EXPECT_TRUE(tp::testing::shm_entries("torchpar_" + std::to_string(c.pid) + "_").empty());
 }
 
 TEST(Queue, KilledConsumerDoesNotWedgeTheOthers) {

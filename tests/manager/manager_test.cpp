@@ -4,6 +4,7 @@
 // a server outliving no owner, strangers sending garbage to its port, shutdown while
 // another client waits, and a client reaching the server over TCP by a non-loopback address.
 #include <arpa/inet.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <ifaddrs.h>
 #include <net/if.h>
@@ -41,7 +42,7 @@ using Dict = tp::DictProxy<std::string, int64_t>;
 /// A child: checks what the parent wrote, then writes its own items.
 void child_fill(Dict d, int64_t base) {
   require(d.get("from-parent") == std::optional<int64_t>(7), "the parent's item");
-  for (int64_t i = 0; i < 10; ++i) d.set("k" + std::to_string(i), base + i);
+  for (int64_t i = 0; i < 10; ++i) d.set(fmt::format("k{}", i), base + i);
 }
 
 /// A second client: connects by address and key, makes a dict, hands it to the parent

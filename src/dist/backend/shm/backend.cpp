@@ -121,7 +121,9 @@ void ShmBackend::attach(const c10::intrusive_ptr<c10d::Store>& store) {
   if (!all_attached) {
     std::string missing;
     for (int q = 0; q < P; ++q) {
-      if (ctl_[q].pid == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+      if (ctl_[q].pid != 0) continue;
+      if (!missing.empty()) missing += ", ";
+      missing += std::to_string(q);
     }
     throw TimeoutError(
         fmt::format("{}: rank(s) {} did not attach to the shared-memory segment within {:.1f} s",
