@@ -117,7 +117,8 @@ void expect_idle(const char* when) {
     std::sort(by_thread.rbegin(), by_thread.rend());
     busiest.clear();
     for (size_t i = 0; i < by_thread.size() && i < 3; ++i)
-      busiest += fmt::format("{}{} {:.2f} s", i ? ", " : "", by_thread[i].second, by_thread[i].first);
+      busiest +=
+          fmt::format("{}{} {:.2f} s", i ? ", " : "", by_thread[i].second, by_thread[i].first);
   }
   TORCHPAR_RCHECK(false, "{}: {:.2f} s of CPU used in 2 s of idling, twice (a thread spins: {})",
                   when, used, busiest);
