@@ -6,7 +6,8 @@
 //              [--sizes 4,4096,1048576,16777216,67108864] [--iters 200] [--warmup 10]
 //              [--ranks 2]
 //
-// Forks --ranks processes per system; each op is timed on its own (steady_clock) and rank 0
+// Forks --ranks processes per system; after 50 ms of 4-byte all_reduces (settle() says why),
+// each op is timed on its own (steady_clock) and rank 0
 // prints one JSON line per (system, op, size) like the peers in bench/peers/:
 //   {"system", "op", "bytes", "ranks", "median_us", "p99_us", "min_us", "busbw_GBps", "iters"}
 // over rank 0's per-iteration times: median_us = the upper median (sorted[iters / 2]), p99_us =
@@ -58,9 +59,25 @@ double busbw(const std::string& op, long bytes, int n, double seconds) {
   return b * n / seconds * (n - 1) / n / 1e9;  // all_gather
 }
 
+/// 4-byte all_reduces for at least `settle` after the group is made, rank 0 deciding when to
+/// stop (its flag is in the sum). Freshly forked ranks start on their parent's core until the
+/// kernel's load balancing moves one, a few ms later; timing from the first call would time
+/// that placement (the bimodal small-collective rows of issue 19), not the collective.
+void settle(int rank, const Op& run, std::chrono::milliseconds settle) {
+  const auto t0 = std::chrono::steady_clock::now();
+  at::Tensor go = at::zeros({1});
+  std::vector<at::Tensor> none;
+  for (;;) {
+    go.fill_(rank == 0 && std::chrono::steady_clock::now() - t0 < settle ? 1.0 : 0.0);
+    run("all_reduce", go, none);
+    if (go.item<float>() == 0) return;
+  }
+}
+
 /// Times every op and size; rank 0 prints. `barrier` separates the groups.
 void measure(const Args& a, const std::string& system, int rank, const Op& run,
              const std::function<void()>& barrier) {
+  settle(rank, run, std::chrono::milliseconds(50));
   for (const auto& op : a.ops) {
     for (long bytes : a.sizes) {
       const long numel = std::max(1L, bytes / 4);

@@ -108,6 +108,7 @@ void ShmBackend::attach(const c10::intrusive_ptr<c10d::Store>& store) {
   }
   data_ = layout_.data(region_.data());
   ctl_ = SegmentLayout::ctl(region_.data());
+  ctl_[rank()].cpu.store(-1, std::memory_order_relaxed);
   ctl_[rank()].pid = static_cast<int32_t>(::getpid());
   // Every rank attached -> unlink the name: the memory goes with the last mapping.
   bool all_attached = false;

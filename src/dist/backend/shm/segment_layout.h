@@ -73,7 +73,8 @@ struct OpMeta {
 struct alignas(64) RankCtl {
   std::atomic<uint32_t> seq;  // last step this rank arrived at (a futex word)
   int32_t pid;                // 0 until the rank attached
-  uint8_t pad0[56];
+  std::atomic<int32_t> cpu;   // the core it ran on when it last arrived (-1 unknown)
+  uint8_t pad0[52];
   OpMeta meta[2];  // by step parity
   uint8_t pad1[256 - 64 - 2 * sizeof(OpMeta)];
 };
