@@ -36,14 +36,7 @@ std::chrono::steady_clock::time_point deadline_after(Seconds s) {
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(s);
 }
 
-std::string join(const std::vector<int>& v) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(v[i]);
-  }
-  return s;
-}
+std::string join(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
 
 /// What to do about a missing or bad RPC key (every such error says it).
 constexpr const char* kRpcKeyAdvice =

@@ -47,14 +47,7 @@ struct Failure {
   std::string message;
 };
 
-std::string join(const std::vector<int>& v) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(v[i]);
-  }
-  return s;
-}
+std::string join(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
 
 at::Tensor as_1d(const at::Tensor& t) { return t.view({-1}); }
 
