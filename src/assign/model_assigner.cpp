@@ -20,7 +20,7 @@
 namespace torchpar {
 namespace {
 
-constexpr double kMiB = 1024.0 * 1024.0;
+constexpr double kBytesPerMiB = 1024.0 * 1024.0;
 
 // One column of the placement problem.
 struct Candidate {
@@ -121,7 +121,8 @@ std::vector<Candidate> choose_devices(const std::optional<std::vector<c10::Devic
           fmt::format("ModelAssigner: device table entry '{}' has compute_power {}, must be >= 0",
                       info->name, power));
     }
-    const double free_mib = std::floor(static_cast<double>(info->free_memory_bytes()) / kMiB);
+    const double free_mib =
+        std::floor(static_cast<double>(info->free_memory_bytes()) / kBytesPerMiB);
     out.push_back(Candidate{d, free_mib * o.max_mem_ratio, power});
   }
   return out;

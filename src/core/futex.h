@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <ctime>
@@ -51,6 +52,9 @@ inline void futex_wait_until(uint32_t* addr, uint32_t expected, const Deadline& 
   ts.tv_nsec = left.count() % 1000000000;
   ::syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
+
+/// An atomic view of a 32-bit word in shared memory (futex words, counters).
+inline std::atomic_ref<uint32_t> atomic_word(uint32_t& w) { return std::atomic_ref<uint32_t>(w); }
 
 /// Wakes up to `n` waiters on `addr`; returns how many were woken.
 inline int futex_wake_n(uint32_t* addr, int n) {

@@ -48,7 +48,6 @@ constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint8_t kInline = 0, kSpilled = 1;
 constexpr int kSpinIterations = 2000;  // ~ tens of microseconds before sleeping
 
-std::atomic_ref<uint32_t> word(uint32_t& w) { return std::atomic_ref<uint32_t>(w); }
 std::atomic_ref<uint64_t> word64(uint64_t& w) { return std::atomic_ref<uint64_t>(w); }
 
 // How long a non-blocking call (timeout 0: get_nowait, put_nowait) waits for the queue's
@@ -220,8 +219,8 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
         word64(ctl_->tail).store(ctl_->tail + need);  // commit after the copy
         word64(ctl_->count).store(ctl_->count + 1);
         ++ctl_->unfinished;
-        word(ctl_->seq_put).fetch_add(1);
-        if (word(ctl_->sleeping_getters).load() != 0) futex_wake_n(&ctl_->seq_put, 1);
+        atomic_word(ctl_->seq_put).fetch_add(1);
+        if (atomic_word(ctl_->sleeping_getters).load() != 0) futex_wake_n(&ctl_->seq_put, 1);
         guard.done = true;
         return;
       }
@@ -230,19 +229,19 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
                        ? fmt::format("queue full ({} items)", ctl_->maxsize)
                        : fmt::format("queue full ({} of its {} bytes in use)",
                                      ctl_->tail - ctl_->head, ctl_->capacity));
-      seen = word(ctl_->seq_get).load();
-      if (spins >= kSpinIterations) word(ctl_->sleeping_putters).fetch_add(1);
+      seen = atomic_word(ctl_->seq_get).load();
+      if (spins >= kSpinIterations) atomic_word(ctl_->sleeping_putters).fetch_add(1);
     }
     if (spins < kSpinIterations) {
-      while (spins < kSpinIterations && word(ctl_->seq_get).load() == seen &&
-             word(ctl_->closed).load() == 0) {
+      while (spins < kSpinIterations && atomic_word(ctl_->seq_get).load() == seen &&
+             atomic_word(ctl_->closed).load() == 0) {
         ++spins;
         cpu_relax();
       }
       continue;
     }
     futex_wait_until(&ctl_->seq_get, seen, deadline);
-    word(ctl_->sleeping_putters).fetch_sub(1);  // atomic: no lock needed (it may be held)
+    atomic_word(ctl_->sleeping_putters).fetch_sub(1);  // atomic: no lock needed (it may be held)
   }
 }
 
@@ -267,25 +266,25 @@ std::string ShmQueue::get(Timeout timeout) {
         ring_read(ring_, ctl_->capacity, ctl_->head + 9, out.data(), len - 1);
         word64(ctl_->head).store(ctl_->head + 8 + len);
         word64(ctl_->count).store(ctl_->count - 1);
-        word(ctl_->seq_get).fetch_add(1);
-        if (word(ctl_->sleeping_putters).load() != 0) futex_wake_n(&ctl_->seq_get, 1);
+        atomic_word(ctl_->seq_get).fetch_add(1);
+        if (atomic_word(ctl_->sleeping_putters).load() != 0) futex_wake_n(&ctl_->seq_get, 1);
         break;
       }
       if (ctl_->closed) throw ClosedError("get on a closed, empty queue");
       if (timeout && (timeout->count() <= 0 || past(deadline))) throw Empty("queue empty");
-      seen = word(ctl_->seq_put).load();
-      if (spins >= kSpinIterations) word(ctl_->sleeping_getters).fetch_add(1);
+      seen = atomic_word(ctl_->seq_put).load();
+      if (spins >= kSpinIterations) atomic_word(ctl_->sleeping_getters).fetch_add(1);
     }
     if (spins < kSpinIterations) {
-      while (spins < kSpinIterations && word(ctl_->seq_put).load() == seen &&
-             word(ctl_->closed).load() == 0) {
+      while (spins < kSpinIterations && atomic_word(ctl_->seq_put).load() == seen &&
+             atomic_word(ctl_->closed).load() == 0) {
         ++spins;
         cpu_relax();
       }
       continue;
     }
     futex_wait_until(&ctl_->seq_put, seen, deadline);
-    word(ctl_->sleeping_getters).fetch_sub(1);
+    atomic_word(ctl_->sleeping_getters).fetch_sub(1);
   }
   if (kind == kSpilled) return read_spill(out);
   return out;
@@ -298,22 +297,22 @@ void ShmQueue::close() {
   {
     Lock lock(ctl_);
     ctl_->closed = 1;
-    word(ctl_->seq_put).fetch_add(1);
-    word(ctl_->seq_get).fetch_add(1);
-    word(ctl_->seq_done).fetch_add(1);
+    atomic_word(ctl_->seq_put).fetch_add(1);
+    atomic_word(ctl_->seq_get).fetch_add(1);
+    atomic_word(ctl_->seq_done).fetch_add(1);
   }
   futex_wake_n(&ctl_->seq_put, INT32_MAX);
   futex_wake_n(&ctl_->seq_get, INT32_MAX);
   futex_wake_n(&ctl_->seq_done, INT32_MAX);
 }
 
-bool ShmQueue::closed() const { return word(ctl_->closed).load() != 0; }
+bool ShmQueue::closed() const { return atomic_word(ctl_->closed).load() != 0; }
 
 void ShmQueue::task_done() {
   Lock lock(ctl_);
   if (ctl_->unfinished <= 0) throw Error("task_done() called more times than there were items");
   if (--ctl_->unfinished == 0) {
-    word(ctl_->seq_done).fetch_add(1);
+    atomic_word(ctl_->seq_done).fetch_add(1);
     futex_wake_n(&ctl_->seq_done, INT32_MAX);
   }
 }
@@ -327,7 +326,7 @@ bool ShmQueue::join(Timeout timeout) {
       if (!lock.locked()) return false;
       if (ctl_->unfinished <= 0) return true;  // closing does not end a join: consumers may drain
       if (past(deadline)) return false;
-      seen = word(ctl_->seq_done).load();
+      seen = atomic_word(ctl_->seq_done).load();
     }
     futex_wait_until(&ctl_->seq_done, seen, deadline);
   }

@@ -56,8 +56,6 @@ struct BarrierState {
   uint32_t broken_rounds[16];  // generation + 1 of recently broken rounds (ring by generation)
 };
 
-std::atomic_ref<uint32_t> word(uint32_t& w) { return std::atomic_ref<uint32_t>(w); }
-
 template <class S>
 S* state(const std::shared_ptr<SharedPage>& p) {
   return static_cast<S*>(p->data());
@@ -80,8 +78,8 @@ std::shared_ptr<SharedPage> load_page(InputArchive& ar) {
 }  // namespace
 }  // namespace detail
 
+using detail::atomic_word;
 using detail::state;
-using detail::word;
 
 // ---- Lock / RLock -----------------------------------------------------------------
 
@@ -144,9 +142,9 @@ bool Semaphore::acquire(Timeout timeout) {
   auto* s = state<detail::SemState>(page_);
   const auto deadline = detail::deadline_after(timeout);
   for (;;) {
-    uint32_t v = word(s->value).load();
+    uint32_t v = atomic_word(s->value).load();
     while (v > 0) {
-      if (word(s->value).compare_exchange_weak(v, v - 1)) return true;
+      if (atomic_word(s->value).compare_exchange_weak(v, v - 1)) return true;
     }
     if (timeout && (timeout->count() <= 0 || detail::past(deadline))) return false;
     detail::futex_wait_until(&s->value, 0, deadline);
@@ -155,15 +153,17 @@ bool Semaphore::acquire(Timeout timeout) {
 
 void Semaphore::release() {
   auto* s = state<detail::SemState>(page_);
-  uint32_t v = word(s->value).load();
+  uint32_t v = atomic_word(s->value).load();
   do {
     if (s->bound != 0 && v >= s->bound)
       throw Error(fmt::format("BoundedSemaphore released too many times (bound {})", s->bound));
-  } while (!word(s->value).compare_exchange_weak(v, v + 1));
+  } while (!atomic_word(s->value).compare_exchange_weak(v, v + 1));
   detail::futex_wake_n(&s->value, 1);
 }
 
-uint32_t Semaphore::get_value() const { return word(state<detail::SemState>(page_)->value).load(); }
+uint32_t Semaphore::get_value() const {
+  return atomic_word(state<detail::SemState>(page_)->value).load();
+}
 void Semaphore::save(detail::OutputArchive& ar) const { detail::SharedPage::save(ar, page_); }
 void Semaphore::load(detail::InputArchive& ar) { page_ = detail::load_page<detail::SemState>(ar); }
 
@@ -175,17 +175,19 @@ Event::Event() : page_(detail::SharedPage::create(sizeof(detail::EventState), "t
 
 void Event::set() {
   auto* s = state<detail::EventState>(page_);
-  word(s->flag).store(1);
+  atomic_word(s->flag).store(1);
   detail::futex_wake_n(&s->flag, INT32_MAX);
 }
 
-void Event::clear() { word(state<detail::EventState>(page_)->flag).store(0); }
-bool Event::is_set() const { return word(state<detail::EventState>(page_)->flag).load() != 0; }
+void Event::clear() { atomic_word(state<detail::EventState>(page_)->flag).store(0); }
+bool Event::is_set() const {
+  return atomic_word(state<detail::EventState>(page_)->flag).load() != 0;
+}
 
 bool Event::wait(Timeout timeout) {
   auto* s = state<detail::EventState>(page_);
   const auto deadline = detail::deadline_after(timeout);
-  while (word(s->flag).load() == 0) {
+  while (atomic_word(s->flag).load() == 0) {
     if (timeout && (timeout->count() <= 0 || detail::past(deadline))) return false;
     detail::futex_wait_until(&s->flag, 0, deadline);
   }
@@ -208,16 +210,16 @@ bool Condition::wait(Timeout timeout) {
   auto* s = state<detail::CondState>(page_);
   const auto deadline = detail::deadline_after(timeout);
   // Registered while the lock is held: a notify after our caller's check sees us.
-  uint32_t w = word(s->state).load();
+  uint32_t w = atomic_word(s->state).load();
   do {
     if ((w >> 16) == 0xffff) throw Error("Condition: more than 65535 waiters");
-  } while (!word(s->state).compare_exchange_weak(w, w + detail::kCondWaiter));
+  } while (!atomic_word(s->state).compare_exchange_weak(w, w + detail::kCondWaiter));
   const uint32_t depth = lock_.release_all();  // an RLock held recursively is fully released
   bool notified = false;
   for (;;) {
-    w = word(s->state).load();
+    w = atomic_word(s->state).load();
     if ((w & detail::kCondTickets) != 0) {
-      if (word(s->state).compare_exchange_weak(w, w - 1)) {
+      if (atomic_word(s->state).compare_exchange_weak(w, w - 1)) {
         notified = true;
         break;
       }
@@ -225,7 +227,8 @@ bool Condition::wait(Timeout timeout) {
     }
     if (detail::past(deadline)) {
       // Leave as a waiter. None left means a notify already counted us: its ticket comes.
-      if ((w >> 16) != 0 && word(s->state).compare_exchange_weak(w, w - detail::kCondWaiter)) break;
+      if ((w >> 16) != 0 && atomic_word(s->state).compare_exchange_weak(w, w - detail::kCondWaiter))
+        break;
       if ((w >> 16) == 0)
         detail::futex_wait_until(&s->state, w,
                                  detail::deadline_after(std::chrono::milliseconds(10)));
@@ -255,12 +258,12 @@ bool Condition::wait_for(const std::function<bool()>& pred, Timeout timeout) {
 void Condition::notify(int n) {
   auto* s = state<detail::CondState>(page_);
   if (n <= 0) return;
-  uint32_t w = word(s->state).load();
+  uint32_t w = atomic_word(s->state).load();
   uint32_t k = 0;
   do {
     k = std::min<uint32_t>(static_cast<uint32_t>(n), w >> 16);
     if (k == 0) return;  // nobody waits: a notify is not remembered (as in Python)
-  } while (!word(s->state).compare_exchange_weak(w, w - k * detail::kCondWaiter + k));
+  } while (!atomic_word(s->state).compare_exchange_weak(w, w - k * detail::kCondWaiter + k));
   detail::futex_wake_n(&s->state, static_cast<int>(k));
 }
 
@@ -292,7 +295,7 @@ namespace {
 // Under the barrier's mutex: fails the current round for every waiter.
 void break_round(detail::BarrierState* s) {
   s->broken_rounds[s->generation % 16] = s->generation + 1;
-  word(s->generation).fetch_add(1);
+  atomic_word(s->generation).fetch_add(1);
   detail::futex_wake_n(&s->generation, INT32_MAX);
 }
 
@@ -339,13 +342,13 @@ uint32_t Barrier::wait(Timeout timeout) {
         }
       }
       s->count = 0;
-      word(s->generation).fetch_add(1);
+      atomic_word(s->generation).fetch_add(1);
       detail::futex_wake_n(&s->generation, INT32_MAX);
       return index;
     }
   }
   for (;;) {
-    if (word(s->generation).load() != gen) {
+    if (atomic_word(s->generation).load() != gen) {
       MutexLock lock(&s->mu, with_grace(deadline));
       // Judge our own round only: later rounds may break (or not) on their own.
       if (s->broken_rounds[gen % 16] == gen + 1)
@@ -383,10 +386,10 @@ void Barrier::reset() {
 
 uint32_t Barrier::parties() const { return state<detail::BarrierState>(page_)->parties; }
 uint32_t Barrier::n_waiting() const {
-  return word(state<detail::BarrierState>(page_)->count).load();
+  return atomic_word(state<detail::BarrierState>(page_)->count).load();
 }
 bool Barrier::broken() const {
-  return word(state<detail::BarrierState>(page_)->broken).load() != 0;
+  return atomic_word(state<detail::BarrierState>(page_)->broken).load() != 0;
 }
 
 void Barrier::save(detail::OutputArchive& ar) const {

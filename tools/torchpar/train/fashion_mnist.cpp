@@ -13,7 +13,7 @@
 namespace torchpar::train {
 namespace {
 
-constexpr const char* kInstall =
+constexpr const char* kInstallFashionMnist =
     "install the data set with scripts/install-deps.sh (Debian package dataset-fashion-mnist) "
     "or pass --data DIR";
 
@@ -31,11 +31,11 @@ void read_exact(gzFile f, const std::string& path, void* dst, size_t n, const ch
       int errnum = 0;
       const char* msg = gzerror(f, &errnum);
       throw Error(fmt::format("{}: corrupt gzip data while reading {}: {} ({})", path, what,
-                              msg ? msg : "?", kInstall));
+                              msg ? msg : "?", kInstallFashionMnist));
     }
     if (r == 0) {
       throw Error(fmt::format("{}: truncated: {} needs {} bytes, the file has {} ({})", path, what,
-                              n, got, kInstall));
+                              n, got, kInstallFashionMnist));
     }
     got += static_cast<size_t>(r);
   }
@@ -51,7 +51,7 @@ at::Tensor read_idx_gz(const std::string& path, int expected_dims) {
   std::unique_ptr<gzFile_s, GzCloser> f(gzopen(path.c_str(), "rb"));
   if (!f) {
     throw Error(fmt::format("{}: cannot open: {} ({})", path,
-                            errno ? std::strerror(errno) : "not readable", kInstall));
+                            errno ? std::strerror(errno) : "not readable", kInstallFashionMnist));
   }
   unsigned char head[4];
   read_exact(f.get(), path, head, 4, "the idx header");
@@ -61,7 +61,7 @@ at::Tensor read_idx_gz(const std::string& path, int expected_dims) {
     throw Error(
         fmt::format("{}: not an idx file of {} ubyte dimensions (magic 0x{:08x}, expected "
                     "0x{:08x}) ({})",
-                    path, expected_dims, magic, want, kInstall));
+                    path, expected_dims, magic, want, kInstallFashionMnist));
   }
   std::vector<int64_t> dims;
   uint64_t total = 1;

@@ -20,7 +20,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kInstall =
+constexpr const char* kInstallFortunes =
     "install the corpus with scripts/install-deps.sh (Debian package fortunes) or pass --data "
     "DIR";
 
@@ -33,9 +33,9 @@ std::vector<fs::path> fortune_files(const std::string& dir) {
   std::error_code ec;
   const auto status = fs::status(dir, ec);
   if (ec || !fs::exists(status))
-    throw Error(fmt::format("no fortunes: {} does not exist ({})", dir, kInstall));
+    throw Error(fmt::format("no fortunes: {} does not exist ({})", dir, kInstallFortunes));
   if (!fs::is_directory(status))
-    throw Error(fmt::format("no fortunes: {} is not a directory ({})", dir, kInstall));
+    throw Error(fmt::format("no fortunes: {} is not a directory ({})", dir, kInstallFortunes));
   std::vector<fs::path> files;
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
@@ -124,7 +124,7 @@ FortuneCorpus load_fortunes(const std::string& dir, int64_t limit_bytes) {
     throw Error(fmt::format(
         "no fortunes in {}: it holds no fortune files (text files of fortunes separated by '%' "
         "lines; *.dat, *.u8, hidden files, symbolic links and subdirectories are skipped) ({})",
-        dir, kInstall));
+        dir, kInstallFortunes));
   c.train = to_tensor(train);
   c.val = to_tensor(val);
   return c;

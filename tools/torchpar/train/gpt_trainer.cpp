@@ -30,8 +30,8 @@ constexpr double kBeta2 = 0.95;
 constexpr double kWeightDecay = 0.1;
 constexpr double kGradClip = 1.0;
 constexpr double kFinalLrFraction = 0.1;
-constexpr int64_t kReportEvery = 5;   // steps between progress messages
-constexpr int64_t kEvalWindows = 64;  // held-out windows per evaluation (8 KiB at context 128)
+constexpr int64_t kReportEverySteps = 5;  // steps between progress messages
+constexpr int64_t kEvalWindows = 64;      // held-out windows per evaluation (8 KiB at context 128)
 constexpr int64_t kEvalBatch = 16;
 constexpr const char* kSamplePrompt = "The meaning of life is";
 
@@ -135,7 +135,7 @@ class Stepper {
     return loss.item<double>();
   }
 
-  /// Trains steps first .. last, calling report(tokens, loss_sum, steps) every kReportEvery
+  /// Trains steps first .. last, calling report(tokens, loss_sum, steps) every kReportEverySteps
   /// steps and at the end with the increments since the last call.
   template <class Sync, class Report>
   void train(int64_t first, int64_t last, Sync&& sync, Report&& report) {
@@ -143,7 +143,7 @@ class Stepper {
     double loss_sum = 0;
     for (int64_t s = first; s <= last; ++s) {
       loss_sum += step(s, sync);
-      if (++steps == kReportEvery || s == last) {
+      if (++steps == kReportEverySteps || s == last) {
         report(steps * cfg_.batch_size * cfg_.context, loss_sum, steps);
         steps = 0;
         loss_sum = 0;

@@ -25,7 +25,7 @@
 namespace torchpar::train {
 namespace {
 
-constexpr int kReportEvery = 20;  // batches between progress messages
+constexpr int kReportEveryBatches = 20;  // batches between progress messages
 
 /// The sample indices of `part` of `parts` for `epoch`: a permutation seeded by seed+epoch
 /// (the same on every worker), dealt round-robin, every part the same length.
@@ -36,7 +36,7 @@ at::Tensor shard(int64_t n, int64_t seed, int epoch, int part, int parts) {
   return perm.slice(0, part, part + per * parts, parts);
 }
 
-/// One pass over `idx`; calls report(samples, loss_sum, batches) every kReportEvery batches
+/// One pass over `idx`; calls report(samples, loss_sum, batches) every kReportEveryBatches batches
 /// and at the end with the increments since the last call. `update()` runs after each
 /// backward and applies the gradients: an optimizer step (ddp averages them first; pserver
 /// pushes them to the server and pulls its newest parameters).
@@ -57,7 +57,7 @@ void train_epoch(Net& net, const Split& data, const at::Tensor& idx, int batch_s
     update();
     samples += b.numel();
     loss_sum += loss.item<double>();
-    if (++batches == kReportEvery) {
+    if (++batches == kReportEveryBatches) {
       report(samples, loss_sum, batches);
       samples = batches = 0;
       loss_sum = 0;

@@ -34,6 +34,10 @@ void log_line(const std::string& line) noexcept;
 /// (peers choose names and addresses).
 std::string printable(std::string_view text);
 
+/// Accepted connections (sockets, pipes) whose handshake runs at once; more are closed
+/// unheard (each holds a thread). Both transports.
+inline constexpr int kMaxPendingHandshakes = 64;
+
 /// `d` in seconds, for messages.
 inline double seconds(std::chrono::steady_clock::duration d) {
   return std::chrono::duration<double>(d).count();

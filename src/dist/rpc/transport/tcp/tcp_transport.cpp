@@ -63,13 +63,12 @@ namespace torchpar::rpc {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using detail::kMaxPendingHandshakes;
 using detail::log_line;
 using detail::printable;
 using detail::seconds;
 using torchpar::detail::SocketAddress;
 
-/// Accepted sockets whose handshake runs at once; more are closed unheard (each holds a thread).
-constexpr int kMaxPendingHandshakes = 64;
 constexpr int kBacklog = 128;
 /// The fixed part of a frame: magic, header bytes (u32), body bytes (u64), storages (u32),
 /// reserved (u32, 0); all little-endian. The storages' lengths (u64 each) follow.

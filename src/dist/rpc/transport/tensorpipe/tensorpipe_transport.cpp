@@ -42,6 +42,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using detail::error_text;
+using detail::kMaxPendingHandshakes;
 using detail::kMessageTag;
 using detail::log_line;
 using detail::PipeAuthChannel;
@@ -55,8 +56,6 @@ enum class Mode {
   kShmOnly,  ///< shm alone: address "shm://<abstract socket name>"
 };
 
-/// Accepted pipes whose handshake runs at once; more are closed unheard (each holds a thread).
-constexpr int kMaxPendingHandshakes = 64;
 /// How long a refusing side waits for the peer to read `#FAILURE#` and hang up.
 constexpr auto kRefusalLinger = std::chrono::seconds(1);
 /// How long the listener thread tries to get the port back after TensorPipe's listener failed.
@@ -94,7 +93,7 @@ std::string pipe_url(const std::string& address, Mode mode) {
 }
 
 /// One pipe of an authenticated member (connected by this side or accepted).
-struct Conn {
+struct PipeConn {
   std::shared_ptr<tensorpipe::Pipe> pipe;
   std::string peer;
   bool dead = false;  // guarded by the transport's mutex_: lost (reported once) or closing
@@ -103,7 +102,7 @@ struct Conn {
 // The members, their pipes and the send order: support.h's ConnectionTable (a member's `busy`
 // flag is held from before a sender looks for a pipe until its write is issued, so writes
 // reach TensorPipe in the order of send calls).
-class TensorPipeTransport final : public Transport, private detail::ConnectionTable<Conn> {
+class TensorPipeTransport final : public Transport, private detail::ConnectionTable<PipeConn> {
  public:
   TensorPipeTransport(TransportOptions options, TransportHandlers handlers, Mode mode);
   ~TensorPipeTransport() override;
@@ -127,16 +126,17 @@ class TensorPipeTransport final : public Transport, private detail::ConnectionTa
 
   // Connections.
   void serve_handshake(const std::shared_ptr<tensorpipe::Pipe>& pipe);
-  std::shared_ptr<Conn> connect(const std::string& peer, const std::string& address,
-                                Clock::time_point deadline);
-  std::shared_ptr<Conn> add_conn(std::shared_ptr<tensorpipe::Pipe> pipe, const std::string& peer);
-  void lose(const std::shared_ptr<Conn>& conn, const std::string& why);
+  std::shared_ptr<PipeConn> connect(const std::string& peer, const std::string& address,
+                                    Clock::time_point deadline);
+  std::shared_ptr<PipeConn> add_conn(std::shared_ptr<tensorpipe::Pipe> pipe,
+                                     const std::string& peer);
+  void lose(const std::shared_ptr<PipeConn>& conn, const std::string& why);
 
   // Messages.
-  void arm_read(const std::shared_ptr<Conn>& conn);
-  void on_descriptor(const std::shared_ptr<Conn>& conn, const tensorpipe::Descriptor& d);
+  void arm_read(const std::shared_ptr<PipeConn>& conn);
+  void on_descriptor(const std::shared_ptr<PipeConn>& conn, const tensorpipe::Descriptor& d);
   std::string check_descriptor(const tensorpipe::Descriptor& d) const;
-  void write(const std::shared_ptr<Conn>& conn, Message msg);
+  void write(const std::shared_ptr<PipeConn>& conn, Message msg);
 
   const TransportOptions options_;
   const Mode mode_;
@@ -240,7 +240,7 @@ void TensorPipeTransport::close_now() {
   std::shared_ptr<tensorpipe::Listener> listener;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    close_locked([](Conn&) {});  // waiting senders fail now
+    close_locked([](PipeConn&) {});  // waiting senders fail now
     listener = listener_;
   }
   listen_cv_.notify_all();
@@ -400,9 +400,9 @@ std::shared_ptr<tensorpipe::Listener> TensorPipeTransport::listen_again() {
 
 // ---- connections ------------------------------------------------------------------------------
 
-std::shared_ptr<Conn> TensorPipeTransport::add_conn(std::shared_ptr<tensorpipe::Pipe> pipe,
-                                                    const std::string& peer) {
-  auto conn = std::make_shared<Conn>();
+std::shared_ptr<PipeConn> TensorPipeTransport::add_conn(std::shared_ptr<tensorpipe::Pipe> pipe,
+                                                        const std::string& peer) {
+  auto conn = std::make_shared<PipeConn>();
   conn->pipe = std::move(pipe);
   conn->peer = peer;
   std::lock_guard<std::mutex> lock(mutex_);
@@ -411,7 +411,7 @@ std::shared_ptr<Conn> TensorPipeTransport::add_conn(std::shared_ptr<tensorpipe::
   return conn;
 }
 
-void TensorPipeTransport::lose(const std::shared_ptr<Conn>& conn, const std::string& why) {
+void TensorPipeTransport::lose(const std::shared_ptr<PipeConn>& conn, const std::string& why) {
   bool report = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -425,7 +425,7 @@ void TensorPipeTransport::lose(const std::shared_ptr<Conn>& conn, const std::str
 void TensorPipeTransport::serve_handshake(const std::shared_ptr<tensorpipe::Pipe>& pipe) {
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(options_.handshake_timeout);
-  std::shared_ptr<Conn> conn;
+  std::shared_ptr<PipeConn> conn;
   try {
     // The remote name is what the peer's TensorPipe context calls itself: unproven, for logs.
     const std::string claimed = printable(pipe->getRemoteName());
@@ -456,9 +456,9 @@ void TensorPipeTransport::serve_handshake(const std::shared_ptr<tensorpipe::Pipe
   --pending_handshakes_;
 }
 
-std::shared_ptr<Conn> TensorPipeTransport::connect(const std::string& peer,
-                                                   const std::string& address,
-                                                   Clock::time_point deadline) {
+std::shared_ptr<PipeConn> TensorPipeTransport::connect(const std::string& peer,
+                                                       const std::string& address,
+                                                       Clock::time_point deadline) {
   const std::string url = pipe_url(address, mode_);
   const auto started = Clock::now();
   const auto handshake_deadline = std::min(
@@ -537,7 +537,7 @@ std::string TensorPipeTransport::check_descriptor(const tensorpipe::Descriptor& 
   return {};
 }
 
-void TensorPipeTransport::arm_read(const std::shared_ptr<Conn>& conn) {
+void TensorPipeTransport::arm_read(const std::shared_ptr<PipeConn>& conn) {
   conn->pipe->readDescriptor(
       [this, conn](const tensorpipe::Error& error, tensorpipe::Descriptor d) {
         in_callback(options_.name, "receiving", [&] {
@@ -554,7 +554,7 @@ void TensorPipeTransport::arm_read(const std::shared_ptr<Conn>& conn) {
       });
 }
 
-void TensorPipeTransport::on_descriptor(const std::shared_ptr<Conn>& conn,
+void TensorPipeTransport::on_descriptor(const std::shared_ptr<PipeConn>& conn,
                                         const tensorpipe::Descriptor& d) {
   if (const std::string why = check_descriptor(d); !why.empty()) {
     lose(conn, "protocol error: " + why);
@@ -591,7 +591,7 @@ void TensorPipeTransport::on_descriptor(const std::shared_ptr<Conn>& conn,
   });
 }
 
-void TensorPipeTransport::write(const std::shared_ptr<Conn>& conn, Message msg) {
+void TensorPipeTransport::write(const std::shared_ptr<PipeConn>& conn, Message msg) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (conn->dead) {
@@ -628,7 +628,7 @@ void TensorPipeTransport::send(const std::string& peer, const std::string& addre
   detail::check_storages(msg);
   run_send(
       peer, deadline, [&] { return connect(peer, address, deadline); },
-      [&](const std::shared_ptr<Conn>& conn) { write(conn, std::move(msg)); });
+      [&](const std::shared_ptr<PipeConn>& conn) { write(conn, std::move(msg)); });
 }
 
 }  // namespace
