@@ -46,7 +46,8 @@ namespace {
 
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint8_t kInline = 0, kSpilled = 1;
-constexpr int kSpinIterations = 2000;  // ~ tens of microseconds before sleeping
+constexpr int kSpinIterations = 2000;   // ~ tens of microseconds before sleeping
+constexpr size_t kReserveBytes = 1024;  // get's buffer, allocated before the lock
 
 std::atomic_ref<uint64_t> word64(uint64_t& w) { return std::atomic_ref<uint64_t>(w); }
 
@@ -203,6 +204,9 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
     }
   } guard{&spilled};
   int spins = 0;
+  // Wake a sleeping getter after the lock is released: a futex call takes microseconds here,
+  // and under the lock the other side would wait out that call too.
+  bool wake = false;
   for (;;) {
     uint32_t seen;
     {
@@ -220,9 +224,9 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
         word64(ctl_->count).store(ctl_->count + 1);
         ++ctl_->unfinished;
         atomic_word(ctl_->seq_put).fetch_add(1);
-        if (atomic_word(ctl_->sleeping_getters).load() != 0) futex_wake_n(&ctl_->seq_put, 1);
+        wake = atomic_word(ctl_->sleeping_getters).load() != 0;
         guard.done = true;
-        return;
+        break;
       }
       if (timeout && (timeout->count() <= 0 || past(deadline)))
         throw Full(ctl_->maxsize != 0 && full_items
@@ -243,6 +247,7 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
     futex_wait_until(&ctl_->seq_get, seen, deadline);
     atomic_word(ctl_->sleeping_putters).fetch_sub(1);  // atomic: no lock needed (it may be held)
   }
+  if (wake) futex_wake_n(&ctl_->seq_put, 1);
 }
 
 std::string ShmQueue::get(Timeout timeout) {
@@ -250,7 +255,12 @@ std::string ShmQueue::get(Timeout timeout) {
   const Deadline lock_deadline = lock_deadline_of(timeout, deadline);
   int spins = 0;
   std::string out;
+  // Room for a typical message (a tensor handle, a small value) allocated before the lock is
+  // taken: a malloc that grows the heap page-faults, ~12 us on these VMs, and under the lock
+  // the putter would sleep through it.
+  out.reserve(kReserveBytes);
   uint8_t kind = kInline;
+  bool wake = false;  // a sleeping putter, woken after the lock is released (as in put)
   for (;;) {
     uint32_t seen;
     {
@@ -267,7 +277,7 @@ std::string ShmQueue::get(Timeout timeout) {
         word64(ctl_->head).store(ctl_->head + 8 + len);
         word64(ctl_->count).store(ctl_->count - 1);
         atomic_word(ctl_->seq_get).fetch_add(1);
-        if (atomic_word(ctl_->sleeping_putters).load() != 0) futex_wake_n(&ctl_->seq_get, 1);
+        wake = atomic_word(ctl_->sleeping_putters).load() != 0;
         break;
       }
       if (ctl_->closed) throw ClosedError("get on a closed, empty queue");
@@ -286,6 +296,7 @@ std::string ShmQueue::get(Timeout timeout) {
     futex_wait_until(&ctl_->seq_put, seen, deadline);
     atomic_word(ctl_->sleeping_getters).fetch_sub(1);
   }
+  if (wake) futex_wake_n(&ctl_->seq_get, 1);
   if (kind == kSpilled) return read_spill(out);
   return out;
 }
