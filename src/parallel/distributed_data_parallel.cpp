@@ -329,6 +329,17 @@ void DistributedDataParallel::synchronize_gradients() {
     }
   }
   c10::NoGradGuard no_grad;  // a gradient built with create_graph must not grow a graph here
+  if (m.buckets.size() == 1) {
+    // Nothing to overlap: reduce on this thread. An async call hands the bucket to the group's
+    // executor thread and back, two futex wake-ups of a sleeping thread per step; in `torchpar
+    // train --strategy ddp --workers 1` that was 2.6 more context switches and ~0.5 ms more
+    // per step than single (5.5 ms a step), 8% of the samples/s.
+    Bucket& b = m.buckets.front();
+    m.pack(b);
+    m.group.all_reduce(b.flat, {.op = ReduceOp::kAvg});
+    m.unpack(b);
+    return;
+  }
   run_pipelined(
       m.buckets.size(),
       [&](std::size_t k) {

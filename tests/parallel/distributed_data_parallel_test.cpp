@@ -196,6 +196,39 @@ INSTANTIATE_TEST_SUITE_P(Buckets, DdpAverage,
                                            Case{"gloo", 1e-6, 7, "gloo_per_parameter"}),
                          [](const auto& test) { return test.param.name; });
 
+// One dtype, one bucket: synchronize_gradients reduces on the calling thread (no executor hop).
+// Linear(3, 2) on a batch of 4 rows all equal to rank + 1: d(sum of outputs)/dW[i][j] is
+// 4 * (rank + 1), so the average over ranks 0 and 1 is 6; the bias gradient is 4 on both.
+void one_bucket_rank(int rank, int port, std::string backend) {
+  auto world = make_world(rank, port);
+  auto group = world.create_collective_group({}, tp::backend_from_string(backend));
+  torch::manual_seed(7 + rank);
+  torch::nn::Linear lin(3, 2);
+  tp::DistributedDataParallel ddp(*lin, group);
+  TORCHPAR_RCHECK(ddp.num_buckets() == 1, "{} buckets, want 1", ddp.num_buckets());
+  for (int step = 0; step < 3; ++step) {  // the same bucket buffer again and again
+    lin->zero_grad();
+    lin->forward(torch::full({4, 3}, static_cast<double>(rank + 1))).sum().backward();
+    ddp.synchronize_gradients();
+    TORCHPAR_RCHECK(at::allclose(lin->weight.grad(), torch::full({2, 3}, 6.0)),
+                    "step {}: weight gradient {} is not the average 6", step,
+                    lin->weight.grad().flatten()[0].item<double>());
+    TORCHPAR_RCHECK(at::allclose(lin->bias.grad(), torch::full({2}, 4.0)),
+                    "step {}: bias gradient is not 4", step);
+  }
+}
+
+class DdpOneBucket : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DdpOneBucket, AveragesOnTheCallingThread) {
+  auto res = run_ranks(kWorld, 120, &one_bucket_rank, free_port(), GetParam());
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(res[r].exitcode, 0) << "rank " << r << ": " << res[r].error;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DdpOneBucket, ::testing::Values("shm", "gloo"));
+
 // ---- models that differ ------------------------------------------------------------------------
 
 void different_rank(int rank, int port) {

@@ -94,7 +94,8 @@ class DistributedDataParallel {
   /// Averages the gradients of the parameters that require grad over the ranks, in place:
   /// afterwards every rank holds the same .grad() tensors. Call after backward, before the
   /// optimizer's step. Packs each bucket and starts its all_reduce (async) before packing
-  /// the next one, then waits for them in order and copies each result back.
+  /// the next one, then waits for them in order and copies each result back. A model with
+  /// one bucket is reduced on the calling thread instead (nothing to overlap).
   ///
   /// Shapes:  each .grad() as its parameter (any strides); an undefined one counts as zeros
   ///          (see the class comment).
