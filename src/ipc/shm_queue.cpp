@@ -46,8 +46,8 @@ namespace {
 
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint8_t kInline = 0, kSpilled = 1;
-constexpr int kSpinIterations = 2000;   // ~ tens of microseconds before sleeping
-constexpr size_t kReserveBytes = 1024;  // get's buffer, allocated before the lock
+constexpr int kSpinIterations = 2000;  // ~ tens of microseconds before sleeping
+constexpr size_t kStackBytes = 1024;   // get copies messages up to this size to the stack
 
 std::atomic_ref<uint64_t> word64(uint64_t& w) { return std::atomic_ref<uint64_t>(w); }
 
@@ -255,10 +255,11 @@ std::string ShmQueue::get(Timeout timeout) {
   const Deadline lock_deadline = lock_deadline_of(timeout, deadline);
   int spins = 0;
   std::string out;
-  // Room for a typical message (a tensor handle, a small value) allocated before the lock is
-  // taken: a malloc that grows the heap page-faults, ~12 us on these VMs, and under the lock
-  // the putter would sleep through it.
-  out.reserve(kReserveBytes);
+  // A typical message (a tensor handle, a small value) is copied to the stack under the lock
+  // and into `out` after it: a malloc that grows the heap page-faults, ~12 us on these VMs,
+  // and under the lock the putter would sleep through it.
+  char small[kStackBytes];
+  size_t small_len = SIZE_MAX;  // SIZE_MAX: the message went straight into `out`
   uint8_t kind = kInline;
   bool wake = false;  // a sleeping putter, woken after the lock is released (as in put)
   for (;;) {
@@ -272,8 +273,13 @@ std::string ShmQueue::get(Timeout timeout) {
         if (ctl_->tail - ctl_->head < 9 || len == 0 || len > ctl_->tail - ctl_->head - 8)
           throw Error(fmt::format("queue ring corrupted (message length {})", len));
         ring_read(ring_, ctl_->capacity, ctl_->head + 8, &kind, 1);
-        out.resize(len - 1);
-        ring_read(ring_, ctl_->capacity, ctl_->head + 9, out.data(), len - 1);
+        if (len - 1 <= kStackBytes) {
+          small_len = len - 1;
+          ring_read(ring_, ctl_->capacity, ctl_->head + 9, small, small_len);
+        } else {
+          out.resize(len - 1);
+          ring_read(ring_, ctl_->capacity, ctl_->head + 9, out.data(), len - 1);
+        }
         word64(ctl_->head).store(ctl_->head + 8 + len);
         word64(ctl_->count).store(ctl_->count - 1);
         atomic_word(ctl_->seq_get).fetch_add(1);
@@ -297,6 +303,7 @@ std::string ShmQueue::get(Timeout timeout) {
     atomic_word(ctl_->sleeping_getters).fetch_sub(1);
   }
   if (wake) futex_wake_n(&ctl_->seq_get, 1);
+  if (small_len != SIZE_MAX) out.assign(small, small_len);
   if (kind == kSpilled) return read_spill(out);
   return out;
 }

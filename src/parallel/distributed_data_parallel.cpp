@@ -21,12 +21,12 @@ namespace {
 // ---- every call into CollectiveGroup ---------------------------------------------------------
 // Kept together so that a change of the group's signatures touches these lines only.
 
-Work start_average(CollectiveGroup& group, const at::Tensor& flat) {
-  return group.all_reduce(flat, {.op = ReduceOp::kAvg, .async_op = true});
+Work start_average(CollectiveGroup& group, const at::Tensor& flat, bool async_op) {
+  return group.all_reduce(flat, {.op = ReduceOp::kAvg, .async_op = async_op});
 }
 
-Work start_broadcast_from_rank0(CollectiveGroup& group, const at::Tensor& flat) {
-  return group.broadcast(flat, /*src=*/0, {.async_op = true});
+Work start_broadcast_from_rank0(CollectiveGroup& group, const at::Tensor& flat, bool async_op) {
+  return group.broadcast(flat, /*src=*/0, {.async_op = async_op});
 }
 
 void all_gather(CollectiveGroup& group, std::vector<at::Tensor> out, const at::Tensor& in) {
@@ -39,7 +39,11 @@ void all_gather(CollectiveGroup& group, std::vector<at::Tensor> out, const at::T
 constexpr int64_t kBroadcastBucketBytes = int64_t{250} << 20;
 
 /// Starts op k for every k, then waits for each in order and runs done(k) after it, so that
-/// done(k) overlaps the transfer of the later ones. After a failure it still waits for every
+/// done(k) overlaps the transfer of the later ones. start(k, async_op): async only when there
+/// are two ops or more. With one there is nothing to overlap, and an async op travels to the
+/// group's executor thread and back: two futex wake-ups of a sleeping thread, which cost
+/// `torchpar train --strategy ddp --workers 1` ~8% of its samples/s against single (2910
+/// context switches an epoch against 465). After a failure it still waits for every
 /// started op (they write into buffers the next call reuses; after a collective's failure the
 /// group is broken and they fail at once) and rethrows the first error.
 template <class Start, class Done>
@@ -48,7 +52,7 @@ void run_pipelined(std::size_t n, Start&& start, Done&& done) {
   works.reserve(n);
   std::exception_ptr error;
   try {
-    for (std::size_t k = 0; k < n; ++k) works.push_back(start(k));
+    for (std::size_t k = 0; k < n; ++k) works.push_back(start(k, /*async_op=*/n > 1));
     for (std::size_t k = 0; k < n; ++k) {
       works[k].wait();
       done(k);
@@ -111,11 +115,11 @@ void broadcast_from_rank0(CollectiveGroup& group, const std::vector<at::Tensor>&
   const bool receiver = group.rank() != 0;
   run_pipelined(
       buckets.size(),
-      [&](std::size_t k) {
+      [&](std::size_t k, bool async_op) {
         std::vector<at::Tensor> parts;
         for (std::size_t i : buckets[k]) parts.push_back(tensors[i].reshape({-1}));
         flats[k] = at::cat(parts);
-        return start_broadcast_from_rank0(group, flats[k]);
+        return start_broadcast_from_rank0(group, flats[k], async_op);
       },
       [&](std::size_t k) {
         if (!receiver) return;
@@ -329,22 +333,11 @@ void DistributedDataParallel::synchronize_gradients() {
     }
   }
   c10::NoGradGuard no_grad;  // a gradient built with create_graph must not grow a graph here
-  if (m.buckets.size() == 1) {
-    // Nothing to overlap: reduce on this thread. An async call hands the bucket to the group's
-    // executor thread and back, two futex wake-ups of a sleeping thread per step; in `torchpar
-    // train --strategy ddp --workers 1` that was 2.6 more context switches and ~0.5 ms more
-    // per step than single (5.5 ms a step), 8% of the samples/s.
-    Bucket& b = m.buckets.front();
-    m.pack(b);
-    m.group.all_reduce(b.flat, {.op = ReduceOp::kAvg});
-    m.unpack(b);
-    return;
-  }
   run_pipelined(
       m.buckets.size(),
-      [&](std::size_t k) {
+      [&](std::size_t k, bool async_op) {
         m.pack(m.buckets[k]);
-        return start_average(m.group, m.buckets[k].flat);
+        return start_average(m.group, m.buckets[k].flat, async_op);
       },
       [&](std::size_t k) { m.unpack(m.buckets[k]); });
 }
