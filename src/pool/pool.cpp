@@ -1,8 +1,10 @@
 // The process Pool: each worker has its own inbox queue, so the manager thread knows
-// exactly which tasks a worker holds. Chunks travel to a worker in batches and come back
-// one result each; when a worker dies, the chunk it was running fails with
-// WorkerLostError, the ones it had not begun run elsewhere, the worker is replaced, and
-// the pool goes on.
+// exactly which tasks a worker holds. Chunks travel to a worker in batches and their
+// answers come back together when they come quickly (kAnswerEvery). A worker counts the
+// chunks it begins, and stages its answers, in a page it shares with the manager
+// (AnswerStage), so when it dies its staged answers are still delivered, the chunk it was
+// running fails with WorkerLostError, the ones it had not begun run elsewhere, the
+// worker is replaced, and the pool goes on.
 #include "torchpar/pool/pool.h"
 
 #include <c10/util/Type.h>
@@ -16,11 +18,15 @@
 #include <cstdio>
 #include <deque>
 #include <iterator>
+#include <cstring>
 #include <limits>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 
 #include <fmt/format.h>
+
+#include "torchpar/ipc/shared_value.h"
 
 namespace torchpar {
 namespace detail {
@@ -34,34 +40,116 @@ const Payload& worker_context_payload() {
   return g_worker_context ? *g_worker_context : empty;
 }
 
-/// One inbox message: chunks a worker runs in order, answering each with a PoolResult of
-/// its own as soon as it is done. No chunks: the worker exits. `id` numbers the batches
-/// sent to one worker process (1, 2, ...; the exit message is 0): the first id left in a
-/// dead worker's inbox says which of its chunks it never took.
-struct PoolBatch {
-  uint64_t id = 0;
-  std::vector<PoolTask> tasks;
+/// One chunk of a job: its place in the job and its encoded argument tuples (run_chunk).
+struct PoolTask {
+  uint64_t job = 0;
+  uint32_t chunk = 0;
+  std::string args;
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(id, tasks);
+    ar(job, chunk, args);
   }
 };
 
-// Runs in every worker process.
-void pool_worker_main(int index, Queue<PoolBatch> inbox, Queue<PoolResult> results,
-                      uint64_t maxtasks, PoolInit init, WorkerContext context) {
+/// One inbox message: chunks of one job that a worker runs in order, and the job's call
+/// (sent once a batch: its code addresses name a module by path). No chunks: the worker
+/// exits.
+struct PoolBatch {
+  PoolCall call;
+  std::vector<PoolTask> tasks;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(call, tasks);
+  }
+};
+
+/// A chunk's answer: its results (run_chunk) when ok, else the exception's type and message.
+struct PoolResult {
+  uint64_t job = 0;
+  uint32_t chunk = 0;
+  int32_t worker = 0;
+  bool ok = true;
+  std::string values;
+  std::string type, message;
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(job, chunk, worker, ok, values, type, message);
+  }
+};
+
+namespace {
+
+// A worker's answers wait for company until its batch is done, or kAnswerEvery after its
+// last send, or until kAnswerBytes of them gathered: a batch of trivial tasks costs the
+// results queue one message, not one a chunk.
+constexpr auto kAnswerEvery = std::chrono::microseconds(50);
+constexpr size_t kAnswerBytes = 64 << 10;
+
+}  // namespace
+
+/// A worker's page shared with the manager. The worker counts each chunk in `begun`
+/// before running it, and stages each answer in `records` (a 4-byte length, then the
+/// encoded PoolResult) before it publishes `staged` and, later, sends them all as one
+/// results message (then `staged` goes back to 0). After the worker's death the manager
+/// reads both: staged answers are delivered (one already sent is dropped as a duplicate),
+/// chunks begun and not answered fail, the others run elsewhere.
+struct AnswerStage {
+  uint64_t begun = 0;
+  uint64_t staged = 0;  // bytes of `records` that hold whole records
+  char records[kAnswerBytes];
+};
+
+namespace {
+
+// `r` as one record of AnswerStage::records (and of a results message).
+std::string encode_answer(const PoolResult& r) {
+  std::string body = dumps(r).bytes;
+  const auto n = static_cast<uint32_t>(body.size());
+  std::string rec(sizeof n, '\0');
+  std::memcpy(rec.data(), &n, sizeof n);
+  return rec + body;
+}
+
+// Appends the records in `bytes` to `out`. Throws SerializationError for a malformed one.
+void decode_answers(std::string_view bytes, std::vector<PoolResult>& out) {
+  while (!bytes.empty()) {
+    uint32_t n = 0;
+    if (bytes.size() < sizeof n) throw SerializationError("Pool: a truncated answer record");
+    std::memcpy(&n, bytes.data(), sizeof n);
+    bytes.remove_prefix(sizeof n);
+    if (n > bytes.size()) throw SerializationError("Pool: a truncated answer record");
+    out.push_back(loads<PoolResult>(Payload{std::string(bytes.substr(0, n)), {}}));
+    bytes.remove_prefix(n);
+  }
+}
+
+}  // namespace
+
+// Runs in every worker process; `stage` is its page shared with the manager (AnswerStage).
+void pool_worker_main(int index, Queue<PoolBatch> inbox, Queue<std::string> results,
+                      Value<AnswerStage> stage, uint64_t maxtasks, PoolInit init,
+                      WorkerContext context) {
   if (context.set) g_worker_context = context.payload;
   if (init.set) {
     auto tramp = reinterpret_cast<Trampoline>(from_code_address(init.call.tramp));
     tramp(from_code_address(init.call.fn), *init.args);
   }
+  AnswerStage& page = *stage.get_obj();
+  std::atomic_ref<uint64_t> begun(page.begun), staged(page.staged);
   // The last call's code addresses, resolved: resolving searches the loaded modules, and
-  // a batch's chunks mostly share one call.
+  // batches mostly share one call.
   PoolCall resolved_call;
-  TaskTrampoline resolved_tramp = nullptr;
-  void* resolved_fn = nullptr;
+  TaskTrampoline tramp = nullptr;
+  void* fn = nullptr;
   auto same = [](const CodeAddress& a, const CodeAddress& b) {
     return a.offset == b.offset && a.module == b.module;
+  };
+  auto last_send = std::chrono::steady_clock::now();
+  auto send_staged = [&] {
+    const uint64_t n = staged.load(std::memory_order_relaxed);
+    if (n == 0) return;
+    results.put(std::string(page.records, n));
+    staged.store(0, std::memory_order_release);
   };
   for (uint64_t n = 0; maxtasks == 0 || n < maxtasks;) {
     // Waits as every Queue get does: spins (kSpinIterations, tens of µs), then sleeps on
@@ -69,29 +157,46 @@ void pool_worker_main(int index, Queue<PoolBatch> inbox, Queue<PoolResult> resul
     PoolBatch batch = inbox.get();
     if (batch.tasks.empty()) return;
     // The manager never sends past the maxtasksperchild budget; a batch runs whole.
-    for (PoolTask& task : batch.tasks) {
+    for (size_t i = 0; i < batch.tasks.size(); ++i) {
+      const PoolTask& task = batch.tasks[i];
+      begun.store(++n, std::memory_order_release);
       PoolResult r;
       r.job = task.job;
       r.chunk = task.chunk;
       r.worker = index;
       try {
-        if (resolved_tramp == nullptr || !same(task.call.tramp, resolved_call.tramp) ||
-            !same(task.call.fn, resolved_call.fn)) {
-          resolved_tramp = nullptr;
-          auto tramp = reinterpret_cast<TaskTrampoline>(from_code_address(task.call.tramp));
-          resolved_fn = from_code_address(task.call.fn);
-          resolved_tramp = tramp;
-          resolved_call = task.call;
+        // Resolved in the try: a module this process lacks fails the chunk (TaskError).
+        if (tramp == nullptr || !same(batch.call.tramp, resolved_call.tramp) ||
+            !same(batch.call.fn, resolved_call.fn)) {
+          tramp = nullptr;
+          fn = from_code_address(batch.call.fn);
+          tramp = reinterpret_cast<TaskTrampoline>(from_code_address(batch.call.tramp));
+          resolved_call = batch.call;
         }
-        r.values = resolved_tramp(resolved_fn, task.args);
+        r.values = tramp(fn, task.args);
       } catch (const std::exception& e) {
         r.ok = false;
         r.values.clear();
         r.type = c10::demangle(typeid(e).name());
         r.message = e.what();
       }
-      results.put(r);  // one result a chunk: it never waits for the rest of the batch
-      ++n;
+      const std::string rec = encode_answer(r);
+      uint64_t used = staged.load(std::memory_order_relaxed);
+      if (used + rec.size() > kAnswerBytes) {
+        send_staged();
+        used = 0;
+      }
+      if (rec.size() > kAnswerBytes) {
+        results.put(rec);  // too large to stage: it travels alone, now
+      } else {
+        std::memcpy(page.records + used, rec.data(), rec.size());
+        staged.store(used + rec.size(), std::memory_order_release);
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (i + 1 == batch.tasks.size() || now - last_send >= kAnswerEvery) {
+        send_staged();
+        last_send = now;
+      }
     }
   }
 }
@@ -140,9 +245,11 @@ class PoolCore {
       if (closed_ || stop_) throw ClosedError("Pool is closed");
       if (chunks.empty()) return job;
       const uint64_t id = next_job_++;
-      jobs_[id].state = job;
+      Job& j = jobs_[id];
+      j.state = job;
+      j.call = std::move(call);
       for (uint32_t c = 0; c < chunks.size(); ++c)
-        pending_.push_back(PoolTask{id, c, call, std::move(chunks[c])});
+        pending_.push_back(PoolTask{id, c, std::move(chunks[c])});
       if (!broken_) dispatch(done);  // idle workers start now, not at the manager's next turn
     }
     finish_now(done);
@@ -202,18 +309,17 @@ class PoolCore {
   // A chunk in a worker's hands: sent, not answered yet.
   struct Sent {
     PoolTask task;         // kept: a chunk the worker never began is sent again, elsewhere
-    uint64_t batch = 0;    // the PoolBatch::id it travelled in
+    uint64_t seq = 0;      // chunks sent to this process before it (it begins them in order)
     Clock::time_point at;  // when it was sent
-    bool passed = false;   // a later chunk of this worker was answered: this one's answer was lost
   };
 
   struct Worker {
     std::unique_ptr<Process> proc;
     Queue<PoolBatch> inbox{0, {.capacity_bytes = 1 << 20}};
+    Value<AnswerStage> stage{AnswerStage{}, /*lock=*/false};  // shared with the process
     int32_t id = -1;  // PoolResult::worker of this process's results (the slot, and a generation)
     std::deque<Sent> outstanding;  // in the order the worker runs them
     size_t outstanding_bytes = 0;  // their argument bytes
-    uint64_t next_batch = 1;
     uint64_t sent = 0;      // chunks sent to this process
     uint64_t answered = 0;  // results received from it
     Clock::time_point last_answer;
@@ -223,6 +329,7 @@ class PoolCore {
   // A submitted job until its last chunk finishes (completed or failed).
   struct Job {
     std::shared_ptr<JobState> state;
+    PoolCall call;
     size_t finished = 0;
     // A chunk's time in a worker, estimated from the answers (decayed sums): sizes batches.
     double busy_s = 0, answers = 0;
@@ -263,7 +370,8 @@ class PoolCore {
       context.payload = std::make_shared<Payload>(worker_context_(i));
     }
     w.proc = std::make_unique<Process>(po, pool_worker_main, static_cast<int>(w.id), w.inbox,
-                                       results_, options_.maxtasksperchild, init, context);
+                                       results_, w.stage, options_.maxtasksperchild, init,
+                                       context);
     std::lock_guard<std::mutex> lock(pid_mu_);  // terminate() must see every live worker
     if (stop_.load()) throw ClosedError("the pool was terminated");
     w.proc->start();
@@ -284,31 +392,33 @@ class PoolCore {
     return w.id == id ? &w : nullptr;
   }
 
-  // Under mu_, once a dead worker's last results were taken. It ran its chunks one at a
-  // time in the order they were sent, answering each, so what it held splits exactly:
-  // - the batches still in its inbox (from the first one found there on) it never took;
-  // - of the chunks it took, those passed over by a later answer had run (their answers
-  //   were lost): they fail; the first one not answered was running: it fails with
-  //   WorkerLostError; the ones after it never began.
-  // What never began goes back to the front of pending_, in order, and runs elsewhere.
+  // Under mu_, once a dead worker's sent results were taken. First the answers it had
+  // staged and not sent (AnswerStage). It began its chunks one at a time in the order they
+  // were sent, counting them in `begun` first, so what it still holds then splits exactly:
+  // the chunks it began and did not answer fail with WorkerLostError (the one it was
+  // running, and any whose answer could not be read); the ones it never began go back to
+  // the front of pending_, in order, and run elsewhere.
   void settle_dead(Worker& w, int pid, int code, std::vector<Completion>& done) {
-    uint64_t first_untaken = std::numeric_limits<uint64_t>::max();
+    AnswerStage& page = *w.stage.get_obj();
+    const uint64_t staged = std::min<uint64_t>(
+        std::atomic_ref<uint64_t>(page.staged).load(std::memory_order_acquire), kAnswerBytes);
+    std::vector<PoolResult> answers;
     try {
-      const PoolBatch b = w.inbox.get_nowait();
-      if (b.id != 0) first_untaken = b.id;
-    } catch (...) {
-      // Empty, or a message the worker was taking when it died: it counts as taken.
+      decode_answers(std::string_view(page.records, staged), answers);
+    } catch (const std::exception& e) {
+      report_unreadable(e);  // the records before the bad one still count
     }
+    const auto now = Clock::now();
+    for (auto& r : answers) take_result(r, now, done);
+    const uint64_t begun =
+        std::atomic_ref<uint64_t>(page.begun).load(std::memory_order_acquire);
     const auto lost = std::make_exception_ptr(WorkerLostError(pid, code));
     std::vector<PoolTask> again;
-    bool running_seen = false;
     for (Sent& s : w.outstanding) {
-      if (s.batch >= first_untaken || (running_seen && !s.passed)) {
+      if (s.seq >= begun)
         again.push_back(std::move(s.task));
-      } else {
+      else
         fail_chunk(s.task.job, s.task.chunk, lost, done);
-        if (!s.passed) running_seen = true;
-      }
     }
     pending_.insert(pending_.begin(), std::make_move_iterator(again.begin()),
                     std::make_move_iterator(again.end()));
@@ -325,8 +435,7 @@ class PoolCore {
     auto& out = w->outstanding;
     size_t p = 0;
     while (p < out.size() && !(out[p].task.job == r.job && out[p].task.chunk == r.chunk)) ++p;
-    if (p == out.size()) return;
-    for (size_t q = 0; q < p; ++q) out[q].passed = true;  // answers lost (unreadable)
+    if (p == out.size()) return;  // earlier ones (p > 0): answers lost, they fail at its death
     ++w->answered;
     // It began this chunk when it was sent or when its previous answer came, the later.
     const auto began = std::max(out[p].at, w->last_answer);
@@ -365,17 +474,22 @@ class PoolCore {
   void drain_results(std::vector<PoolResult>& out, Timeout wait, size_t max) {
     for (bool first = true; out.size() < max; first = false) {
       try {
-        out.push_back(results_.get(first && wait ? *wait : std::chrono::duration<double>(0)));
+        decode_answers(results_.get(first && wait ? *wait : std::chrono::duration<double>(0)),
+                       out);
       } catch (const Empty&) {
         return;
       } catch (const std::exception& e) {
-        if (!result_error_reported_)
-          std::fprintf(stderr, "torchpar: Pool: a worker's result could not be read: %s\n",
-                       e.what());
-        result_error_reported_ = true;
+        report_unreadable(e);
         return;
       }
     }
+  }
+
+  void report_unreadable(const std::exception& e) {
+    if (!result_error_reported_)
+      std::fprintf(stderr, "torchpar: Pool: a worker's result could not be read: %s\n",
+                   e.what());
+    result_error_reported_ = true;
   }
 
   static void decode(Completion& c) {
@@ -676,11 +790,14 @@ class PoolCore {
   // stream in; its get spins before sleeping), the caller is woken at most every
   // kWakeEvery, waitpid runs every kReapEvery, and a worker resolves a call once a batch.
   //
-  // What stays as it was: a worker answers every chunk on its own as soon as it is done
-  // (so results, callbacks and imap_unordered never wait for the rest of a batch), and
-  // runs its chunks strictly in the order sent, so a dead worker's losses are exact
-  // (settle_dead): the chunk it was running fails, the ones it had not begun run
-  // elsewhere. In flight a worker: at most 2K chunks (K = 1, two in flight, for an
+  // Answers: a worker sends what it has answered when its batch is done, or kAnswerEvery
+  // after its last send, or when kAnswerBytes have gathered (a batch of trivial tasks costs
+  // the results queue one message, not one a chunk; an answer waits at most for the rest
+  // of its batch, which batch_limit keeps to about kBatchWork). It begins its chunks
+  // strictly in the order sent, counting them, and stages each answer before sending it,
+  // both in shared memory (AnswerStage), so a dead worker's losses are exact (settle_dead):
+  // its staged answers are delivered, the chunk it was running fails, the ones it had not
+  // begun run elsewhere. In flight a worker: at most 2K chunks (K = 1, two in flight, for an
   // apply_async or a job not answered yet), and no more once it holds two chunks and
   // kInflightBytes; never beyond its remaining maxtasksperchild budget.
   //
@@ -723,7 +840,7 @@ class PoolCore {
   bool send_batch(Worker& w, size_t n, Clock::time_point now, std::vector<Completion>& done) {
     for (;;) {
       PoolBatch b;
-      b.id = w.next_batch;
+      b.call = jobs_.at(pending_.front().job).call;
       b.tasks.assign(std::make_move_iterator(pending_.begin()),
                      std::make_move_iterator(pending_.begin() + static_cast<std::ptrdiff_t>(n)));
       pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(n));
@@ -739,11 +856,9 @@ class PoolCore {
       }
       if (!err) {
         // Marked after the put succeeded; the worker's result needs mu_, which we hold.
-        ++w.next_batch;
-        w.sent += b.tasks.size();
         for (auto& t : b.tasks) {
           w.outstanding_bytes += t.args.size();
-          w.outstanding.push_back(Sent{std::move(t), b.id, now, false});
+          w.outstanding.push_back(Sent{std::move(t), w.sent++, now});
         }
         return true;
       }
@@ -766,7 +881,7 @@ class PoolCore {
   std::condition_variable finished_cv_;
   std::vector<Worker> workers_;
   std::vector<uint64_t> generations_;  // processes started in each slot
-  Queue<PoolResult> results_{0, {.capacity_bytes = 8 << 20}};
+  Queue<std::string> results_{0, {.capacity_bytes = 8 << 20}};  // answer records
   std::deque<PoolTask> pending_;
   std::unordered_map<uint64_t, Job> jobs_;
   uint64_t next_job_ = 1;

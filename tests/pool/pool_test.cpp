@@ -1,6 +1,7 @@
 // Process Pool: results and order, chunksize, async callbacks, task errors, timeouts,
 // close/join, terminate, maxtasksperchild, initializer, tensors shared vs copied, and a
 // worker killed mid-map (WorkerLostError for its chunk, then the pool goes on).
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -160,6 +161,28 @@ TEST_P(PoolTest, ErrorsTimeoutsAndCallbacks) {
   auto slow = pool.apply_async(sleep_ms, std::make_tuple(500));
   EXPECT_THROW(slow.get(0.05s), tp::TimeoutError);
   EXPECT_EQ(slow.get(30s), 500);
+}
+
+// A function whose module the workers do not have (dlopen()ed by the parent once they
+// ran): resolving it fails in the worker, and that fails the tasks with TaskError naming
+// the module, not the worker; the pool goes on.
+TEST_P(PoolTest, FunctionFromAModuleTheWorkersLackFailsItsTasks) {
+  tp::Pool pool(options());
+  EXPECT_EQ(pool.map(square, std::vector<int>{1, 2, 3, 4}, 1)[3], 16);  // workers are up
+  const auto pids = pool.pids();
+  void* module = ::dlopen(TORCHPAR_LATE_MODULE, RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(module, nullptr) << ::dlerror();
+  auto* late_triple = reinterpret_cast<int (*)(int)>(::dlsym(module, "late_triple"));
+  ASSERT_NE(late_triple, nullptr) << ::dlerror();
+  try {
+    pool.map(late_triple, std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8}, 1);
+    ADD_FAILURE() << "a function the workers cannot resolve returned";
+  } catch (const tp::TaskError& e) {
+    EXPECT_NE(e.message().find("late_module"), std::string::npos) << e.message();
+  }
+  EXPECT_THROW(pool.apply(late_triple, std::make_tuple(2)), tp::TaskError);
+  EXPECT_EQ(pool.map(square, std::vector<int>{5, 6}, 1)[1], 36) << "the pool goes on";
+  EXPECT_EQ(pool.pids(), pids) << "no worker died";
 }
 
 TEST_P(PoolTest, WorkerKilledMidMapFailsItsChunkThenPoolGoesOn) {

@@ -95,30 +95,6 @@ struct PoolCall {  // a function and its trampoline, as code addresses
   }
 };
 
-struct PoolTask {
-  uint64_t job = 0;  // 0: the worker should exit
-  uint32_t chunk = 0;
-  PoolCall call;
-  std::string args;  // the chunk's argument tuples (run_chunk)
-  template <class Archive>
-  void serialize(Archive& ar) {
-    ar(job, chunk, call, args);
-  }
-};
-
-struct PoolResult {
-  uint64_t job = 0;
-  uint32_t chunk = 0;
-  int32_t worker = 0;
-  bool ok = true;
-  std::string values;  // the chunk's results (run_chunk) when ok
-  std::string type, message;
-  template <class Archive>
-  void serialize(Archive& ar) {
-    ar(job, chunk, worker, ok, values, type, message);
-  }
-};
-
 /// A payload nested in a worker's launch arguments, its fds out of band.
 inline void save_nested(OutputArchive& ar, const Payload& p) {
   std::vector<uint32_t> fds;
