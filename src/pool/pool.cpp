@@ -16,9 +16,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <iterator>
-#include <cstring>
 #include <limits>
 #include <string_view>
 #include <thread>
