@@ -101,13 +101,19 @@ struct AnswerStage {
 
 namespace {
 
-// `r` as one record of AnswerStage::records (and of a results message).
+// `r` as one record of AnswerStage::records (and of a results message): a 4-byte length,
+// then the payload, encoded in place after it (the archive appends to the bytes it finds).
 std::string encode_answer(const PoolResult& r) {
-  std::string body = dumps(r).bytes;
-  const auto n = static_cast<uint32_t>(body.size());
-  std::string rec(sizeof n, '\0');
-  std::memcpy(rec.data(), &n, sizeof n);
-  return rec + body;
+  Payload p;
+  uint32_t n = 0;
+  p.bytes.assign(sizeof n, '\0');
+  {
+    OutputArchive ar(p, {});
+    ar(r);
+  }
+  n = static_cast<uint32_t>(p.bytes.size() - sizeof n);
+  std::memcpy(p.bytes.data(), &n, sizeof n);
+  return std::move(p.bytes);
 }
 
 // Appends the records in `bytes` to `out`. Throws SerializationError for a malformed one.
@@ -320,8 +326,8 @@ class PoolCore {
     int32_t id = -1;  // PoolResult::worker of this process's results (the slot, and a generation)
     std::deque<Sent> outstanding;  // in the order the worker runs them
     size_t outstanding_bytes = 0;  // their argument bytes
-    uint64_t sent = 0;      // chunks sent to this process
-    uint64_t answered = 0;  // results received from it
+    uint64_t sent = 0;             // chunks sent to this process
+    uint64_t answered = 0;         // results received from it
     Clock::time_point last_answer;
     bool told_to_exit = false;
   };
@@ -370,8 +376,7 @@ class PoolCore {
       context.payload = std::make_shared<Payload>(worker_context_(i));
     }
     w.proc = std::make_unique<Process>(po, pool_worker_main, static_cast<int>(w.id), w.inbox,
-                                       results_, w.stage, options_.maxtasksperchild, init,
-                                       context);
+                                       results_, w.stage, options_.maxtasksperchild, init, context);
     std::lock_guard<std::mutex> lock(pid_mu_);  // terminate() must see every live worker
     if (stop_.load()) throw ClosedError("the pool was terminated");
     w.proc->start();
@@ -410,8 +415,7 @@ class PoolCore {
     }
     const auto now = Clock::now();
     for (auto& r : answers) take_result(r, now, done);
-    const uint64_t begun =
-        std::atomic_ref<uint64_t>(page.begun).load(std::memory_order_acquire);
+    const uint64_t begun = std::atomic_ref<uint64_t>(page.begun).load(std::memory_order_acquire);
     const auto lost = std::make_exception_ptr(WorkerLostError(pid, code));
     std::vector<PoolTask> again;
     for (Sent& s : w.outstanding) {
@@ -474,8 +478,7 @@ class PoolCore {
   void drain_results(std::vector<PoolResult>& out, Timeout wait, size_t max) {
     for (bool first = true; out.size() < max; first = false) {
       try {
-        decode_answers(results_.get(first && wait ? *wait : std::chrono::duration<double>(0)),
-                       out);
+        decode_answers(results_.get(first && wait ? *wait : std::chrono::duration<double>(0)), out);
       } catch (const Empty&) {
         return;
       } catch (const std::exception& e) {
@@ -487,8 +490,7 @@ class PoolCore {
 
   void report_unreadable(const std::exception& e) {
     if (!result_error_reported_)
-      std::fprintf(stderr, "torchpar: Pool: a worker's result could not be read: %s\n",
-                   e.what());
+      std::fprintf(stderr, "torchpar: Pool: a worker's result could not be read: %s\n", e.what());
     result_error_reported_ = true;
   }
 
@@ -880,7 +882,7 @@ class PoolCore {
   std::mutex mu_;
   std::condition_variable finished_cv_;
   std::vector<Worker> workers_;
-  std::vector<uint64_t> generations_;  // processes started in each slot
+  std::vector<uint64_t> generations_;                           // processes started in each slot
   Queue<std::string> results_{0, {.capacity_bytes = 8 << 20}};  // answer records
   std::deque<PoolTask> pending_;
   std::unordered_map<uint64_t, Job> jobs_;
