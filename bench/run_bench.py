@@ -34,10 +34,12 @@ Benchmarks (names for --only), run in this order:
                tokens/s at batch 1 and 8, memory per rank
 
 Method: every round runs ours, then each peer (round r: ours, peer1, peer2, ...). A full run does
-one untimed warm-up round, then 5 rounds; train, inference and scale-out do 3 rounds and no
-warm-up (each run is a fresh set of processes that loads its data or warms up outside the timed
-region, and runs take 5-20 s). --quick does 1 round, no warm-up, smaller sizes and fewer
-tasks (a smoke check in under 3 minutes, not a measurement); --rounds N overrides the round count of every benchmark.
+3 rounds of every benchmark and no untimed warm-up round: each run is a fresh set of processes
+that warms up outside its timed region (every program does its own untimed warm-up calls), and a
+median of 3 rounds already discards one slow round (a full run took 38 min with 5 rounds and a
+warm-up round; it is meant to take under 20). --quick does 1 round, smaller sizes and fewer
+tasks (a smoke check in under 3 minutes, not a measurement); --rounds N overrides the round count
+of every benchmark.
 The value reported for a (system, measure) is the median over rounds of each run's own value.
 Every subprocess runs in its own process group with a timeout (the whole group is killed when it
 expires). A peer that fails is reported as "not run: <reason>"
@@ -90,6 +92,7 @@ class Config:
     out: Path
     rounds_override: Optional[int]
     cli: Optional[Path] = None  # the torchpar program (default: bin/torchpar)
+    sections: tuple = BENCHMARKS  # the benchmarks this run does (--only)
 
     @property
     def torchpar(self):
@@ -103,14 +106,7 @@ class Config:
         return quick if self.quick else full
 
     def rounds(self, bench):
-        if self.rounds_override:
-            return self.rounds_override
-        if bench in ("train", "inference", "scale-out"):
-            return self.pick(1, 3)
-        return self.pick(1, 5)
-
-    def warmup(self, bench):
-        return 0 if self.quick or bench in ("train", "inference", "scale-out") else 1
+        return self.rounds_override or self.pick(1, 3)
 
 
 class RunError(Exception):
@@ -186,13 +182,12 @@ def medians(rounds):
 def interleave(cfg, bench, runners):
     """Runs the runners in turn, round after round; returns {runner name: record} with every
     round's values, their medians and the error that stopped the runner, if any."""
-    rounds, warmup = cfg.rounds(bench), cfg.warmup(bench)
+    rounds = cfg.rounds(bench)
     runs = {r.name: {"ours": r.ours, "cmd": shlex.join(str(c) for c in r.cmd), "values": [],
                      "seconds": [], "error": r.skip, "failed_in": "setup" if r.skip else None}
             for r in runners}
-    for i in range(warmup + rounds):
-        label = "warm-up" if i < warmup else f"round {i - warmup + 1}/{rounds}"
-        tag = "warmup" if i < warmup else f"r{i - warmup + 1}"
+    for i in range(rounds):
+        label, tag = f"round {i + 1}/{rounds}", f"r{i + 1}"
         for r in runners:
             rec = runs[r.name]
             if rec["error"]:
@@ -209,9 +204,8 @@ def interleave(cfg, bench, runners):
                 continue
             dt = time.monotonic() - t0
             progress(f" {dt:.1f} s")
-            if i >= warmup:
-                rec["values"].append(values)
-                rec["seconds"].append(round(dt, 2))
+            rec["values"].append(values)
+            rec["seconds"].append(round(dt, 2))
     for rec in runs.values():
         rec["median"] = medians(rec["values"])
     return runs
@@ -451,10 +445,12 @@ def parse_torch_share_memory(out):
 def runners_handoff(cfg):
     quick = ["--quick"] if cfg.quick else []
     ipc = [cfg.bin / "ipc_bench", "--benchmark_format=json",
-           f"--benchmark_min_time={cfg.pick(0.1, 0.5)}"]
+           f"--benchmark_min_time={cfg.pick(0.1, 0.25)}"]
     # 0.1 s in full runs too: the share_memory_ benchmarks pause the timer around a clone per
     # iteration, so 0.3 s of timed work (the former compare_shm.py's setting) took ~20 s per run.
-    shm = shm_bench_cmd(cfg, "BM_(ShareMemory|DumpsLoads|Memcpy|SegmentCreateTouch)", cfg.pick(0.05, 0.1))
+    # The limits (memcpy, fresh segment) only when the limits benchmark does not measure them.
+    shm = shm_bench_cmd(cfg, "BM_(ShareMemory|DumpsLoads)" if "limits" in cfg.sections
+                        else "BM_(ShareMemory|DumpsLoads|Memcpy|SegmentCreateTouch)", cfg.pick(0.05, 0.1))
     return [
         Runner("ipc_bench", True, ipc, parse_ipc, cfg.pick(180, 600)),
         Runner("torch_ipc.py", False, [PY, PEERS / "torch_ipc.py"] + quick, parse_torch_ipc,
@@ -500,7 +496,7 @@ def report_handoff(runs, limits, cfg):
     rows2 = []
     for n in SHM_SIZES:
         size = fmt_bytes(n)
-        lim = so.get(f"memcpy/{n}")
+        lim = (limits or {}).get(f"memcpy/{n}")
         peer_share = sp.get(f"torch_share_memory_/{n}")
         for kind, label in (("share_memory_steady", "share_memory_ (steady)"),
                             ("share_memory_cold", "share_memory_ (cold)")):
@@ -518,8 +514,8 @@ def report_handoff(runs, limits, cfg):
            "memcpy of the same size / ours, from 1 MiB up):\n\n")
     md += table(["torchpar", "peer", "torchpar us", "peer us", "peer / torchpar", "memcpy us (limit)",
                  "fraction of limit"], rows2, left=2)
-    seg = [f"{fmt_bytes(n)}: {fmt(so[f'segment_create_touch/{n}'])} us" for n in SHM_SIZES
-           if f"segment_create_touch/{n}" in so]
+    seg = [f"{fmt_bytes(n)}: {fmt(limits[f'segment_create_touch/{n}'])} us" for n in SHM_SIZES
+           if limits and f"segment_create_touch/{n}" in limits]
     if seg:
         md += "\n\nFresh segment create+map+touch: " + ", ".join(seg) + "."
     md += ("\n\nNote: torch_share_memory.py times `src.clone()` together with `share_memory_()`, "
@@ -553,7 +549,7 @@ POOL_PEERS = ("multiprocessing.Pool", "torch.multiprocessing.Pool")
 # Starting a worker: start methods (ours and Python's), and Python's extra forkserver run with
 # torch preloaded in its server; timed starts per method and run (quick, full).
 START_METHODS = ("fork", "forkserver", "spawn")
-START_COUNTS = (2, 10)  # Python spawn and forkserver starts take ~2 s each here (they import torch)
+START_COUNTS = (1, 5)  # Python spawn and forkserver starts take 1.3-2 s each here (they import torch)
 START_PEER = "multiprocessing.Process"
 
 
@@ -803,7 +799,7 @@ def runners_rpc(cfg):
             "--tensor-calls", tensor_calls, f"--benchmark_min_time={cfg.pick(0.1, 0.5)}"]
     timeout = cfg.pick(120, 300)
     peer = [PY, PEERS / "python_rpc.py", "--calls", calls, "--tensor-calls", tensor_calls,
-            "--batches", cfg.pick(3, 5), "--timeout", timeout - 30]
+            "--batches", 3, "--timeout", timeout - 30]
     return [Runner("rpc_bench", True, ours, parse_rpc_bench, timeout),
             Runner("python_rpc.py", False, peer, parse_python_rpc, timeout)]
 
@@ -849,7 +845,7 @@ def report_rpc(runs, limits, cfg):
     md += (f"\n\n2 processes on 127.0.0.1 (fork), a caller and a callee; {calls:,} calls per timed "
            f"batch ({tensor_calls:,} for 1 MiB) after a warm-up batch, every reply checked. Round "
            "trips: the median batch time / calls (torchpar over Google Benchmark's batches, Python "
-           f"over {cfg.pick(3, 5)} batches); in flight: all calls / all time. torchpar: rpc_bench is "
+           f"over 3 batches); in flight: all calls / all time. torchpar: rpc_bench is "
            "rank 0 of a World and forks rank 1, both join one RpcGroup; the callee runs calls on its "
            "RPC thread pool (4 threads by default). Python: two fork children call rpc.init_rpc (TensorPipe "
            "backend, env:// rendezvous, 16 worker threads, its defaults). The 1 MiB tensors are "
@@ -938,7 +934,7 @@ def runners_pserver(cfg):
             "--cycles-16m", cycles["16m"], f"--benchmark_min_time={cfg.pick(0.1, 0.5)}"]
     timeout = cfg.pick(180, 600)
     peer = [PY, PEERS / "python_pserver.py", "--cycles", cycles["mnist"], "--cycles-16m",
-            cycles["16m"], "--batches", cfg.pick(3, 5), "--timeout", timeout - 30]
+            cycles["16m"], "--batches", 3, "--timeout", timeout - 30]
     return [Runner("pserver_bench", True, ours, parse_pserver_bench, timeout),
             Runner("python_pserver.py", False, peer, parse_python_pserver, timeout)]
 
@@ -974,7 +970,7 @@ def report_pserver(runs, limits, cfg):
            "state dict back (loaded when newer). cycles/s: all trainers' cycles over the wall "
            f"time of whole batches ({cycles['mnist']:,} cycles per trainer per batch for mnist, "
            f"{cycles['16m']:,} for 16 MiB, after a warm-up batch), timed in the server; torchpar "
-           f"over Google Benchmark's batches, Python over {cfg.pick(3, 5)}. The server reduces in "
+           f"over Google Benchmark's batches, Python over 3. The server reduces in "
            "the background, on both sides as torchpar's PushPullGradServerImpl with its defaults: "
            "batches of 4 pushes stacked and summed, batches of 4 of those set as gradients, SGD "
            "step (lr 0.01), a copy of the new state dict published; queues of 64 drop their "
@@ -1096,7 +1092,7 @@ def report_collectives(runs, limits, cfg):
     others = COLL_SYSTEMS[1:]
     md, summary = [], {}
     md.append(f"2 ranks, float32, --iters {iters} --warmup {warmup} (fewer timed calls above 1 MiB: "
-              "max(3, iters x 1 MiB / bytes)). Latency: median of rank 0's timed calls. busbw as "
+              "max(3, iters x 1 MiB / bytes); warm-up calls max(1, min(warmup, timed calls))). Latency: median of rank 0's timed calls. busbw as "
               "nccl-tests. \"shm vs X\": X's latency / torchpar-shm's (> 1: torchpar-shm faster). "
               "Fraction of limit: torchpar-shm busbw / one thread's 64 MiB memcpy GB/s "
               "(sizes ≥ 16 MiB only; smaller ones are latency-bound or cache-resident; above 100% the "
@@ -1279,10 +1275,13 @@ def run_scaleout(cfg):
 
 def scaleout_on(cfg, hosts):
     runs, link, shaped_why, note = {}, {}, None, None
-    seconds = cfg.pick(1.0, 2.0)
+    seconds = cfg.pick(0.5, 2.0)
+    # --quick runs the shaped link only (the one the targets are about), to stay a 3-minute run.
+    links = ("shaped",) if cfg.quick else SCALE_LINKS
     progress(f"[{SCALE}] namespaces {' and '.join(hosts.ns)}; link check ...", end="")
     try:
-        link.update({f"unshaped/{k}": v for k, v in hosts.measure(seconds).items()})
+        if "unshaped" in links:
+            link.update({f"unshaped/{k}": v for k, v in hosts.measure(seconds).items()})
     except two_hosts.HostsError as e:
         progress(f" unshaped link check failed: {e}", end="")
     try:
@@ -1299,6 +1298,9 @@ def scaleout_on(cfg, hosts):
                                      cmd=f"tc qdisc add dev <veth> root {qdisc}" if qdisc else "")
     counters, runners = {}, []
     for ln in SCALE_LINKS:
+        if ln not in links:
+            runs[f"{ln} link"] = note_record("skipped: --quick runs the shaped link only")
+            continue
         if ln == "shaped" and shaped_why:
             runs["shaped link"] = note_record(f"skipped: {shaped_why}")
             continue
@@ -1328,7 +1330,7 @@ def report_scaleout(runs, limits, cfg):
         f"pair, one `torchpar run --nnodes 2 -n {SCALE_PER_HOST}` in each (one fresh "
         "TORCHPAR_AUTHKEY for both, in the environment). scaleout_bench times all_reduce (SUM, "
         f"float32) with --iters {iters} --warmup {warmup} (fewer timed calls above 1 MiB: "
-        "max(3, iters x 1 MiB / bytes)), after checking the sums. Latency: median over rounds of "
+        "max(3, iters x 1 MiB / bytes); warm-up calls max(1, min(warmup, timed calls))), after checking the sums. Latency: median over rounds of "
         "each round's upper median of rank 0's calls; p99: nearest-rank 99th percentile (the "
         "slowest call below 100 calls). busbw = 2(n-1)/n x bytes / median, n = 4 ranks. "
         "hier/flat: hierarchical busbw / flat Gloo's (> 1: hierarchical faster). Each job is a "
@@ -1346,8 +1348,8 @@ def report_scaleout(runs, limits, cfg):
               "bounds the unshaped figure) and 200 1-byte ping-pongs.")
     trows, ratios16 = [], {}
     for ln in SCALE_LINKS:
-        if runs.get("shaped link", {}).get("error") and ln == "shaped":
-            md.append(f"### {ln} link\n\nNot run: {runs['shaped link']['error']}")
+        if runs.get(f"{ln} link", {}).get("error"):
+            md.append(f"### {ln} link\n\nNot run: {runs[f'{ln} link']['error']}")
             continue
         rows, worst = [], None
         for n in sizes:
@@ -1465,7 +1467,8 @@ def torchpar_train_runner(cfg, strategy, limit):
             raise RunError(f"training status {m.get('status')}: {m.get('error', '')}")
         return {"samples_per_s": m["samples_per_s"], "test_accuracy": m["epochs"][-1]["test_accuracy"]}
 
-    cmd = [cfg.torchpar, "train", "--strategy", strategy, "--workers", "2", "--epochs", "1",
+    # --no-plot: curves.png (about 1 s of matplotlib a run) is not part of the measurement.
+    cmd = [cfg.torchpar, "train", "--strategy", strategy, "--workers", "2", "--epochs", "1", "--no-plot",
            "--out", out_dir] + limit
     return Runner(f"torchpar {strategy}", True, cmd, parse, cfg.pick(300, 900), before=clear)
 
@@ -1512,8 +1515,8 @@ def report_train(runs, limits, cfg):
     md = table(["strategy", "torchpar samples/s", "PyTorch samples/s", "torchpar vs PyTorch",
                 "torchpar vs its single", "PyTorch vs its single", "torchpar test acc %",
                 "PyTorch test acc %"], rows)
-    md += (f"\n\n1 epoch on {data}, 2 workers, 1 thread each; {cfg.rounds('train')} round(s) without "
-           "warm-up (each run is 5-15 s and starts fresh processes; data loading is outside the "
+    md += (f"\n\n1 epoch on {data}, 2 workers, 1 thread each; {cfg.rounds('train')} round(s) "
+           "(each run is 5-15 s and starts fresh processes; data loading is outside the "
            "timed phase). samples/s: training phase only. Accuracy: test set after the epoch. "
            "`torchpar train --strategy ddp` scales the lr by the number of workers by default "
            "(--lr-scaling linear); mnist_ddp.py keeps the recipe's lr. pserver: 1 server + 1 trainer "
@@ -1546,7 +1549,7 @@ def plot_train(runs, out):
 # inference: infer_bench (TensorParallel) vs python_tp_infer.py (torch.distributed gloo)
 
 INFER_BATCHES = (1, 8)
-INFER_NEW_TOKENS, INFER_PROMPT = 64, 16
+INFER_NEW_TOKENS, INFER_PROMPT = 64, 16  # --quick: a quarter of the new tokens
 # runner name, label in the report, ranks
 INFER_SYSTEMS = (("torchpar TP=2", "torchpar TP = 2 (2 processes x 1 thread, shm)", 2),
                  ("torchpar TP=1", "torchpar TP = 1 (1 process x 2 threads)", 1),
@@ -1558,9 +1561,9 @@ def parse_infer(out):
 
 
 def runners_inference(cfg):
-    reps = cfg.pick(1, 3)
+    reps = 1  # timed generates per run: the rounds repeat them
     common = ["--batches", ",".join(map(str, INFER_BATCHES)), "--new-tokens",
-              cfg.pick(INFER_NEW_TOKENS // 2, INFER_NEW_TOKENS),
+              cfg.pick(INFER_NEW_TOKENS // 4, INFER_NEW_TOKENS),
               "--prompt", INFER_PROMPT, "--reps", reps]
     timeout = cfg.pick(600, 1200)
     ours = lambda tp, threads: [cfg.bin / "infer_bench", "--tp", tp, "--threads", threads,
@@ -1629,9 +1632,9 @@ def report_inference(runs, limits, cfg):
                           "rss_fraction": frac(rss2, rss1), "hwm_fraction": frac(hwm2, hwm1)}
     md += ("\n\nThe GPT-2-small shape (12 layers, 768 wide, 12 heads, 1024 positions, 50,257 tokens: "
            "124.4M parameters), float32, seeded GPT-2 initialisation (each rank builds only its "
-           f"shard). Greedy generate of {cfg.pick(INFER_NEW_TOKENS // 2, INFER_NEW_TOKENS)} new tokens after a {INFER_PROMPT}-token "
+           f"shard). Greedy generate of {cfg.pick(INFER_NEW_TOKENS // 4, INFER_NEW_TOKENS)} new tokens after a {INFER_PROMPT}-token "
            "prompt (seed 0), per batch size: one untimed warm-up generate of 4 tokens, then "
-           f"{cfg.pick(1, 3)} timed generate(s) (median), the prompt's forward included; "
+           "one timed generate, the prompt's forward included; "
            f"{cfg.rounds('inference')} round(s), the median over rounds. tokens/s = batch x new "
            "tokens / wall time; ms/token = wall time / new tokens. Both sides are Megatron-style: "
            "attention heads and MLP units split across ranks (an all_reduce after each block's "
@@ -1756,7 +1759,8 @@ def machine_facts(cfg):
         m = re.search(rf"^{name}\s+(\S+)", info, re.M)
         if m:
             facts[key] = m.group(1)
-    torch_version = quiet([PY, "-c", "import torch; print(torch.__version__)"]).strip()
+    # The package's version, without importing torch (1.5 s here).
+    torch_version = quiet([PY, "-c", "import importlib.metadata as m; print(m.version('torch'))"]).strip()
     if torch_version:
         facts["pytorch (peers)"] = torch_version
     mpi = quiet(["mpirun", "--version"]).splitlines()
@@ -1775,7 +1779,7 @@ TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "P
 
 def write_report(cfg, path, meta, sections, notes):
     m = meta["machine"]
-    kind = "quick run (--quick: smaller sizes, fewer rounds, no warm-up)" if cfg.quick else "full run"
+    kind = "quick run (--quick: smaller sizes, 1 round)" if cfg.quick else "full run"
     lines = ["# torchpar benchmarks", "",
              f"{meta['started']} · {kind} · wall time {meta['wall_seconds'] / 60:.1f} min", "",
              "Command:", "", "```", meta["command"], "```", "",
@@ -1784,8 +1788,8 @@ def write_report(cfg, path, meta, sections, notes):
              "Each benchmark runs torchpar and its peers interleaved: round r runs ours, then each "
              "peer. Reported values are medians over rounds of each run's own value (itself a "
              "median or mean over many iterations, see each program's header). Rounds: "
-             + ", ".join(f"{b} {cfg.rounds(b)}" + (f" (+{cfg.warmup(b)} warm-up)" if cfg.warmup(b) else "")
-                         for b, _, _ in sections) + ". "
+             + ", ".join(f"{b} {cfg.rounds(b)}" for b, _, _ in sections) + ", no untimed warm-up "
+             "round (each program warms up outside its timed region). "
              "\"vs\" ratios are how many times better torchpar is (> 1: torchpar better). The "
              "machine is shared: other load (see the load averages) shows up as noise."
              + (" One round: a disturbed run shows as it is, with nothing to outvote it: "
@@ -1828,12 +1832,12 @@ def main():
     ap.add_argument("--bin", required=True,
                     help="the build's bin directory (ipc_bench, coll_bench, torchpar, ...)")
     ap.add_argument("--cli", help="the torchpar program (default: <--bin>/torchpar)")
-    ap.add_argument("--quick", action="store_true", help="smaller sizes, 1 round, no warm-up: a smoke check")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, 1 round: a smoke check")
     ap.add_argument("--only", default=",".join(BENCHMARKS),
                     help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     ap.add_argument("--out", help="output directory (default bench/results/<YYYY-MM-DD_HHMMSS>)")
     ap.add_argument("--rounds", type=int,
-                    help="interleaved rounds of every benchmark (default 5; train, inference, scale-out 3; quick 1)")
+                    help="interleaved rounds of every benchmark (default 3; quick 1)")
     args = ap.parse_args()
     only = [b for b in args.only.split(",") if b]
     unknown = [b for b in only if b not in BENCHMARKS]
@@ -1847,7 +1851,8 @@ def main():
     results_root = RESULTS if os.access(BENCH_DIR, os.W_OK) else Path.cwd() / "torchpar-bench-results"
     out = Path(args.out) if args.out else results_root / stamp
     cfg = Config(bin=Path(args.bin).resolve(), quick=args.quick, out=out.resolve(),
-                 rounds_override=args.rounds, cli=Path(args.cli).resolve() if args.cli else None)
+                 rounds_override=args.rounds, cli=Path(args.cli).resolve() if args.cli else None,
+                 sections=tuple(only))
     cfg.raw.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     command = shlex.join([sys.executable] + sys.argv)
@@ -1883,8 +1888,7 @@ def main():
     meta["wall_seconds"] = round(time.monotonic() - t0, 1)
     report = cfg.out / "report.md"
     write_report(cfg, report, meta, sections, notes)
-    doc = dict(meta, rounds={b: cfg.rounds(b) for b in results},
-               warmup_rounds={b: cfg.warmup(b) for b in results}, limits=limits,
+    doc = dict(meta, rounds={b: cfg.rounds(b) for b in results}, limits=limits,
                benchmarks={b: {"runs": results[b], "summary": summaries.get(b)} for b in results})
     (cfg.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
     if update_latest(cfg.out):

@@ -13,7 +13,8 @@
 // over rank 0's per-iteration times: median_us = the upper median (sorted[iters / 2]), p99_us =
 // the nearest-rank 99th percentile (sorted[ceil(0.99 iters) - 1]; with fewer than 100 iterations
 // that is the maximum), min_us = the fastest iteration. busbw uses the median.
-// Iterations shrink with size: max(3, iters * 1 MiB / bytes) above 1 MiB.
+// Iterations shrink with size: max(3, iters * 1 MiB / bytes) above 1 MiB, and the untimed
+// warm-up calls before them to max(1, min(warmup, iterations)), as in the peers.
 // Bus bandwidth as nccl-tests: all_reduce 2(n-1)/n x bytes/t, broadcast bytes/t,
 // all_gather (n-1)/n x n*bytes/t.
 #include <ATen/ATen.h>
@@ -88,7 +89,8 @@ void measure(const Args& a, const std::string& system, int rank, const Op& run,
       }
       const int iters = torchpar::bench::iters_for(bytes, a.iters);
       barrier();
-      for (int i = 0; i < a.warmup; ++i) run(op, t, out);
+      const int warmup = torchpar::bench::warmup_for(iters, a.warmup);
+      for (int i = 0; i < warmup; ++i) run(op, t, out);
       const auto times = torchpar::bench::time_calls(iters, [&] { run(op, t, out); });
       if (rank == 0) {
         std::printf("%s\n", fmt::format("{{\"system\": \"{}\", \"op\": \"{}\", \"bytes\": {}, "

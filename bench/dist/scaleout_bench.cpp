@@ -96,7 +96,8 @@ void measure(const Args& a, const std::string& system, tp::World& world, int hos
     at::Tensor t = at::zeros({numel});
     const int iters = torchpar::bench::iters_for(bytes, a.iters);
     g.barrier();
-    for (int i = 0; i < a.warmup; ++i) g.all_reduce(t);
+    const int warmup = torchpar::bench::warmup_for(iters, a.warmup);
+    for (int i = 0; i < warmup; ++i) g.all_reduce(t);
     const auto times = torchpar::bench::time_calls(iters, [&] { g.all_reduce(t); });
     const double busbw =
         static_cast<double>(bytes) / (times.median_us * 1e-6) * 2.0 * (n - 1) / n / 1e9;
@@ -108,7 +109,7 @@ void measure(const Args& a, const std::string& system, tp::World& world, int hos
                       "\"median_us\": {:.3f}, \"p99_us\": {:.3f}, \"min_us\": {:.3f}, "
                       "\"busbw_GBps\": {:.4f}, \"iters\": {}, \"calls\": {}}}",
                       system, bytes, n, hosts, a.link, tp::to_string(g.backend()), times.median_us,
-                      times.p99_us, times.min_us, busbw, iters, a.warmup + iters + 1)
+                      times.p99_us, times.min_us, busbw, iters, warmup + iters + 1)
               .c_str());
       std::fflush(stdout);
     }

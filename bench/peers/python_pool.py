@@ -11,7 +11,7 @@ with fork (as pool_bench), a fresh pool per measurement group:
                       of ITERS timed calls (us; ITERS 2000, quick 500)
   map_tensors_1k      pool.map(tensor_sum, 2000 tensors torch.full((256,), 1.0)) with the default
                       chunksize, returning t.sum().item(); one warm-up map of the first 200
-                      with chunksize 1, then the median of REPS timed maps (ms; REPS 5, quick 2)
+                      with chunksize 1, then the median of REPS timed maps (ms; REPS 3, quick 1)
 Note: importing torch registers torch's tensor reductions with multiprocessing's ForkingPickler,
 so the plain multiprocessing.Pool also passes tensors through shared memory here.
 
@@ -195,7 +195,7 @@ def main():
     args = ap.parse_args()
     tasks = args.tasks or (20000 if args.quick else 200000)
     min_time = args.min_time if args.min_time is not None else (0.1 if args.quick else 0.5)
-    iters, reps = (500, 2) if args.quick else (2000, 5)
+    iters, reps = (500, 1) if args.quick else (2000, 3)
     starts = args.starts or (10 if args.quick else 50)
     if tasks < 1:
         ap.error("--tasks must be >= 1")

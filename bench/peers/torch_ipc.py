@@ -138,8 +138,9 @@ def handoff_times(send, recv, reps, fresh):
 def main():
     quick = "--quick" in sys.argv
     # Rates and medians settle long before this; at ~2,000 items/s a larger count only made
-    # this peer the longest part of a full `torchpar bench` (57 s a round with 20,000).
-    trips, n, reps_fresh, reps_resend = (200, 2000, 3, 10) if quick else (1000, 5000, 7, 50)
+    # this peer the longest part of a full `torchpar bench` (57 s a round with 20,000, 25 s
+    # with 5,000).
+    trips, n, reps_fresh, reps_resend = (200, 1000, 2, 10) if quick else (1000, 2000, 5, 50)
     for strategy in STRATEGIES:
         mp.set_sharing_strategy(strategy)
         for kind in ("queue", "pipe"):

@@ -16,6 +16,10 @@ inline int iters_for(long bytes, int iters) {
                             : iters;
 }
 
+/// Untimed calls before them: max(1, min(warmup, timed)), as the peers in bench/peers/ do (a
+/// 64 MiB all_gather over Gloo takes ~0.9 s here: ten warm-ups of it were most of a run).
+inline int warmup_for(int timed, int warmup) { return std::max(1, std::min(warmup, timed)); }
+
 /// Statistics of one rank's timed calls, in microseconds.
 struct CallTimes {
   double median_us = 0;  // the upper median: sorted[n / 2]

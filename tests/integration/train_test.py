@@ -2,7 +2,8 @@
 """`torchpar train` end to end: the data loader on the real files and on a truncated and a
 wrong-magic copy; a short run of each strategy (metrics.json fields, accuracy clearly above
 chance and, for pserver, within 3 points of single; model.pt, curves.png); ddp as the ranks
-of `torchpar run -n 2` (within 2 points of --workers 2, only rank 0 reporting); a ddp worker and
+of `torchpar run -n 2` (within 2 points of --workers 2, only rank 0 reporting; --no-plot draws
+no curves.png); a ddp worker and
 the pserver server SIGKILLed mid-run end the run naming them (pserver: the trainers fail on
 their own, naming the server, within the timeout), with no process left behind.
 usage: train_test.py BIN_DIR"""
@@ -167,9 +168,11 @@ try:
                              f"single's {accuracy['single']:.2f}% ({gap:+.2f})")
     # ---- ddp as the 2 ranks `torchpar run` starts (RANK/WORLD_SIZE set): no workers of its
     # own, the shards and seeds of --workers 2, hence its accuracy; only rank 0 reports.
+    # --no-plot: the outputs but curves.png.
     out = os.path.join(tmp, "run_launched")
     p = subprocess.run([TORCHPAR, "run", "-n", "2", "--", TORCHPAR, "train", "--strategy", "ddp",
-                        "--limit", "6000", "--lr", "0.05", "--batch-size", "32", "--out", out],
+                        "--limit", "6000", "--lr", "0.05", "--batch-size", "32", "--no-plot",
+                        "--out", out],
                        capture_output=True, text=True, timeout=300)
     check(p.returncode == 0, f"torchpar run -n 2 -- train: exit {p.returncode} {p.stderr.strip()[-300:]}")
     lines = p.stdout.splitlines()
@@ -179,6 +182,9 @@ try:
           "torchpar run -n 2 -- train: rank 1 prints nothing on stdout")
     if p.returncode == 0:
         m = json.load(open(os.path.join(out, "metrics.json")))
+        check(os.path.exists(os.path.join(out, "model.pt")) and
+              not os.path.exists(os.path.join(out, "curves.png")),
+              "torchpar run -n 2 -- train --no-plot: model.pt written, curves.png not drawn")
         check(m.get("launch") == "environment" and m["workers"] == 2 and m["status"] == "completed",
               f"torchpar run -n 2 -- train: metrics.json says 2 ranks from the environment "
               f"({m.get('launch')}, {m['workers']}, {m['status']})")

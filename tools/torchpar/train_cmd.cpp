@@ -59,6 +59,10 @@ Command add_train(CLI::App& app) {
                   "(gpt: /usr/share/games/fortunes)")
       ->default_str("/usr/share/datasets/fashion-mnist");
   cmd->add_option("--out", c->out, "output directory")->default_str("runs/<timestamp>");
+  cmd->add_flag_callback(
+      "--no-plot", [c] { c->plot = false; },
+      "do not draw curves.png (which runs /usr/bin/python3 with matplotlib, about 1 s); "
+      "metrics.json and model.pt are written as always");
   cmd->add_option("--threads-per-worker", c->threads_per_worker,
                   "LibTorch intra-op threads per worker")
       ->check(CLI::Range(1, 256))

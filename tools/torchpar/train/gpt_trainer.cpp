@@ -548,7 +548,7 @@ int finish_run(GptSession& s, int code) {
         metrics_json(s).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
     if (!s.evals.empty()) {
       save_gpt_checkpoint(*s.gpt, (dir / "model.pt").string());  // + model.json
-      draw_curves(dir);
+      if (cfg.plot) draw_curves(dir);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torchpar train: cannot write the outputs: %s\n", e.what());

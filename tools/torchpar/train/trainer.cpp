@@ -326,7 +326,7 @@ void write_outputs(const Run& run, Net& net, bool with_model) {
     torch::save(net, tmp.string());
     std::filesystem::rename(tmp, dir / "model.pt");
   }
-  if (!run.epochs.empty()) draw_curves(dir);
+  if (!run.epochs.empty() && run.cfg.plot) draw_curves(dir);
 }
 
 // ---- run_train's steps ---------------------------------------------------------------------

@@ -41,12 +41,13 @@ struct TrainConfig {
   int64_t context = 128;              ///< gpt: n_positions, the bytes of a training window
   int64_t steps = 0;                  ///< gpt: optimizer steps (0: kGptDefaultSteps)
   int64_t eval_every = 0;             ///< gpt: steps between evaluations (0: steps / 10)
+  bool plot = true;                   ///< draw curves.png (tools/plot_curves.py) after the run
 
   template <class Archive>
   void serialize(Archive& ar) {
     ar(model, strategy, workers, epochs, batch_size, lr, momentum, seed, data, out,
        threads_per_worker, backend, limit, timeout, lr_scaling, reduce_batch_size, max_queue_size,
-       layers, width, heads, context, steps, eval_every);
+       layers, width, heads, context, steps, eval_every, plot);
   }
 };
 
