@@ -48,15 +48,20 @@ void ops_rank(int rank, int world, int port, std::string backend) {
   const auto dtypes =
       world == 2 ? std::vector<at::ScalarType>{at::kFloat, at::kDouble, at::kInt, at::kLong}
                  : std::vector<at::ScalarType>{at::kFloat, at::kLong};
+  // 1 and 4 elements travel inline on shm (up to 16 bytes: 4 floats, 2 doubles), the rest
+  // through the data slots.
   const auto sizes =
-      world == 2 ? std::vector<int64_t>{1, 1000, 70000} : std::vector<int64_t>{1, 70000};
+      world == 2 ? std::vector<int64_t>{1, 4, 1000, 70000} : std::vector<int64_t>{1, 70000};
   for (auto dt : dtypes) {
     for (int64_t n : sizes) check_ops(g, dt, n, true);
   }
   // 4 MiB of float32: 16 slots of the shm backend (256 KiB each), the chunked paths
   check_ops(g, at::kFloat, 1 << 20, false);
   if (want == tp::Backend::kShm) {
-    for (auto dt : {at::kHalf, at::kBFloat16, at::kShort, at::kChar}) check_ops(g, dt, 333, true);
+    for (auto dt : {at::kHalf, at::kBFloat16, at::kShort, at::kChar}) {
+      check_ops(g, dt, 3, true);  // inline
+      check_ops(g, dt, 333, true);
+    }
     // bool: SUM is OR, PRODUCT is AND
     auto t = at::full({5}, rank == 0, at::kBool);
     g.all_reduce(t, {.op = tp::ReduceOp::kSum});
@@ -177,6 +182,51 @@ void mismatch_rank(int rank, int world, int port) {
 
 TEST(Collective, MismatchedDtypesRaiseOnEveryRank) {
   auto res = run_ranks(2, 60, &mismatch_rank, 2, free_port());
+  for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
+/// Runs `call`, which must throw tp::Error saying the ranks disagree and naming both sides.
+template <class F>
+void expect_disagree(F&& call, const std::string& mine, const std::string& theirs) {
+  try {
+    call();
+  } catch (const tp::Error& e) {
+    const std::string what = e.what();
+    TORCHPAR_RCHECK(what.find("disagree") != std::string::npos &&
+                        what.find(mine) != std::string::npos &&
+                        what.find(theirs) != std::string::npos,
+                    "message names {} and {}: {}", mine, theirs, what);
+    return;
+  }
+  throw std::runtime_error(fmt::format("{} against {} did not throw", mine, theirs));
+}
+
+void mismatch_inline_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port, 20);
+  {  // an inline all_reduce (1 float) against one through the slots (10,000 floats)
+    auto g = w.create_collective_group({}, tp::Backend::kShm);
+    auto t = at::ones({rank == 0 ? 1 : 10000});
+    expect_disagree([&] { g.all_reduce(t); }, "numel 1,", "numel 10000,");
+  }
+  {  // two inline operations that differ: all_reduce against broadcast of 1 float
+    auto g = w.create_collective_group({}, tp::Backend::kShm);
+    auto t = at::ones({1});
+    expect_disagree(
+        [&] {
+          if (rank == 0) {
+            g.all_reduce(t);
+          } else {
+            g.broadcast(t, 0);
+          }
+        },
+        "all_reduce(", "broadcast(");
+  }
+}
+
+// The shm backend compares the ranks' operation signatures (in the counters' cache lines) and
+// reads the full metadata only when they differ: inline and slot-sized calls are compared too.
+TEST(Collective, MismatchedInlineOperationsRaiseOnEveryRank) {
+  auto res = run_ranks(2, 60, &mismatch_inline_rank, 2, free_port());
   for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
 }
 

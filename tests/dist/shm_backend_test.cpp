@@ -7,9 +7,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <exception>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "dist/backend/shm/segment_layout.h"
@@ -24,6 +26,7 @@ using tp::ReduceOp;
 using tp::detail::deadline_after;
 using tp::detail::ShmRegion;
 using tp::detail::SteadyClock;
+using tp::detail::shm_backend::OpMeta;
 using tp::detail::shm_backend::SegmentLayout;
 using tp::detail::shm_backend::StepBarrier;
 using tp::detail::shm_backend::StepWait;
@@ -201,6 +204,30 @@ std::string run_steps(const Segment& seg, int r, uint32_t steps) {
     }
   }
   return {};
+}
+
+// ---- segment layout ------------------------------------------------------------------------
+
+// Ranks compare op_signature first and the full metadata only when signatures differ, so every
+// field ranks must agree on has to change the signature; the call count must not.
+TEST(SegmentLayout, OperationSignatureCoversEveryComparedField) {
+  const OpMeta base{.op = 1, .dtype = 6, .numel = 4, .root = -1, .reduce_op = 0, .call = 7};
+  const uint64_t sig = tp::detail::shm_backend::op_signature(base);
+  OpMeta m = base;
+  m.call = 8;
+  EXPECT_EQ(tp::detail::shm_backend::op_signature(m), sig) << "the call count is not compared";
+  const std::vector<std::pair<const char*, OpMeta>> changed = {
+      {"op", OpMeta{2, 6, 4, -1, 0, 7}},         {"dtype", OpMeta{1, 7, 4, -1, 0, 7}},
+      {"numel", OpMeta{1, 6, 5, -1, 0, 7}},      {"numel high bits", OpMeta{1, 6, 4 + (1LL << 40), -1, 0, 7}},
+      {"root", OpMeta{1, 6, 4, 0, 0, 7}},        {"reduce_op", OpMeta{1, 6, 4, -1, 1, 7}},
+  };
+  for (const auto& [field, other] : changed) {
+    EXPECT_NE(tp::detail::shm_backend::op_signature(other), sig) << field;
+  }
+  // The counter, the signatures and the inline data share one cache line.
+  EXPECT_LE(offsetof(tp::detail::shm_backend::RankCtl, inline_step) +
+                sizeof(tp::detail::shm_backend::RankCtl::inline_step),
+            64u);
 }
 
 TEST(StepBarrier, ThreadsMeetAtEveryStep) {

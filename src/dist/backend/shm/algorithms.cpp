@@ -1,5 +1,6 @@
 // The shm backend's collectives: chunked copies and reductions through the segment's data
-// slots, one step barrier per chunk (segment_layout.h has the step protocol).
+// slots, one step barrier per chunk (segment_layout.h has the step protocol). Tensors of at
+// most kInlineBytes travel inline, in the cache line of each rank's step counter.
 
 #include <ATen/core/Tensor.h>
 #if defined(__x86_64__)
@@ -103,6 +104,12 @@ void ShmBackend::broadcast(const at::Tensor& t, int src, const CallOptions& o) {
   begin(OpCode::kBroadcast, t, src, ReduceOp::kSum, o.timeout);
   char* data = static_cast<char*>(t.data_ptr());
   const size_t bytes = t.nbytes();
+  if (bytes <= kInlineBytes) {
+    if (rank() == src) std::memcpy(my_inline(), data, bytes);
+    arrive_and_wait();
+    if (rank() != src) std::memcpy(data, inline_of(src), bytes);
+    return;
+  }
   const bool stream = bytes >= kStreamBytes;
   for_chunks(bytes, slot_, [&](size_t off, size_t len) {
     if (rank() == src) std::memcpy(my_slot(), data + off, len);
@@ -190,9 +197,24 @@ void ShmBackend::combine_all(char* dst, size_t byte_off, size_t n, at::ScalarTyp
   for (int q = 2; q < size(); ++q) reduce_combine(dst, dst, slot(q) + byte_off, n, dtype, op);
 }
 
+void ShmBackend::combine_inline(char* dst, size_t n, at::ScalarType dtype, ReduceOp op) {
+  if (size() == 1) {
+    std::memcpy(dst, inline_of(0), n * c10::elementSize(dtype));
+    return;
+  }
+  reduce_combine(dst, inline_of(0), inline_of(1), n, dtype, op);
+  for (int q = 2; q < size(); ++q) reduce_combine(dst, dst, inline_of(q), n, dtype, op);
+}
+
 void ShmBackend::small_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
                               int dst) {
   const size_t bytes = n * c10::elementSize(dtype);
+  if (bytes <= kInlineBytes) {
+    std::memcpy(my_inline(), data, bytes);
+    arrive_and_wait();
+    if (to_all || rank() == dst) combine_inline(data, n, dtype, op);
+    return;
+  }
   std::memcpy(my_slot(), data, bytes);
   arrive_and_wait();
   if (to_all || rank() == dst) combine_all(data, 0, n, dtype, op);
@@ -239,6 +261,14 @@ void ShmBackend::chunked_reduce(char* data, size_t n, at::ScalarType dtype, Redu
 void ShmBackend::gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all,
                              int dst) {
   const char* src = static_cast<const char*>(in.data_ptr());
+  if (in.nbytes() <= kInlineBytes) {
+    std::memcpy(my_inline(), src, in.nbytes());
+    arrive_and_wait();
+    if (to_all || rank() == dst) {
+      for (int q = 0; q < size(); ++q) std::memcpy(out[q].data_ptr(), inline_of(q), in.nbytes());
+    }
+    return;
+  }
   const bool stream = in.nbytes() * size() >= kStreamBytes;
   for_chunks(in.nbytes(), slot_, [&](size_t off, size_t len) {
     std::memcpy(my_slot(), src + off, len);

@@ -144,6 +144,7 @@ void ShmBackend::begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, R
   if (!data_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
   barrier_.throw_if_aborted();
   cur_ = OpMeta{static_cast<int32_t>(op), dtype, numel, root, static_cast<int32_t>(rop), ++calls_};
+  cur_sig_ = op_signature(cur_);
   wait_ = StepWait{
       .deadline = SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(timeout),
       .timeout = timeout,
@@ -155,6 +156,7 @@ void ShmBackend::begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, R
 void ShmBackend::check_meta() {
   const OpMeta& mine = cur_;
   for (int q = 0; q < size(); ++q) {
+    if (ctl_[q].inline_step[step_ & 1].sig == cur_sig_) continue;
     const OpMeta& m = ctl_[q].meta[step_ & 1];
     if (m.op == mine.op && m.dtype == mine.dtype && m.numel == mine.numel && m.root == mine.root &&
         m.reduce_op == mine.reduce_op) {

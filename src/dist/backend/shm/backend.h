@@ -113,7 +113,10 @@ class ShmBackend final : public GroupBackend {
   /// of an operation also checks that every rank runs the same one.
   void arrive_and_wait() {
     const uint32_t next = step_ + 1;
-    if (meta_pending_) ctl_[rank()].meta[next & 1] = cur_;
+    if (meta_pending_) {
+      ctl_[rank()].meta[next & 1] = cur_;
+      ctl_[rank()].inline_step[next & 1].sig = cur_sig_;
+    }
     step_ = next;
     barrier_.arrive_and_wait(next, wait_);
     if (meta_pending_) {
@@ -122,7 +125,7 @@ class ShmBackend final : public GroupBackend {
     }
   }
   /// Throws torchpar::Error on every rank (and aborts the segment) when the ranks' metadata
-  /// of the current step differ.
+  /// of the current step differ (signatures first: they share the counters' cache lines).
   void check_meta();
 
   char* slot_of(uint32_t set, int q) const {
@@ -132,10 +135,16 @@ class ShmBackend final : public GroupBackend {
   char* my_slot() const { return slot_of((step_ + 1) & 1, rank()); }
   /// Rank q's slot of the step every rank arrived at.
   char* slot(int q) const { return slot_of(step_ & 1, q); }
+  /// This rank's inline data (kInlineBytes) for the step it is about to arrive at.
+  char* my_inline() const { return ctl_[rank()].inline_step[(step_ + 1) & 1].data; }
+  /// Rank q's inline data of the step every rank arrived at.
+  const char* inline_of(int q) const { return ctl_[q].inline_step[step_ & 1].data; }
   size_t piece_bytes(size_t es) const { return slot_ / size() / es * es; }
 
   // ---- algorithms.cpp
   void combine_all(char* dst, size_t byte_off, size_t n, at::ScalarType dtype, ReduceOp op);
+  /// dst = op over ranks (in rank order) of their inline data (n elements).
+  void combine_inline(char* dst, size_t n, at::ScalarType dtype, ReduceOp op);
   void small_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all, int dst);
   void chunked_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op, bool to_all,
                       int dst);
@@ -151,6 +160,7 @@ class ShmBackend final : public GroupBackend {
   uint32_t step_ = 0;
   uint64_t calls_ = 0;
   OpMeta cur_{};
+  uint64_t cur_sig_ = 0;  // op_signature(cur_)
   bool meta_pending_ = false;
   StepWait wait_;  // the current operation's limit
 };

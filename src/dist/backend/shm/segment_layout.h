@@ -2,14 +2,22 @@
 // The shm backend's segment, as every rank of a group maps it (the on-segment protocol).
 //
 // Layout: a header page (geometry, the waiter count, the abort state), one 256-byte control
-// block per rank (its step counter, pid and the metadata of its current operation, double-
-// buffered by step parity), rounded up to whole pages, then 2 x nranks data slots of
-// slot_bytes each: slot (set, rank) at data_offset + (set * nranks + rank) * slot_bytes.
+// block per rank (its step counter, pid, and per step parity the signature of its current
+// operation and up to kInlineBytes of data in the counter's own cache line, then the full
+// metadata of its current operation by parity), rounded up to whole pages, then 2 x nranks
+// data slots of slot_bytes each: slot (set, rank) at data_offset + (set * nranks + rank) *
+// slot_bytes.
 //
-// Steps: in step k a rank writes only its own slot of set k%2, then arrives (stores k in its
-// counter) and waits for every rank's counter to reach k, then reads any slot of set k%2.
-// Arriving at k+1 means having finished reading set k%2, so the set is free again at step
-// k+2: one barrier per step, no second "done reading" barrier (step_barrier.h).
+// Steps: in step k a rank writes only its own slot of set k%2 (or its inline data of parity
+// k%2), then arrives (stores k in its counter) and waits for every rank's counter to reach k,
+// then reads any slot of set k%2 (any rank's inline data of parity k%2). Arriving at k+1 means
+// having finished reading set k%2, so the set is free again at step k+2: one barrier per step,
+// no second "done reading" barrier (step_barrier.h).
+//
+// Why inline data: a rank that sees a peer's counter reach k has that cache line already;
+// data and signature in the same line cost no further transfer between cores, where a slot
+// and the metadata block cost one more each (a 4-byte all_reduce on 2 ranks: ~3 line
+// transfers in a row instead of ~2).
 
 #include <atomic>
 #include <cstddef>
@@ -69,16 +77,44 @@ struct OpMeta {
   uint64_t call;  // operations issued so far on this group
 };
 
+/// Bytes of data a rank can publish in its counter's cache line (per step parity).
+inline constexpr size_t kInlineBytes = 16;
+
+/// What a rank publishes beside its counter for one step parity.
+struct InlineStep {
+  uint64_t sig;                    // op_signature of the operation's first step
+  alignas(8) char data[kInlineBytes];  // a tiny operation's data
+};
+
 /// One rank's control block. Only its rank writes it (the pid once, at attach).
 struct alignas(64) RankCtl {
   std::atomic<uint32_t> seq;  // last step this rank arrived at (a futex word)
   int32_t pid;                // 0 until the rank attached
   std::atomic<int32_t> cpu;   // the core it ran on when it last arrived (-1 unknown)
-  uint8_t pad0[52];
-  OpMeta meta[2];  // by step parity
+  uint32_t pad0;
+  InlineStep inline_step[2];  // by step parity, in the counter's cache line
+  OpMeta meta[2];             // by step parity: read only when signatures differ
   uint8_t pad1[256 - 64 - 2 * sizeof(OpMeta)];
 };
 static_assert(sizeof(RankCtl) == 256);
+static_assert(offsetof(RankCtl, meta) == 64, "seq, signatures and inline data share one line");
+
+/// A 64-bit digest of what ranks must agree on (every field of OpMeta but the call count):
+/// equal metadata, equal signatures. Ranks compare signatures first and the full metadata
+/// (for the message) only when they differ.
+inline uint64_t op_signature(const OpMeta& m) {
+  auto mix = [](uint64_t h, uint64_t x) {  // splitmix64's finalizer over h ^ x
+    uint64_t z = (h ^ x) + 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  };
+  uint64_t h = mix(0, static_cast<uint32_t>(m.op));
+  h = mix(h, static_cast<uint32_t>(m.dtype));
+  h = mix(h, static_cast<uint64_t>(m.numel));
+  h = mix(h, static_cast<uint32_t>(m.root));
+  return mix(h, static_cast<uint32_t>(m.reduce_op));
+}
 
 /// The header page. Rank 0 writes the geometry before it publishes the segment's name.
 struct Header {
