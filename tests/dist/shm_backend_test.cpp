@@ -217,9 +217,12 @@ TEST(SegmentLayout, OperationSignatureCoversEveryComparedField) {
   m.call = 8;
   EXPECT_EQ(tp::detail::shm_backend::op_signature(m), sig) << "the call count is not compared";
   const std::vector<std::pair<const char*, OpMeta>> changed = {
-      {"op", OpMeta{2, 6, 4, -1, 0, 7}},         {"dtype", OpMeta{1, 7, 4, -1, 0, 7}},
-      {"numel", OpMeta{1, 6, 5, -1, 0, 7}},      {"numel high bits", OpMeta{1, 6, 4 + (1LL << 40), -1, 0, 7}},
-      {"root", OpMeta{1, 6, 4, 0, 0, 7}},        {"reduce_op", OpMeta{1, 6, 4, -1, 1, 7}},
+      {"op", OpMeta{2, 6, 4, -1, 0, 7}},
+      {"dtype", OpMeta{1, 7, 4, -1, 0, 7}},
+      {"numel", OpMeta{1, 6, 5, -1, 0, 7}},
+      {"numel high bits", OpMeta{1, 6, 4 + (1LL << 40), -1, 0, 7}},
+      {"root", OpMeta{1, 6, 4, 0, 0, 7}},
+      {"reduce_op", OpMeta{1, 6, 4, -1, 1, 7}},
   };
   for (const auto& [field, other] : changed) {
     EXPECT_NE(tp::detail::shm_backend::op_signature(other), sig) << field;

@@ -82,7 +82,7 @@ inline constexpr size_t kInlineBytes = 16;
 
 /// What a rank publishes beside its counter for one step parity.
 struct InlineStep {
-  uint64_t sig;                    // op_signature of the operation's first step
+  uint64_t sig;                        // op_signature of the operation's first step
   alignas(8) char data[kInlineBytes];  // a tiny operation's data
 };
 
