@@ -39,6 +39,37 @@ GroupExecutor::GroupExecutor(std::shared_ptr<GroupBackend> backend)
 
 GroupExecutor::~GroupExecutor() { stop(); }
 
+std::shared_ptr<PromiseWork> completed_work() {
+  static const std::shared_ptr<PromiseWork> done = [] {
+    auto w = std::make_shared<PromiseWork>();
+    w->set_value();
+    return w;
+  }();
+  return done;
+}
+
+bool GroupExecutor::try_run_inline(c10::function_ref<void(GroupBackend&)> op) {
+  State& s = *state_;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    if (s.stop) throw ClosedError(fmt::format("{}: the group was destroyed", s.backend->name()));
+    if (!s.queue.empty() || s.busy) return false;
+    s.busy = true;
+  }
+  struct Idle {  // on return and on throw: the next call (or the thread) may run
+    State& s;
+    ~Idle() {
+      {
+        std::lock_guard<std::mutex> g(s.mu);
+        s.busy = false;
+      }
+      s.cv.notify_all();
+    }
+  } idle{s};
+  op(*s.backend);
+  return true;
+}
+
 std::shared_ptr<PromiseWork> GroupExecutor::submit(bool async_op, Op op) {
   auto work = std::make_shared<PromiseWork>();
   State& s = *state_;

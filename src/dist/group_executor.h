@@ -2,6 +2,8 @@
 // The one executor of a collective group: where CollectiveGroup decides sync vs async, so
 // that every backend's collectives can be plain synchronous calls.
 
+#include <c10/util/FunctionRef.h>
+
 #include <functional>
 #include <memory>
 #include <thread>
@@ -20,11 +22,15 @@ namespace torchpar::detail {
 /// is queued and run by the executor's thread, started at the first one.
 ///
 /// Guarantees: a call's Work completes (value or error) once the call ran; errors travel in
-/// the Work as std::exception_ptr. Calls never overlap.
+/// the Work as std::exception_ptr (try_run_inline: they propagate to its caller). Calls never
+/// overlap.
 /// Lifetime: the thread and every queued call hold the state, and the state holds the
 /// backend, by shared_ptr: nothing is freed under a running call. stop() (and the
 /// destructor) lets the queued calls finish, then joins the thread.
 /// Safety: submit is thread-safe; calls run in the order submit was entered.
+/// A Work that completed without error (source -1), shared by every call that ran inline.
+std::shared_ptr<PromiseWork> completed_work();
+
 class GroupExecutor {
  public:
   using Op = std::function<void(GroupBackend&)>;
@@ -37,6 +43,10 @@ class GroupExecutor {
   /// Runs `op` on the backend (see the class comment). Returns its Work, completed already
   /// when the call ran inline. Errors: ClosedError after stop().
   std::shared_ptr<PromiseWork> submit(bool async_op, Op op);
+  /// A synchronous call's fast path: runs `op` on the caller's thread and returns true when
+  /// nothing is queued or running, else returns false without running it (then submit it).
+  /// `op`'s exception propagates. Errors: ClosedError after stop().
+  bool try_run_inline(c10::function_ref<void(GroupBackend&)> op);
   /// Lets queued calls finish, joins the thread; later submits throw ClosedError.
   void stop() noexcept;
 

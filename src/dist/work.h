@@ -82,11 +82,5 @@ class PromiseWork : public Work::Impl {
   std::exception_ptr error_;
 };
 
-inline std::shared_ptr<PromiseWork> completed_work(int source = -1) {
-  auto w = std::make_shared<PromiseWork>();
-  w->set_value(source);
-  return w;
-}
-
 }  // namespace detail
 }  // namespace torchpar

@@ -83,6 +83,17 @@ void ops_rank(int rank, int world, int port, std::string backend) {
     TORCHPAR_RCHECK(w1.is_completed() && w2.is_completed() && w3.is_completed(), "async completed");
     TORCHPAR_RCHECK(at::equal(t, at::full({1000}, world)), "async all_reduce value");
     TORCHPAR_RCHECK(at::equal(b, at::zeros({10}, at::kLong)), "async broadcast value");
+    // A synchronous call behind pending asynchronous ones queues after them (it does not take
+    // the inline path) and returns once they all ran, in issue order.
+    auto t2 = at::ones({1000});
+    auto w4 = g.all_reduce(t2, {.async_op = true});
+    auto w5 = g.broadcast(b, world - 1, {.async_op = true});
+    auto s = at::full({2}, rank + 1.0);
+    g.all_reduce(s);
+    TORCHPAR_RCHECK(w4.is_completed() && w5.is_completed(),
+                    "a synchronous call returned before the asynchronous calls issued before it");
+    TORCHPAR_RCHECK(at::equal(s, at::full({2}, world * (world + 1) / 2.0)), "sync value");
+    TORCHPAR_RCHECK(at::equal(t2, at::full({1000}, world)), "queued async all_reduce value");
   }
   // point to point around the ring; receive from any source and learn the sender
   {

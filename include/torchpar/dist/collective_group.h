@@ -213,8 +213,11 @@ class CollectiveGroup {
 
  private:
   using CopyBacks = std::vector<std::pair<at::Tensor, at::Tensor>>;  // (caller's, stand-in)
-  /// Hands `op` to the group's executor: inline when synchronous and nothing is pending.
-  Work run(bool async_op, CopyBacks back, std::function<void(detail::GroupBackend&)> op);
+  /// Hands `op` (a callable taking detail::GroupBackend&) to the group's executor: run on the
+  /// caller's thread, with no Work allocated, when synchronous and nothing is pending. Defined
+  /// (and instantiated) in collective_group.cpp only.
+  template <class Op>
+  Work run(bool async_op, CopyBacks back, Op op);
   std::chrono::duration<double> call_timeout(Timeout timeout) const;
   detail::GroupBackend& be() const;
   std::shared_ptr<Impl> impl_;
