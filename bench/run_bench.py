@@ -36,7 +36,7 @@ Benchmarks (names for --only), run in this order:
 Method: every round runs ours, then each peer (round r: ours, peer1, peer2, ...). A full run does
 3 rounds of every benchmark and no untimed warm-up round: each run is a fresh set of processes
 that warms up outside its timed region (every program does its own untimed warm-up calls), and a
-median of 3 rounds already discards one slow round (a full run took 38 min with 5 rounds and a
+median of 3 rounds already discards one slow round (a full run projected to ~38 min with 5 rounds and a
 warm-up round; it is meant to take under 20). --quick does 1 round, smaller sizes and fewer
 tasks (a smoke check in under 3 minutes, not a measurement); --rounds N overrides the round count
 of every benchmark.

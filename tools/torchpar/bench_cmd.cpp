@@ -32,7 +32,7 @@ Command add_bench(CLI::App& app) {
                   "comma-separated subset of handoff, pools, manager, rpc, pserver, collectives, "
                   "scale-out (root: two network namespaces), train, inference, limits");
   cmd->add_option("--out", o->out, "output directory (default bench/results/<date>)");
-  cmd->add_option("--rounds", o->rounds, "interleaved rounds per benchmark (default 5)")
+  cmd->add_option("--rounds", o->rounds, "interleaved rounds per benchmark (default 3; --quick 1)")
       ->check(CLI::Range(1, 100));
   return [o] {
     // Where the runner and the benchmark programs are: TORCHPAR_BENCH_DIR, else an install
