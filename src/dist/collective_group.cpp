@@ -177,7 +177,7 @@ Work CollectiveGroup::run(bool async_op, CopyBacks back, Op op) {
     for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
     return Work(detail::completed_work());
   }
-  Work w(impl_->executor.submit(async_op, std::move(op)));
+  Work w(impl_->executor.submit(std::move(op)));
   if (!back.empty()) {
     w.impl_->add_then([back = std::move(back)] {
       for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);

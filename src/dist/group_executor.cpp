@@ -70,21 +70,12 @@ bool GroupExecutor::try_run_inline(c10::function_ref<void(GroupBackend&)> op) {
   return true;
 }
 
-std::shared_ptr<PromiseWork> GroupExecutor::submit(bool async_op, Op op) {
+std::shared_ptr<PromiseWork> GroupExecutor::submit(Op op) {
   auto work = std::make_shared<PromiseWork>();
   State& s = *state_;
   std::unique_lock<std::mutex> lk(s.mu);
   if (s.stop) {
     throw ClosedError(fmt::format("{}: the group was destroyed", s.backend->name()));
-  }
-  if (!async_op && s.queue.empty() && !s.busy) {
-    s.busy = true;
-    lk.unlock();
-    run_one(op, *s.backend, *work);
-    lk.lock();
-    s.busy = false;
-    s.cv.notify_all();
-    return work;
   }
   if (!worker_.joinable()) worker_ = std::thread(&GroupExecutor::worker_loop, state_);
   s.queue.push_back(

@@ -13,13 +13,17 @@
 
 namespace torchpar::detail {
 
+/// A Work that completed without error (source -1), shared by every call that ran inline.
+/// Thread-safe.
+std::shared_ptr<PromiseWork> completed_work();
+
 /// Runs a group's collectives one at a time, in issue order, on a backend whose calls are
 /// synchronous.
 ///
-/// A synchronous call runs inline on the caller's thread when nothing is queued or running
-/// (no thread hop, so small collectives keep their latency); otherwise it is queued behind
-/// the earlier asynchronous calls and the caller waits for its Work. An asynchronous call
-/// is queued and run by the executor's thread, started at the first one.
+/// A synchronous call first tries try_run_inline: on the caller's thread when nothing is
+/// queued or running (no thread hop, so small collectives keep their latency); otherwise it
+/// is submitted, queued behind the earlier asynchronous calls, and the caller waits for its
+/// Work. Every submitted call is run by the executor's thread, started at the first one.
 ///
 /// Guarantees: a call's Work completes (value or error) once the call ran; errors travel in
 /// the Work as std::exception_ptr (try_run_inline: they propagate to its caller). Calls never
@@ -27,9 +31,8 @@ namespace torchpar::detail {
 /// Lifetime: the thread and every queued call hold the state, and the state holds the
 /// backend, by shared_ptr: nothing is freed under a running call. stop() (and the
 /// destructor) lets the queued calls finish, then joins the thread.
-/// Safety: submit is thread-safe; calls run in the order submit was entered.
-/// A Work that completed without error (source -1), shared by every call that ran inline.
-std::shared_ptr<PromiseWork> completed_work();
+/// Safety: submit and try_run_inline are thread-safe; calls run in the order they were
+/// entered.
 
 class GroupExecutor {
  public:
@@ -40,9 +43,9 @@ class GroupExecutor {
   GroupExecutor(const GroupExecutor&) = delete;
   GroupExecutor& operator=(const GroupExecutor&) = delete;
 
-  /// Runs `op` on the backend (see the class comment). Returns its Work, completed already
-  /// when the call ran inline. Errors: ClosedError after stop().
-  std::shared_ptr<PromiseWork> submit(bool async_op, Op op);
+  /// Queues `op` for the executor's thread (see the class comment) and returns its Work.
+  /// Errors: ClosedError after stop().
+  std::shared_ptr<PromiseWork> submit(Op op);
   /// A synchronous call's fast path: runs `op` on the caller's thread and returns true when
   /// nothing is queued or running, else returns false without running it (then submit it).
   /// `op`'s exception propagates. Errors: ClosedError after stop().
