@@ -520,7 +520,10 @@ def report_handoff(runs, limits, cfg):
         md += "\n\nFresh segment create+map+touch: " + ", ".join(seg) + "."
     md += ("\n\nNote: torch_share_memory.py times `src.clone()` together with `share_memory_()`, "
            "shm_bench pauses its timer around the clone, so the share_memory_ peer column includes "
-           "one extra copy of the tensor.")
+           "one extra copy of the tensor. dumps+loads copy: `loads(std::move(payload))`, as every "
+           "channel's receive calls it; a tensor of at least 1 MiB then aliases the payload's "
+           "bytes, and a buffer of 32 MiB or more comes back to the next dumps when the tensor "
+           "is freed, so the round trip is one copy into warm memory.")
     return md, summary
 
 

@@ -65,6 +65,7 @@ void BM_ShareMemoryCold(benchmark::State& state) {
 }
 
 // dumps + loads round trip in one process. copy: bytes travel; shared: only a handle.
+// loads consumes the payload (std::move), as a receiver does with what it received.
 void BM_DumpsLoads(benchmark::State& state) {
   const int64_t bytes = state.range(0);
   const bool copy = state.range(1) != 0;
@@ -72,7 +73,7 @@ void BM_DumpsLoads(benchmark::State& state) {
   if (!copy) torchpar::share_memory_(t);
   for (auto _ : state) {
     torchpar::Payload p = torchpar::dumps(t, {.copy_tensor = copy});
-    at::Tensor back = torchpar::loads<at::Tensor>(p);
+    at::Tensor back = torchpar::loads<at::Tensor>(std::move(p));
     benchmark::DoNotOptimize(back.data_ptr());
   }
   set_bytes(state, bytes);

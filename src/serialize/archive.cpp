@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "core/prefault.h"
+#include "serialize/payload_buffers.h"
 #include "shm/allocator.h"
 #include "torchpar/core/syscall.h"
 
@@ -19,7 +20,16 @@ namespace {
 constexpr char kMagic[4] = {'T', 'P', 'A', 'R'};
 constexpr uint8_t kFormatVersion = 1;
 
-enum class StorageMode : uint8_t { kCopy = 0, kFd = 1, kName = 2, kTable = 3 };
+enum class StorageMode : uint8_t { kCopy = 0, kFd = 1, kName = 2, kTable = 3, kCopyAligned = 4 };
+// Storages of at least this many bytes are copied aligned (mode 4): their data starts at a
+// multiple of kCopyAlignment from the payload's start, so a load may alias it in place.
+constexpr size_t kAlignedCopyBytes = size_t{64} << 10;
+constexpr size_t kCopyAlignment = 64;
+// A load aliases a copied storage in a consumable payload (loads of an rvalue) when it has
+// at least this many bytes and is at least 1/kAliasFraction of the payload, which bounds
+// the bytes a kept tensor holds alive to kAliasFraction times its own.
+constexpr size_t kAliasMinBytes = size_t{1} << 20;
+constexpr size_t kAliasFraction = 8;
 constexpr uint32_t kNoFd = 0xFFFFFFFFu;  // the fd did not travel with the payload
 
 bool supported_dtype(int8_t v) {
@@ -77,7 +87,17 @@ OutputArchive::~OutputArchive() {
 void OutputArchive::reserve_more(size_t n) {
   std::string& bytes = out_.bytes;
   if (bytes.capacity() - bytes.size() >= n) return;
-  bytes.reserve(bytes.size() + n + 256);
+  const size_t want = bytes.size() + n + 256;
+  if (n >= kCachedBufferBytes) {
+    // A buffer a loaded tensor gave back (payload_buffers.h): its pages are warm.
+    std::string cached = take_payload_buffer(want);
+    if (cached.capacity() >= want) {
+      cached.append(bytes);
+      bytes.swap(cached);
+      return;
+    }
+  }
+  bytes.reserve(n >= kCachedBufferBytes ? payload_buffer_capacity(want) : want);
   // The block is fresh (mmapped by malloc at this size): fault it in at once, in huge pages
   // where the kernel allows, before the append writes it (prefault.h has the figures).
   if (n >= kPrivatePrefaultBytes) prefault_private_for_write(bytes.data() + bytes.size(), n);
@@ -102,13 +122,13 @@ UniqueFd InputArchive::take_fd(uint32_t index) const {
 }
 
 void InputArchive::register_shared(uint32_t id, std::type_index type, std::shared_ptr<void> p) {
-  if (!shared_.emplace(id, std::make_pair(type, std::move(p))).second)
+  if (!shared_ptrs_.emplace(id, std::make_pair(type, std::move(p))).second)
     throw SerializationError(fmt::format("shared_ptr id {} defined twice", id));
 }
 
 std::shared_ptr<void> InputArchive::get_shared(uint32_t id, std::type_index type) const {
-  auto it = shared_.find(id);
-  if (it == shared_.end())
+  auto it = shared_ptrs_.find(id);
+  if (it == shared_ptrs_.end())
     throw SerializationError(fmt::format("shared_ptr id {} used before it was defined", id));
   if (it->second.first != type)
     throw SerializationError(
@@ -130,10 +150,28 @@ uint32_t OutputArchive::fd_index(int fd) {
   return idx;
 }
 
-InputArchive::InputArchive(const Payload& in, LoadsOptions opts)
+InputArchive::InputArchive(const Payload& in, LoadsOptions opts, std::string* consumable)
     : cereal::InputArchive<InputArchive, cereal::AllowEmptyClassElision>(this),
       in_(in),
-      opts_(opts) {}
+      opts_(opts),
+      data_(in.bytes.data()),
+      size_(in.bytes.size()),
+      consumable_(consumable == &in.bytes ? consumable : nullptr) {}
+
+InputArchive::~InputArchive() {
+  if (shared_ != nullptr) release_shared_buffer(shared_);
+}
+
+SharedBuffer* InputArchive::consumable_buffer() {
+  if (shared_ == nullptr && consumable_ != nullptr) {
+    // Moving a heap-allocated string keeps its block, so data_ stays valid. A short string
+    // (in-object, at most 15 bytes) never holds a storage worth aliasing.
+    if (consumable_->data() != data_ || size_ < kAliasMinBytes) return nullptr;
+    shared_ = new SharedBuffer(std::move(*consumable_));
+    consumable_ = nullptr;
+  }
+  return shared_;
+}
 
 InputArchive::DepthGuard::DepthGuard(InputArchive& ar) : ar_(ar) {
   if (++ar_.depth_ > 256) {
@@ -175,10 +213,21 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
     return;
   }
   if (ar.options().copy_tensor && !as_handle) {
-    write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kCopy));
-    write<uint64_t>(ar, storage.nbytes());
-    ar.reserve_more(storage.nbytes());  // one allocation for the bytes, no doubling copies
-    ar.saveBinary(storage.data(), storage.nbytes());
+    const size_t nbytes = storage.nbytes();
+    if (nbytes < kAlignedCopyBytes) {
+      write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kCopy));
+      write<uint64_t>(ar, nbytes);
+      ar.saveBinary(storage.data(), nbytes);
+      return;
+    }
+    write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kCopyAligned));
+    write<uint64_t>(ar, nbytes);
+    ar.reserve_more(nbytes + kCopyAlignment);  // one allocation, no doubling copies
+    const size_t pad = (kCopyAlignment - (ar.size() + 1) % kCopyAlignment) % kCopyAlignment;
+    write<uint8_t>(ar, static_cast<uint8_t>(pad));
+    static constexpr char kZeros[kCopyAlignment] = {};
+    ar.saveBinary(kZeros, pad);
+    ar.saveBinary(storage.data(), nbytes);
     return;
   }
   StorageHandle h = export_storage(storage);
@@ -198,6 +247,38 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
   write<uint64_t>(ar, h.segment_bytes);
   write<uint32_t>(ar, h.block);
 }
+
+namespace {
+
+// The storage of a copied tensor whose bytes are at `src` inside the payload.
+c10::Storage load_copied_storage(InputArchive& ar, const char* src, size_t nbytes) {
+  // 16: the largest alignment of an element (complex<double>); the payload's block from
+  // malloc is 16-aligned and mode 4 puts the data at a multiple of 64 from its start.
+  if (nbytes >= kAliasMinBytes && nbytes >= ar.size() / kAliasFraction &&
+      reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    if (SharedBuffer* buffer = ar.consumable_buffer()) return storage_over(buffer, src, nbytes);
+  }
+  if (nbytes >= kCachedBufferBytes) {
+    // Large: a buffer a tensor gave back, or a fresh one faulted in at once (in huge pages
+    // where the kernel allows); it returns to the cache when the tensor lets it go.
+    std::string bytes = take_payload_buffer(nbytes);
+    if (bytes.capacity() < nbytes) {
+      bytes.reserve(payload_buffer_capacity(nbytes));
+      prefault_private_for_write(bytes.data(), nbytes);
+    }
+    bytes.append(src, nbytes);
+    auto* buffer = new SharedBuffer(std::move(bytes));
+    c10::Storage st = storage_over(buffer, buffer->bytes.data(), nbytes);
+    release_shared_buffer(buffer);
+    return st;
+  }
+  c10::Storage st(c10::Storage::use_byte_size_t(), nbytes, at::getCPUAllocator(),
+                  /*resizable=*/true);
+  if (nbytes > 0) std::memcpy(st.data(), src, nbytes);
+  return st;
+}
+
+}  // namespace
 
 void load_tensor(InputArchive& ar, at::Tensor& tensor) {
   const auto defined = read<uint8_t>(ar);
@@ -225,19 +306,18 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
   if (id == storages.size()) {
     const auto mode = read<uint8_t>(ar);
     const auto nbytes = read<uint64_t>(ar);
-    if (mode == static_cast<uint8_t>(StorageMode::kCopy)) {
+    if (mode == static_cast<uint8_t>(StorageMode::kCopy) ||
+        mode == static_cast<uint8_t>(StorageMode::kCopyAligned)) {
+      if (mode == static_cast<uint8_t>(StorageMode::kCopyAligned)) {
+        const auto pad = read<uint8_t>(ar);
+        if (pad >= kCopyAlignment)
+          throw SerializationError(fmt::format("invalid storage padding {}", pad));
+        (void)ar.take(pad);
+      }
       if (nbytes > ar.remaining())
         throw SerializationError(fmt::format("tensor storage of {} bytes exceeds the {} bytes left",
                                              nbytes, ar.remaining()));
-      c10::Storage st(c10::Storage::use_byte_size_t(), nbytes, at::getCPUAllocator(),
-                      /*resizable=*/true);
-      const char* src = ar.take(nbytes);
-      // Above glibc's largest mmap threshold (32 MiB) the CPU allocator's memory is a fresh
-      // mapping: populate it in one call before the copy (smaller blocks come warm from
-      // the heap, where a populate call only costs).
-      if (nbytes >= kPrivatePrefaultBytes) prefault_private_for_write(st.data(), nbytes);
-      if (nbytes > 0) std::memcpy(st.data(), src, nbytes);
-      storages.push_back(std::move(st));
+      storages.push_back(load_copied_storage(ar, ar.take(nbytes), nbytes));
     } else if (mode == static_cast<uint8_t>(StorageMode::kTable)) {
       const auto index = read<uint32_t>(ar);
       const auto* table = ar.options().storages;
@@ -299,9 +379,9 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
 }
 
 void load_payload(const Payload& payload, const std::function<void(InputArchive&)>& body,
-                  LoadsOptions options) {
+                  LoadsOptions options, std::string* consumable) {
   try {
-    InputArchive ar(payload, options);
+    InputArchive ar(payload, options, consumable);
     char magic[4];
     uint8_t version = 0;
     if (payload.bytes.size() < 5)

@@ -433,3 +433,111 @@ TEST(PayloadIo, SharedTensorWithoutFdsReopensThroughProc) {
   // The child claimed the one export: a second load here is refused.
   EXPECT_THROW((void)tp::loads<at::Tensor>(p), tp::SerializationError);
 }
+
+namespace {
+
+bool points_into(const at::Tensor& t, const char* base, size_t size) {
+  const auto* p = static_cast<const char*>(t.data_ptr());
+  return p >= base && p < base + size;
+}
+
+}  // namespace
+
+TEST(SerializeLarge, ConsumedPayloadIsAliasedNotCopied) {
+  const at::Tensor t = at::arange(1 << 20, at::kFloat);  // 4 MiB: the whole payload
+  tp::Payload p = tp::dumps(t);
+  const char* base = p.bytes.data();
+  const size_t size = p.bytes.size();
+  at::Tensor back = tp::loads<at::Tensor>(std::move(p));
+  ASSERT_TRUE(points_into(back, base, size));
+  EXPECT_EQ((static_cast<const char*>(back.data_ptr()) - base) % 64, 0);  // mode 4 alignment
+  EXPECT_TRUE(at::equal(back, t));
+  back.add_(1);  // its own memory: the source is untouched
+  EXPECT_EQ(t[5].item<float>(), 5.0f);
+  EXPECT_EQ(back[5].item<float>(), 6.0f);
+  // Resizable as a copied tensor: the resize moves it to memory of its own.
+  back.resize_({2 << 20});
+  EXPECT_FALSE(points_into(back, base, size));
+  EXPECT_EQ(back[(1 << 20) - 1].item<float>(), static_cast<float>(1 << 20));
+
+  // A payload the caller keeps is copied from, and loads again.
+  tp::Payload kept = tp::dumps(t);
+  at::Tensor a = tp::loads<at::Tensor>(kept);
+  at::Tensor b = tp::loads<at::Tensor>(kept);
+  EXPECT_FALSE(points_into(a, kept.bytes.data(), kept.bytes.size()));
+  EXPECT_NE(a.data_ptr(), b.data_ptr());
+  EXPECT_TRUE(at::equal(a, t) && at::equal(b, t));
+}
+
+TEST(SerializeLarge, TensorsAliasingOnePayloadOutliveEachOther) {
+  const at::Tensor x = at::full({1 << 19}, 3.0, at::kDouble);  // 4 MiB each
+  const at::Tensor y = at::full({1 << 20}, 7, at::kInt);
+  tp::Payload p = tp::dumps(std::make_tuple(x, std::string("between"), y));
+  const char* base = p.bytes.data();
+  const size_t size = p.bytes.size();
+  auto [bx, s, by] = tp::loads<std::tuple<at::Tensor, std::string, at::Tensor>>(std::move(p));
+  EXPECT_TRUE(points_into(bx, base, size) && points_into(by, base, size));
+  EXPECT_EQ(s, "between");
+  bx = at::Tensor();  // the buffer stays while `by` holds it
+  EXPECT_TRUE(at::equal(by, y));
+}
+
+TEST(SerializeLarge, SmallShareOfAPayloadIsCopied) {
+  // 1 MiB of tensor in a 16 MiB payload: aliasing would keep 16x its size alive.
+  const at::Tensor t = at::ones({1 << 18}, at::kFloat);
+  tp::Payload p = tp::dumps(std::make_pair(std::vector<char>(16 << 20, 'x'), t));
+  const char* base = p.bytes.data();
+  const size_t size = p.bytes.size();
+  auto [filler, back] = tp::loads<std::pair<std::vector<char>, at::Tensor>>(std::move(p));
+  EXPECT_FALSE(points_into(back, base, size));
+  EXPECT_TRUE(at::equal(back, t));
+  EXPECT_EQ(filler.size(), size_t{16} << 20);
+}
+
+TEST(SerializeLarge, LargeBuffersAreReusedAndCanBeFreed) {
+  tp::empty_payload_cache();
+  const at::Tensor t = at::randn({10 << 20});  // 40 MiB
+  const char* first = nullptr;
+  {
+    tp::Payload p = tp::dumps(t);
+    first = p.bytes.data();
+    at::Tensor back = tp::loads<at::Tensor>(std::move(p));
+    EXPECT_TRUE(at::equal(back, t));
+  }  // the buffer goes back to the cache with `back`
+  tp::Payload p2 = tp::dumps(t);
+  EXPECT_EQ(p2.bytes.data(), first);
+  // A kept payload's large copy also comes from the cache, and goes back to it.
+  at::Tensor copied = tp::loads<at::Tensor>(p2);
+  EXPECT_TRUE(at::equal(copied, t));
+  const void* copied_at = copied.data_ptr();
+  copied = at::Tensor();
+  tp::Payload p3 = tp::dumps(t);
+  EXPECT_EQ(static_cast<const void*>(p3.bytes.data()), copied_at);
+  tp::empty_payload_cache();
+  // In a forked child, which drops the parent's buffers, the same round trip works.
+  auto child = tp::testing::fork_child([&](int) {
+    at::Tensor again = tp::loads<at::Tensor>(tp::dumps(t));
+    return at::equal(again, t) ? 0 : 1;
+  });
+  EXPECT_EQ(tp::testing::wait_child(child), 0);
+}
+
+TEST(SerializeHostile, AlignedStorageRecordIsChecked) {
+  // dumps of a 1-D tensor of 1 MiB: magic+version (5), tensor header (32), storage id (4),
+  // mode (1) at 37, nbytes (8), then the padding length at 46.
+  tp::Payload good = tp::dumps(at::ones({1 << 18}, at::kFloat));
+  ASSERT_EQ(good.bytes[37], 4);
+  tp::Payload bad_pad{good.bytes, {}};
+  bad_pad.bytes[46] = static_cast<char>(64);
+  EXPECT_THROW((void)tp::loads<at::Tensor>(std::move(bad_pad)), tp::SerializationError);
+  for (size_t n : {size_t{46}, size_t{47}, size_t{60}, good.bytes.size() - 1}) {
+    EXPECT_THROW((void)tp::loads<at::Tensor>(tp::Payload{good.bytes.substr(0, n), {}}),
+                 tp::SerializationError)
+        << "prefix " << n;
+  }
+  // A consumed payload that fails to load (wrong type) throws and leaks nothing.
+  using TensorAndInt = std::pair<at::Tensor, int>;
+  EXPECT_THROW((void)tp::loads<TensorAndInt>(tp::Payload{good.bytes, {}}), tp::SerializationError);
+  EXPECT_TRUE(at::equal(tp::loads<at::Tensor>(tp::Payload{good.bytes, {}}),
+                        at::ones({1 << 18}, at::kFloat)));
+}

@@ -91,6 +91,8 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
     out_.bytes.append(static_cast<const char*>(data), size);
   }
   const DumpsOptions& options() const { return opts_; }
+  /// Bytes written so far.
+  size_t size() const { return out_.bytes.size(); }
   /// Room for `n` more bytes in one allocation (no doubling copies); a large reservation is
   /// also backed by memory ready for writing (transparent huge pages where the kernel allows).
   void reserve_more(size_t n);
@@ -108,26 +110,41 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
   int uncaught_;  // std::uncaught_exceptions() at construction
 };
 
+struct SharedBuffer;  // serialize/payload_buffers.h
+
 class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmptyClassElision> {
  public:
-  explicit InputArchive(const Payload& in, LoadsOptions opts = {});
+  /// Reads `in`. With `consumable` (in.bytes, of a payload given to loads by rvalue), large
+  /// copied storages may alias those bytes instead of being copied: the archive then takes
+  /// them over (see consumable_buffer).
+  explicit InputArchive(const Payload& in, LoadsOptions opts = {},
+                        std::string* consumable = nullptr);
+  ~InputArchive();
+  InputArchive(const InputArchive&) = delete;
+  InputArchive& operator=(const InputArchive&) = delete;
   void loadBinary(void* data, size_t size) {
     if (size > remaining())
       throw SerializationError("payload truncated: needed " + std::to_string(size) +
                                " more bytes, " + std::to_string(remaining()) + " left");
-    if (size != 0) std::memcpy(data, in_.bytes.data() + pos_, size);
+    if (size != 0) std::memcpy(data, data_ + pos_, size);
     pos_ += size;
   }
-  size_t remaining() const { return in_.bytes.size() - pos_; }
+  size_t remaining() const { return size_ - pos_; }
+  /// Bytes of the whole payload.
+  size_t size() const { return size_; }
   /// Pointer to the next `size` bytes, consumed (bounds checked).
   const char* take(size_t size) {
     if (size > remaining()) loadBinary(nullptr, size);  // throws
-    const char* p = in_.bytes.data() + pos_;
+    const char* p = data_ + pos_;
     pos_ += size;
     return p;
   }
+  /// The payload's fds (its bytes may have moved to consumable_buffer).
   const Payload& payload() const { return in_; }
   const LoadsOptions& options() const { return opts_; }
+  /// For a consumable payload: its bytes, moved (at the same address) into a buffer that
+  /// storages can alias (storage_over); nullptr otherwise. The archive holds one reference.
+  SharedBuffer* consumable_buffer();
   /// A duplicate of the payload's fd #index (for types that carry an fd, like queues).
   UniqueFd take_fd(uint32_t index) const;
   std::vector<c10::Storage>& storages() { return storages_; }
@@ -149,11 +166,15 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
  private:
   const Payload& in_;
   LoadsOptions opts_;
+  const char* data_;
+  size_t size_;
+  std::string* consumable_;
+  SharedBuffer* shared_ = nullptr;
   size_t pos_ = 0;
   int depth_ = 0;
   int nesting_ = 0;
   std::vector<c10::Storage> storages_;
-  std::unordered_map<uint32_t, std::pair<std::type_index, std::shared_ptr<void>>> shared_;
+  std::unordered_map<uint32_t, std::pair<std::type_index, std::shared_ptr<void>>> shared_ptrs_;
 };
 
 template <class T>
@@ -305,9 +326,10 @@ requires std::is_same_v<T, c10::IValue>
 void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, T& v) { load_ivalue(ar, v); }
 
 /// Runs `body` on an InputArchive over `payload` (with `options`), checks the header and
-/// that every byte was consumed, and turns any failure into SerializationError.
+/// that every byte was consumed, and turns any failure into SerializationError. With
+/// `consumable` (payload.bytes, given by rvalue), large copied storages alias the bytes.
 void load_payload(const Payload& payload, const std::function<void(InputArchive&)>& body,
-                  LoadsOptions options = {});
+                  LoadsOptions options = {}, std::string* consumable = nullptr);
 
 }  // namespace detail
 }  // namespace torchpar

@@ -59,4 +59,26 @@ T loads(const Payload& payload, LoadsOptions options = {}) {
   return value;
 }
 
+/// loads of a payload the caller gives up (a temporary, or std::move'd): as above, but a
+/// copied tensor storage of at least 1 MiB that makes up at least 1/8 of the payload's bytes
+/// is not copied: the tensor aliases the payload's bytes, which it keeps alive (at most 8x
+/// its own size) until its storage is freed or resized. Such tensors are resizable like
+/// copied ones (a resize moves them to memory of their own). The payload is left in a
+/// valid but unspecified state, also when loads throws.
+/// Errors and safety as above.
+template <class T>
+T loads(Payload&& payload, LoadsOptions options = {}) {
+  T value{};
+  detail::load_payload(
+      payload, [&](detail::InputArchive& ar) { ar(value); }, options, &payload.bytes);
+  return value;
+}
+
+/// Frees the large buffers (32 MiB or more; at most 2, 256 MiB in all) that dumps and loads
+/// keep for reuse: a tensor loaded from a copied payload gives its buffer back when freed,
+/// and the next dumps or loads of that size writes into it instead of faulting in fresh
+/// pages. Like empty_shm_cache, for a process that wants its memory back.
+/// Safety: thread-safe.
+void empty_payload_cache();
+
 }  // namespace torchpar
