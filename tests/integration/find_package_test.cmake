@@ -28,7 +28,7 @@ int main() {
 }
 ]=])
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${WORK_DIR}/app -B ${WORK_DIR}/app/build
-                        -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release
+                        -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
                 RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "configuring the outside project failed: ${rc}")

@@ -211,7 +211,8 @@ try:
 
     # ---- single: the same model in one process
     out = os.path.join(tmp, "run_single")
-    code, so, err = train("--strategy", "single", *SMALL, "--steps", "20", "--out", out)
+    code, so, err = train("--strategy", "single", *SMALL, "--steps", "20", "--no-plot",
+                          "--out", out)
     check(code == 0, f"single: exit {code} {err.strip()[-400:]}")
     if code == 0:
         m = json.load(open(os.path.join(out, "metrics.json")))
@@ -223,7 +224,7 @@ try:
     out = os.path.join(tmp, "run_interrupted")
     log = open(os.path.join(tmp, "interrupted.log"), "w+")
     p = subprocess.Popen([TORCHPAR, "train", "--model", "gpt", "--workers", "2", *SMALL,
-                          "--steps", "100000", "--eval-every", "20", "--out", out],
+                          "--steps", "100000", "--eval-every", "20", "--no-plot", "--out", out],
                          stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while time.time() < deadline:

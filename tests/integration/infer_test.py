@@ -73,10 +73,11 @@ try:
             check(False, f"TP={tp}: stdout is valid UTF-8 ({e})")
 
     sampled = ("--seed", "5", "--temperature", "0.9", "--top-k", "20", "--max-new-tokens", "40")
-    runs = [infer(path, "--tensor-parallel", str(tp), *sampled) for tp in (2, 2, 1)]
+    # Two runs, TP=2 then TP=1: equal texts prove both the seed's reproducibility and that
+    # the world size does not change the draws (an unseeded sampler would differ).
+    runs = [infer(path, "--tensor-parallel", str(tp), *sampled) for tp in (2, 1)]
     check(all(r[0] == 0 for r in runs), "sampled runs exit 0")
-    check(runs[0][1] == runs[1][1], "the same --seed gives the same text")
-    check(runs[0][1] == runs[2][1], "the same --seed gives the same text at TP=1 and TP=2")
+    check(runs[0][1] == runs[1][1], "the same --seed gives the same text at TP=1 and TP=2")
     check("seed 5" in runs[0][2], "the seed is reported on stderr")
 
     code, out, err = infer(path, "--tensor-parallel", "2", "--dtype", "bfloat16",

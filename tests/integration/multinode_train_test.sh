@@ -33,7 +33,7 @@ check() {  # check CONDITION-EXIT-CODE WHAT
 # The slice: 16,000 training samples, 4,000 a rank; about 10 s of training on 2 cores.
 # --timeout bounds the rendezvous and every collective: a broken link fails, never hangs.
 TRAIN=(--strategy ddp --epochs 1 --limit 16000 --batch-size 32 --lr 0.03 --seed 1
-       --data "$DATA" --timeout 60)
+       --data "$DATA" --timeout 60 --no-plot)
 
 # Both nodes' launchers get one fresh key in their environment (inherited through ip and
 # env), never on a command line; rank 0's store, in A, listens on A's veth address only.

@@ -22,8 +22,9 @@ refused() {
   shift
   n=$((n + 1))
   local out="$TMP/out$n"
-  # -u: nothing of the caller's own launcher environment leaks in
-  env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT "${envs[@]}" \
+  # -u: nothing of the caller's own launcher environment leaks in. OMP_WAIT_POLICY saves
+  # each refusal the re-exec of tools/torchpar/main.cpp; the 1-rank job below takes it.
+  env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT OMP_WAIT_POLICY=passive "${envs[@]}" \
     timeout 30 "$BIN/torchpar" train --limit 600 --out "$out" "$@" >"$TMP/so" 2>"$TMP/se"
   local code=$?
   local what="${envs[*]} train $*"
@@ -55,7 +56,7 @@ refused "does not match WORLD_SIZE=2" RANK=0 WORLD_SIZE=2 "${MASTER[@]}" -- --st
 TORCHPAR_AUTHKEY=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
 export TORCHPAR_AUTHKEY
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-env -u LOCAL_RANK -u LOCAL_WORLD_SIZE RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+env -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u OMP_WAIT_POLICY RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
   timeout 120 "$BIN/torchpar" train --strategy ddp --limit 2000 --timeout 30 --out "$TMP/one" \
   >"$TMP/so" 2>"$TMP/se"
 code=$?

@@ -486,6 +486,7 @@ TEST_P(ManagerSyncAcrossProcesses, BarrierOfThreeWithTwoChildren) {
 // ---- clients killed while blocked ---------------------------------------------------------
 
 TEST_P(ManagerSyncAcrossProcesses, KilledGetterTakesNoItem) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Manager m(manager_options());
   auto q = m.Queue<int64_t>();
   RawQueue raw(q);
@@ -507,6 +508,7 @@ TEST_P(ManagerSyncAcrossProcesses, KilledGetterTakesNoItem) {
 }
 
 TEST_P(ManagerSyncAcrossProcesses, KilledWaiterLeavesTheServerServing) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Manager m(manager_options());
   auto cond = m.Condition();
   auto waiting = m.Event();
@@ -532,6 +534,7 @@ TEST_P(ManagerSyncAcrossProcesses, KilledWaiterLeavesTheServerServing) {
 }
 
 TEST_P(ManagerSyncAcrossProcesses, KilledPartyBreaksTheBarrier) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Manager m(manager_options());
   auto barrier = m.Barrier(3);
   tp::Process p(child_options(GetParam()), blocked_in_barrier, barrier);

@@ -164,8 +164,10 @@ tp::TensorParallelModelName faulty(const std::string& mode) {
   return {.name = "engine_test_faulty_gpt", .argument = mode + ":" + Checkpoint::get().path()};
 }
 
+// Workers start from the forkserver: one LibTorch start per test binary, not one per worker.
+// The default (spawn) is what Tp1AndTp2LogitsEqualTheModelInThisProcess keeps.
 tp::TensorParallelOptions tp_options(int world) {
-  return {.world_size = world, .timeout = kTimeout};
+  return {.world_size = world, .start_method = tp::StartMethod::kForkserver, .timeout = kTimeout};
 }
 
 // ---- the checkpoint ---------------------------------------------------------------------------
@@ -252,7 +254,9 @@ TEST(TensorParallelEngine, Tp1AndTp2LogitsEqualTheModelInThisProcess) {
   const auto ids = random_ids(2, 11, 2);
   const at::Tensor want = c.logits(ids);
   tp::TensorParallel one(c.path(), tp_options(1));
-  tp::TensorParallel two(c.path(), tp_options(2));
+  auto spawned = tp_options(2);
+  spawned.start_method.reset();  // the default: spawn
+  tp::TensorParallel two(c.path(), spawned);
   EXPECT_EQ(one.world_size(), 1);
   EXPECT_EQ(two.world_size(), 2);
   const auto l1 = one.forward(ids);
@@ -530,7 +534,8 @@ TEST(TensorParallelLifetime, AStdFunctionFactoryRunsWithFork) {
   auto o = tp_options(2);
   o.start_method = tp::StartMethod::kSpawn;
   EXPECT_THROW(tp::TensorParallel(factory, o), tp::ValueError);  // cannot cross exec
-  tp::TensorParallel engine(factory, tp_options(2));             // fork by default
+  o.start_method.reset();
+  tp::TensorParallel engine(factory, o);  // fork by default
   const auto ids = random_ids(2, 5, 15);
   const at::Tensor want = c.logits(ids);
   EXPECT_LE(max_abs_diff(engine.forward(ids), want), kTolerance);

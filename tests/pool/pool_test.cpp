@@ -110,6 +110,7 @@ TEST_P(PoolTest, MapImapStarmapApply) {
 // fails that chunk with the task's own exception, the other chunks still arrive, results can
 // be got twice, void functions and tensors shared within one chunk work.
 TEST_P(PoolTest, ChunksTravelWhole) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Pool pool(options());
   std::vector<int> items(12);
   for (int i = 0; i < 12; ++i) items[i] = i;
@@ -139,6 +140,7 @@ TEST_P(PoolTest, ChunksTravelWhole) {
 }
 
 TEST_P(PoolTest, ErrorsTimeoutsAndCallbacks) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Pool pool(options());
   try {
     pool.map(fail_on_three, std::vector<int>{1, 2, 3, 4}, 1);
@@ -186,6 +188,7 @@ TEST_P(PoolTest, FunctionFromAModuleTheWorkersLackFailsItsTasks) {
 }
 
 TEST_P(PoolTest, WorkerKilledMidMapFailsItsChunkThenPoolGoesOn) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Pool pool(options());
   std::vector<int> items(10);
   for (int i = 0; i < 10; ++i) items[i] = i;
@@ -202,6 +205,7 @@ TEST_P(PoolTest, WorkerKilledMidMapFailsItsChunkThenPoolGoesOn) {
 }
 
 TEST_P(PoolTest, MaxTasksPerChildReplacesWorkers) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   auto o = options(1);
   o.maxtasksperchild = 2;
   tp::Pool pool(o);
@@ -212,6 +216,7 @@ TEST_P(PoolTest, MaxTasksPerChildReplacesWorkers) {
 // Chunks reach a worker in batches, yet never past its budget: each process runs at most
 // maxtasksperchild chunks of a long map at chunksize 1.
 TEST_P(PoolTest, MaxTasksPerChildHoldsWithBatches) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   auto o = options(2);
   o.maxtasksperchild = 25;
   tp::Pool pool(o);
@@ -247,6 +252,7 @@ TEST_P(PoolTest, TensorsSharedByDefaultCopiedOnRequest) {
 }
 
 TEST_P(PoolTest, CloseJoinAndTerminate) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Pool pool(options());
   auto r = pool.map_async(square, std::vector<int>{1, 2, 3});
   pool.close();
@@ -325,6 +331,7 @@ TEST_P(PoolTest, CtxPoolHasThePoolSurfaceWithItsContext) {
 
 // map_async and starmap_async take callback and error_callback, as apply_async does.
 TEST_P(PoolTest, MapAsyncAndStarmapAsyncCallbacks) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Pool pool(options());
   std::promise<std::vector<int>> mapped, starred;
   std::promise<std::string> map_error, star_error;
@@ -366,6 +373,7 @@ TEST_P(PoolTest, MapAsyncAndStarmapAsyncCallbacks) {
 // std::terminate (the test binary aborted). Now the map either works or get() raises the
 // put's error, and the pool stays usable.
 TEST_P(PoolTest, LargeTasksNeverWedgeThePool) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Pool pool(options(2));
   const std::vector<std::string> items(8, std::string(300 << 10, 'a'));
   for (int round = 0; round < 6; ++round) {  // the old code aborted within a few rounds
@@ -387,6 +395,7 @@ TEST_P(PoolTest, LargeTasksNeverWedgeThePool) {
 // Workers started by a thread that then ends stay alive (PR_SET_PDEATHSIG follows the
 // forking thread; before, they were killed when it ended and replaced).
 TEST_P(PoolTest, PoolMadeInAThreadThatEndsKeepsItsWorkers) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   std::unique_ptr<tp::Pool> pool;
   std::thread([&] { pool = std::make_unique<tp::Pool>(options(2)); }).join();
   const auto before = pool->pids();
@@ -404,6 +413,7 @@ TEST_P(PoolTest, FailingInitializerFailsTasksInsteadOfHanging) {
 }
 
 TEST_P(PoolTest, P2PPoolGivesPoolResults) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   std::vector<int> items{3, 1, 4, 1, 5, 9, 2, 6};
   tp::P2PPool p2p(options());
   tp::Pool pool(options());

@@ -19,8 +19,11 @@
 namespace torchpar::testing {
 
 /// Options of a test's Manager: every call of the tests is bounded (plus its own wait).
+/// The server starts from the forkserver: one LibTorch start per test binary instead of one
+/// per server (the default, spawn, is what the parametrized suites vary).
 inline ManagerOptions manager_options() {
   ManagerOptions o;
+  o.start_method = StartMethod::kForkserver;
   o.timeout = std::chrono::seconds(30);
   o.start_timeout = std::chrono::seconds(60);
   return o;

@@ -47,7 +47,8 @@ uint32_t big_endian(const unsigned char* p) {
 
 }  // namespace
 
-at::Tensor read_idx_gz(const std::string& path, int expected_dims) {
+at::Tensor read_idx_gz(const std::string& path, int expected_dims, int64_t max_items,
+                       int64_t* items_in_file) {
   std::unique_ptr<gzFile_s, GzCloser> f(gzopen(path.c_str(), "rb"));
   if (!f) {
     throw Error(fmt::format("{}: cannot open: {} ({})", path,
@@ -75,6 +76,11 @@ at::Tensor read_idx_gz(const std::string& path, int expected_dims) {
     total *= v;
   }
   if (total > (1ull << 32)) throw Error(fmt::format("{}: {} bytes is too large", path, total));
+  if (items_in_file != nullptr) *items_in_file = dims[0];
+  if (max_items > 0 && max_items < dims[0]) {
+    total = total / static_cast<uint64_t>(dims[0]) * static_cast<uint64_t>(max_items);
+    dims[0] = max_items;
+  }
   at::Tensor t = at::empty(dims, at::kByte);
   read_exact(f.get(), path, t.data_ptr(), total, expected_dims == 1 ? "the labels" : "the images");
   return t;
@@ -82,19 +88,20 @@ at::Tensor read_idx_gz(const std::string& path, int expected_dims) {
 
 namespace {
 
-Split read_split(const std::string& dir, const std::string& prefix) {
+Split read_split(const std::string& dir, const std::string& prefix, int64_t limit) {
   const std::string img = fmt::format("{}/{}-images-idx3-ubyte.gz", dir, prefix);
   const std::string lab = fmt::format("{}/{}-labels-idx1-ubyte.gz", dir, prefix);
   Split s;
-  s.images = read_idx_gz(img, 3);
+  int64_t images_in_file = 0, labels_in_file = 0;
+  s.images = read_idx_gz(img, 3, limit, &images_in_file);
   if (s.images.size(1) != 28 || s.images.size(2) != 28) {
     throw Error(fmt::format("{}: images are {}x{}, expected 28x28", img, s.images.size(1),
                             s.images.size(2)));
   }
-  at::Tensor labels = read_idx_gz(lab, 1);
-  if (labels.numel() != s.images.size(0)) {
-    throw Error(fmt::format("{}: {} labels for {} images in {}", lab, labels.numel(),
-                            s.images.size(0), img));
+  at::Tensor labels = read_idx_gz(lab, 1, limit, &labels_in_file);
+  if (labels_in_file != images_in_file) {
+    throw Error(
+        fmt::format("{}: {} labels for {} images in {}", lab, labels_in_file, images_in_file, img));
   }
   if (labels.max().item<int64_t>() > 9) {
     throw Error(fmt::format("{}: a label is above 9", lab));
@@ -105,10 +112,10 @@ Split read_split(const std::string& dir, const std::string& prefix) {
 
 }  // namespace
 
-FashionMnist load_fashion_mnist(const std::string& dir) {
+FashionMnist load_fashion_mnist(const std::string& dir, int64_t train_limit) {
   FashionMnist d;
-  d.train = read_split(dir, "train");
-  d.test = read_split(dir, "t10k");
+  d.train = read_split(dir, "train", train_limit);
+  d.test = read_split(dir, "t10k", 0);
   return d;
 }
 

@@ -385,7 +385,7 @@ int complete_config(TrainConfig& cfg) {
 int load_data(Session& s) {
   const TrainConfig& cfg = s.cfg();
   try {
-    s.data = load_fashion_mnist(cfg.data);
+    s.data = load_fashion_mnist(cfg.data, cfg.limit);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torchpar train: %s\n", e.what());
     return 2;
