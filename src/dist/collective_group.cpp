@@ -168,8 +168,18 @@ std::chrono::duration<double> CollectiveGroup::call_timeout(Timeout timeout) con
 }
 
 template <class Op>
-Work CollectiveGroup::run(bool async_op, CopyBacks back, Op op) {
+Work CollectiveGroup::run(bool async_op, CopyBacks back, Op call) {
   be();  // throws ClosedError once destroyed
+  // A rank this call found lost goes into the World's record (rank 0's leave stops waiting
+  // for it); the error propagates as it is.
+  auto op = [call = std::move(call)](detail::GroupBackend& b) {
+    try {
+      call(b);
+    } catch (const RankLostError& e) {
+      b.note_lost(e.rank());
+      throw;
+    }
+  };
   // A synchronous call with nothing pending runs here and now: no Work, no std::function and
   // no promise's mutex per call (a 4-byte all_reduce on shm is well under a microsecond, and
   // those allocations and locks were a tenth of it). Its error propagates as it is.

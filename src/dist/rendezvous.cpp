@@ -152,6 +152,7 @@ void Rendezvous::resolve() {
   name = opts.name.empty() ? fmt::format("rank{}", rank) : opts.name;
   host = host_key();
   if (opts.timeout.count() <= 0) throw Error("World: timeout must be positive");
+  lost = std::make_shared<LostRanks>(world_size);
 }
 
 void Rendezvous::connect() {
@@ -304,18 +305,31 @@ void Rendezvous::leave() noexcept {
   try {
     if (!opts.python_compatible) {
       const std::string key = "torchpar/world/left";
+      auto left_key = [](int q) { return fmt::format("torchpar/world/left/{}", q); };
       if (rank == 0 && std::uncaught_exceptions() == 0) {
         // Rank 0 serves the store: wait (at most 10 s) while some other rank may still use
-        // it, that is while one has not left and is not known to be dead.
+        // it, that is while one has not left and is not known gone (its process gone from
+        // this host, or found lost by a group of this process).
+        std::vector<bool> done(static_cast<size_t>(world_size), false);
+        done[0] = true;
+        auto keep_waiting = [&] {
+          for (int q = 1; q < world_size; ++q) {
+            if (done[static_cast<size_t>(q)]) continue;
+            const auto& m = members[static_cast<size_t>(q)];
+            if (lost->contains(q) || (m.host == host && !pid_alive(m.pid)) ||
+                store->check({left_key(q)})) {
+              done[static_cast<size_t>(q)] = true;
+              continue;
+            }
+            return true;
+          }
+          return false;
+        };
         store_barrier(*store, key, world_size,
-                      deadline_in(std::min<Seconds>(std::chrono::seconds(10), opts.timeout)), [&] {
-                        for (int q = 1; q < world_size; ++q) {
-                          const auto& m = members[static_cast<size_t>(q)];
-                          if (m.host != host || pid_alive(m.pid)) return true;
-                        }
-                        return false;
-                      });
+                      deadline_in(std::min<Seconds>(std::chrono::seconds(10), opts.timeout)),
+                      keep_waiting);
       } else {
+        store->set(left_key(rank), store_bytes("1"));
         store->add(key, 1);
       }
     }

@@ -10,6 +10,7 @@
 
 #include "dist/backend/backend.h"
 #include "dist/backend/gloo/backend.h"
+#include "dist/lost_ranks.h"
 #include "dist/store.h"
 #include "torchpar/dist/world.h"
 
@@ -32,8 +33,9 @@ std::string host_key();
 /// Errors: those World's constructor documents (torchpar::Error, TimeoutError naming the
 /// rank that did not join, AuthenticationError, RankLostError when rank 0 is gone).
 /// Lifetime: leave() (or the destructor) drops the store; rank 0, which serves it, first
-/// waits (at most 10 s) for the other ranks to leave. Safety: the fields are written by
-/// the constructor only; leave() from one thread.
+/// waits (at most 10 s) for the other ranks to leave, except those known gone: a rank of
+/// this host whose process is gone, or one a group of this process found lost. Safety: the fields
+/// are written by the constructor only; leave() from one thread.
 class Rendezvous {
  public:
   explicit Rendezvous(WorldOptions options);
@@ -57,6 +59,8 @@ class Rendezvous {
   int master_port = 0;
   GlooDeviceSpec device;  // where this rank's Gloo groups bind
   c10::intrusive_ptr<c10d::Store> store;
+  /// Ranks this process's groups found lost; rank 0's leave does not wait for them.
+  std::shared_ptr<LostRanks> lost;
 
  private:
   void resolve();

@@ -173,17 +173,22 @@ struct World::Impl {
     detail::GlooBackendOptions flat = group;
     flat.store = c10::make_intrusive<c10d::PrefixStore>("gloo", gstore);
     auto gloo = detail::create_gloo_backend(flat);
-    if (backend == Backend::kGloo) return CollectiveGroup(gloo);
-    if (backend == Backend::kHierarchical) {
-      return CollectiveGroup(detail::create_hierarchical_backend({.group = group, .flat = gloo}));
+    std::shared_ptr<detail::GroupBackend> made;
+    if (backend == Backend::kGloo) {
+      made = gloo;
+    } else if (backend == Backend::kHierarchical) {
+      made = detail::create_hierarchical_backend({.group = group, .flat = gloo});
+    } else {
+      made = detail::create_shm_backend(
+          {.store = c10::make_intrusive<c10d::PrefixStore>("shm", gstore),
+           .rank = rel,
+           .world_ranks = ranks,
+           .timeout = t,
+           .name = gname,
+           .p2p = gloo});
     }
-    return CollectiveGroup(
-        detail::create_shm_backend({.store = c10::make_intrusive<c10d::PrefixStore>("shm", gstore),
-                                    .rank = rel,
-                                    .world_ranks = ranks,
-                                    .timeout = t,
-                                    .name = gname,
-                                    .p2p = gloo}));
+    made->set_lost_ranks(rdv.lost);
+    return CollectiveGroup(std::move(made));
   }
 
   CollectiveGroup& get_default_group() {
@@ -218,6 +223,7 @@ struct World::Impl {
       throw TimeoutError("World: not every rank created the default group in time");
     }
     detail::set_gloo_sequence_number(*gloo);
+    gloo->set_lost_ranks(rdv.lost);
     std::lock_guard<std::mutex> g(mu);
     default_group = CollectiveGroup(gloo);
     return *default_group;

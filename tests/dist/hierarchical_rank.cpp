@@ -12,7 +12,8 @@
 //                                          itself mid-loop; every other rank must raise
 //                                          RankLostError naming VICTIM within the group
 //                                          timeout (10 s); prints "rank R: lost VICTIM after
-//                                          S s: <message>".
+//                                          S s: <message>", then "rank R: left the world in
+//                                          S s" once World::destroy returns.
 // Exit 0 when the rank's expectations hold, 1 otherwise (the reason on stderr).
 #include <fmt/format.h>
 #include <signal.h>
@@ -186,7 +187,17 @@ int main(int argc, char** argv) {
   try {
     tp::World world(tp::WorldOptions{.timeout = std::chrono::seconds(60)});
     if (mode == "check") return check(world);
-    if (mode == "kill" && argc > 2) return kill_test(world, std::stoi(argv[2]));
+    if (mode == "kill" && argc > 2) {
+      const int rc = kill_test(world, std::stoi(argv[2]));
+      // Leaving: rank 0, which serves the store, must not wait for the rank its group found
+      // lost (it never leaves; before, rank 0 waited out 10 s here).
+      const int me = world.get_rank();
+      const auto t0 = Clock::now();
+      world.destroy();
+      std::printf("rank %d: left the world in %.2f s\n", me,
+                  std::chrono::duration<double>(Clock::now() - t0).count());
+      return rc;
+    }
     std::fprintf(stderr, "usage: hierarchical_rank check | kill VICTIM\n");
     return 2;
   } catch (const std::exception& e) {

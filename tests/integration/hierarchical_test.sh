@@ -96,6 +96,10 @@ for victim in 3 2; do
     else
       [ $code -eq 0 ] || fail "kill $victim: rank $i exited $code"
       grep -q "lost $victim after" "$OUT/r$i.out" || fail "kill $victim: rank $i did not name it"
+      # Leaving is prompt: rank 0 does not wait (10 s) for the rank its group found lost.
+      secs=$(sed -n 's/.*left the world in \([0-9.]*\) s.*/\1/p' "$OUT/r$i.out")
+      [ -n "$secs" ] && awk -v s="$secs" 'BEGIN { exit !(s < 5) }' ||
+        fail "kill $victim: rank $i left the world in '${secs:-?}' s (not under 5 s)"
     fi
   done
   cat "$OUT"/r*.out

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/lost_ranks.h"
 #include "torchpar/core/error.h"
 #include "torchpar/dist/collective_group.h"
 
@@ -110,11 +111,21 @@ class GroupBackend {
 
   virtual void destroy() = 0;
 
+  /// The World's record of lost ranks, which note_lost fills (World sets it at creation;
+  /// unset, note_lost does nothing).
+  void set_lost_ranks(std::shared_ptr<LostRanks> lost) { lost_ = std::move(lost); }
+  /// Records group rank `q` (a RankLostError's rank) as lost, by its world rank.
+  /// Safety: thread-safe.
+  void note_lost(int q) const noexcept {
+    if (lost_ && q >= 0 && q < size()) lost_->mark(world_ranks_[static_cast<size_t>(q)]);
+  }
+
  private:
   int rank_;
   std::vector<int> world_ranks_;
   std::chrono::duration<double> timeout_;
   std::string name_;
+  std::shared_ptr<LostRanks> lost_;
 };
 
 inline void GroupBackend::send(const at::Tensor& t, int dst, int tag, const CallOptions& o) {
