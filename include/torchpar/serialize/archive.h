@@ -70,7 +70,8 @@ struct LoadsOptions {
   /// can be loaded any number of times, by any process of the host (a manager's stored
   /// values). The price: the payload's reference is never given back, so the sender never
   /// reuses the block; it is freed when the sender has exited and the last process mapping
-  /// it lets go.
+  /// it lets go (file_system strategy: when its name is gone too, which the sender's
+  /// cleaner keeps for readers until an hour after the segment was made).
   bool adopt_shared = true;
   /// The out-of-band storages of a payload made with DumpsOptions::storages, in order;
   /// loaded tensors alias them (no copy). A payload that refers to one without them, or
