@@ -6,10 +6,12 @@
 
 #include <chrono>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <typeinfo>
 #include <utility>
+#include <vector>
 
 #include "core/liveness.h"
 #include "manager/shm_channel.h"
@@ -49,8 +51,11 @@ Response attach_channel(const std::string& name, std::unique_ptr<ShmChannel>* ch
   }
 }
 
-// A peer that fails the handshake (or stalls in it) holds the accept loop this long at most.
+// A peer that fails the handshake (or stalls in it) holds one accepting thread this long at
+// most; kAcceptors threads accept at once, so a new client waits only behind that many
+// stalled peers (Python's manager handshakes in its one accepter thread, without a limit).
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+constexpr int kAcceptors = 16;
 
 }  // namespace
 
@@ -227,6 +232,18 @@ void ManagerServer::serve_connection(Connection connection) {
 }
 
 void ManagerServer::serve_forever() {
+  // The Listener takes accept() from several threads at once; close() (shutdown) wakes
+  // every one of them with ClosedError.
+  std::vector<std::thread> more;
+  try {
+    for (int i = 1; i < kAcceptors; ++i) more.emplace_back([this] { accept_loop(); });
+  } catch (const std::system_error&) {  // no more threads: fewer acceptors
+  }
+  accept_loop();
+  for (auto& t : more) t.join();
+}
+
+void ManagerServer::accept_loop() {
   while (!stopping_) {
     Connection c;
     try {

@@ -149,6 +149,8 @@ class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
   /// Accepts and serves clients (a thread each) until shutdown. Returns then; the caller's
   /// process exits (connection threads are detached and end with it).
   void serve_forever();
+  /// One accepting thread's loop (serve_forever runs kAcceptors of them).
+  void accept_loop();
   /// References one connection holds: object id -> count. The server gives them back when
   /// the connection ends, so a client that exits or is killed without its decrefs (a fork
   /// child _exits, SIGKILL) leaks nothing.
