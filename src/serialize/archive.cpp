@@ -88,19 +88,21 @@ void OutputArchive::reserve_more(size_t n) {
   std::string& bytes = out_.bytes;
   if (bytes.capacity() - bytes.size() >= n) return;
   const size_t want = bytes.size() + n + 256;
-  if (n >= kCachedBufferBytes) {
-    // A buffer a loaded tensor gave back (payload_buffers.h): its pages are warm.
-    std::string cached = take_payload_buffer(want);
-    if (cached.capacity() >= want) {
-      cached.append(bytes);
-      bytes.swap(cached);
-      return;
-    }
+  if (n < kCachedBufferBytes) {
+    bytes.reserve(want);
+    return;
   }
-  bytes.reserve(n >= kCachedBufferBytes ? payload_buffer_capacity(want) : want);
+  // A buffer a loaded tensor gave back (payload_buffers.h): its pages are warm.
+  std::string cached = take_payload_buffer(want);
+  if (cached.capacity() >= want) {
+    cached.append(bytes);
+    bytes.swap(cached);
+    return;
+  }
+  bytes.reserve(payload_buffer_capacity(want));
   // The block is fresh (mmapped by malloc at this size): fault it in at once, in huge pages
   // where the kernel allows, before the append writes it (prefault.h has the figures).
-  if (n >= kPrivatePrefaultBytes) prefault_private_for_write(bytes.data() + bytes.size(), n);
+  prefault_private_for_write(bytes.data() + bytes.size(), n);
 }
 
 std::pair<uint32_t, bool> OutputArchive::storage_id(const c10::StorageImpl* impl) {

@@ -13,11 +13,13 @@
 #include <cstddef>
 #include <string>
 
+#include "core/prefault.h"
+
 namespace torchpar::detail {
 
 /// Buffers below this capacity are never kept: glibc's heap already reuses them warm (its
-/// dynamic mmap threshold stops at 32 MiB). Equal to prefault.h's kPrivatePrefaultBytes.
-constexpr size_t kCachedBufferBytes = size_t{32} << 20;
+/// dynamic mmap threshold stops at 32 MiB), the same line as prefault_private_for_write's.
+constexpr size_t kCachedBufferBytes = kPrivatePrefaultBytes;
 /// The cache keeps at most this many buffers and this many bytes of capacity in all.
 constexpr size_t kCachedBufferCount = 2;
 constexpr size_t kCachedBufferLimit = size_t{256} << 20;
