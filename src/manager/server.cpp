@@ -231,13 +231,21 @@ void ManagerServer::serve_connection(Connection connection) {
   for (const auto& [id, count] : held) decref(id, count);
 }
 
-void ManagerServer::serve_forever() {
+void ManagerServer::serve_forever(const std::function<void()>& ready) {
   // The Listener takes accept() from several threads at once; close() (shutdown) wakes
   // every one of them with ClosedError.
   std::vector<std::thread> more;
   try {
     for (int i = 1; i < kAcceptors; ++i) more.emplace_back([this] { accept_loop(); });
   } catch (const std::system_error&) {  // no more threads: fewer acceptors
+  }
+  try {
+    if (ready) ready();  // the parent may be gone: the acceptors stop with this thread
+  } catch (...) {
+    stopping_ = true;
+    listener_.close();
+    for (auto& t : more) t.join();
+    throw;
   }
   accept_loop();
   for (auto& t : more) t.join();
@@ -277,9 +285,10 @@ void manager_server_main(Connection ready, std::string address, AuthKey authkey)
     ready.send(std::make_tuple(false, std::string(e.what())));
     throw;
   }
-  ready.send(std::make_tuple(true, server->address()));
-  ready.close();
-  server->serve_forever();
+  server->serve_forever([&] {
+    ready.send(std::make_tuple(true, server->address()));
+    ready.close();
+  });
 }
 
 }  // namespace torchpar::detail

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -147,8 +148,10 @@ class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
   explicit ManagerServer(Listener listener) : listener_(std::move(listener)) {}
   const std::string& address() const { return listener_.address(); }
   /// Accepts and serves clients (a thread each) until shutdown. Returns then; the caller's
-  /// process exits (connection threads are detached and end with it).
-  void serve_forever();
+  /// process exits (connection threads are detached and end with it). `ready` runs once
+  /// every accepting thread exists, so a client that connects after it sees the server's
+  /// whole set of threads (the tests count them).
+  void serve_forever(const std::function<void()>& ready = {});
   /// One accepting thread's loop (serve_forever runs kAcceptors of them).
   void accept_loop();
   /// References one connection holds: object id -> count. The server gives them back when
