@@ -385,6 +385,10 @@ TEST(RpcTransportStray, StrayConnectionsDoNotStopTheListener) {
 }
 
 TEST_P(RpcTransport, StalledHandshakeDelaysNoOtherPeer) {
+  // The stalled peer sits on the listener a shm-less instance of the same kind has too
+  // (TensorPipe's uv listener; the composite's TCP one), and TensorPipe's shm reactor would
+  // poll a core through the 2.5 s of waiting.
+  if (shm()) GTEST_SKIP() << "the same listener as this kind without shm";
   Inbox a_in, b_in;
   auto slow = options("b", shm());
   slow.handshake_timeout = 2s;
