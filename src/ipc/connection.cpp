@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/futex.h"
+#include "serialize/payload_io.h"
 #include "torchpar/core/auth.h"
 #include "torchpar/core/syscall.h"
 
@@ -135,17 +136,11 @@ Payload Connection::recv_payload_checked(Timeout timeout, size_t max_bytes) {
     }
   }
   // Spin briefly before sleeping: a blocking wake-up costs tens of microseconds on these
-  // VMs, while a reply in a ping-pong usually arrives within a few.
-  {
-    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-    struct pollfd pfd {
-      fileno(), POLLIN, 0
-    };
-    while (::poll(&pfd, 1, 0) == 0 && std::chrono::steady_clock::now() < spin_until) {
-    }
-  }
+  // VMs, while a reply in a ping-pong usually arrives within a few. The spin retries the
+  // read itself (a poll loop then a read was one system call more per message).
   try {
-    return recv_payload(fileno(), timeout, max_bytes);
+    return detail::recv_payload_spinning(fileno(), timeout, max_bytes,
+                                         std::chrono::microseconds(50));
   } catch (const ProtocolError& e) {
     close();
     throw ProtocolError(fmt::format("{}; the connection was closed", e.what()));

@@ -7,7 +7,9 @@
 
 #include <fmt/format.h>
 
+#include "core/cpu_relax.h"
 #include "core/futex.h"
+#include "serialize/payload_io.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/payload.h"
@@ -90,11 +92,13 @@ void wait_readable(int sock, const Deadline& deadline) {
   }
 }
 
-// Receives exactly `len` bytes; fds that arrive are appended to `fds`.
+// Receives exactly `len` bytes; fds that arrive are appended to `fds`. Until `spin_until`
+// (if set) it retries a non-blocking read instead of sleeping in poll or recvmsg.
 void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bool at_start,
-                const Deadline& deadline) {
+                const Deadline& deadline, const Deadline& spin_until = std::nullopt) {
   alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kFdsPerMessage)];
   size_t got = 0;
+  bool spinning = spin_until.has_value();
   while (got < len) {
     struct iovec iov {
       data + got, len - got
@@ -106,10 +110,16 @@ void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bo
     msg.msg_controllen = sizeof control;
     // With a deadline, try first and poll only when nothing is there: the bytes of a frame
     // usually arrive together, and a poll per read was a system call each time.
-    const int flags = MSG_CMSG_CLOEXEC | (deadline ? MSG_DONTWAIT : 0);
+    const int flags = MSG_CMSG_CLOEXEC | (deadline || spinning ? MSG_DONTWAIT : 0);
     ssize_t n = ::recvmsg(sock, &msg, flags);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (spinning && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        // The read is the check: a reply that arrives is taken by the call that sees it.
+        spinning = Clock::now() < *spin_until && !(deadline && Clock::now() >= *deadline);
+        detail::cpu_relax();
+        continue;
+      }
       if (deadline && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         wait_readable(sock, deadline);
         continue;
@@ -167,10 +177,18 @@ void send_payload(int sock, const Payload& payload) {
 }
 
 Payload recv_payload(int sock, Timeout timeout, size_t max_bytes) {
+  return detail::recv_payload_spinning(sock, timeout, max_bytes, std::chrono::microseconds(0));
+}
+
+Payload detail::recv_payload_spinning(int sock, Timeout timeout, size_t max_bytes,
+                                      std::chrono::microseconds spin) {
   const Deadline deadline = detail::deadline_after(timeout);
+  const Deadline spin_until =
+      spin.count() > 0 ? Deadline(Clock::now() + spin) : Deadline(std::nullopt);
   Payload p;
   FrameHeader h{};
-  recv_exact(sock, reinterpret_cast<char*>(&h), sizeof h, &p.fds, /*at_start=*/true, deadline);
+  recv_exact(sock, reinterpret_cast<char*>(&h), sizeof h, &p.fds, /*at_start=*/true, deadline,
+             spin_until);
   if (h.magic != kFrameMagic) throw SerializationError("recv_payload: bad frame magic");
   if (h.nfds > kMaxFds)
     throw SerializationError(fmt::format("recv_payload: frame claims {} fds", h.nfds));

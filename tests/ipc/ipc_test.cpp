@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -362,6 +363,40 @@ TEST(Pipe, BytesPollClosedAndDirection) {
   EXPECT_FALSE(r.poll());
   w.send(std::vector<int>{1, 2});
   EXPECT_EQ(r.recv<std::vector<int>>(1s), (std::vector<int>{1, 2}));
+}
+
+// recv spins on the read itself for a moment (detail::recv_payload_spinning) before it
+// sleeps: a frame that comes during the spin, after it, or split around its end arrives
+// whole, with and without a timeout, and a timeout of 0 on an empty pipe still times out.
+TEST(Pipe, FramesArriveWholeAroundTheReceiveSpin) {
+  auto [a, b] = tp::Pipe();
+  EXPECT_THROW(b.recv_bytes(0s), tp::TimeoutError);
+  for (const bool with_timeout : {true, false}) {
+    SCOPED_TRACE(with_timeout ? "recv_bytes(5s)" : "recv_bytes()");
+    auto recv = [&, &b = b] { return with_timeout ? b.recv_bytes(5s) : b.recv_bytes(); };
+    for (const auto delay : {0ms, 30ms}) {
+      std::thread sender([&, &a = a] {
+        std::this_thread::sleep_for(delay);
+        a.send_bytes("whole");
+      });
+      EXPECT_EQ(recv(), "whole");
+      sender.join();
+    }
+    // A frame whose header comes in two writes, the second after the spin has ended:
+    // magic "PARF", no fds, 5 bytes.
+    const uint32_t head[4] = {0x46524150u, 0u, 5u, 0u};
+    std::string frame(reinterpret_cast<const char*>(head), sizeof head);
+    frame += "split";
+    std::thread sender([&, &a = a] {
+      ASSERT_EQ(::send(a.fileno(), frame.data(), 6, MSG_NOSIGNAL), 6);
+      std::this_thread::sleep_for(30ms);
+      ASSERT_EQ(::send(a.fileno(), frame.data() + 6, frame.size() - 6, MSG_NOSIGNAL),
+                static_cast<ssize_t>(frame.size() - 6));
+    });
+    EXPECT_EQ(recv(), "split");
+    sender.join();
+  }
+  EXPECT_FALSE(b.poll()) << "nothing left over in the stream";
 }
 
 int main(int argc, char** argv) {
