@@ -232,7 +232,7 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
     ar.saveBinary(storage.data(), nbytes);
     return;
   }
-  StorageHandle h = export_storage(storage);
+  StorageHandle h = export_storage(storage, ar.options().pin_shared);
   if (h.strategy == SharingStrategy::kFileDescriptor) {
     write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kFd));
     write<uint64_t>(ar, h.nbytes);

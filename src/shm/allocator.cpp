@@ -499,10 +499,14 @@ at::DataPtr import_block(State& s, std::shared_ptr<Segment> seg, const StorageHa
     // Claim one export of the block: the reference it carries becomes this storage's.
     uint32_t cur = exports.load();
     do {
-      if (cur == 0)
+      if ((cur & ~kPinnedExport) == 0)
         throw SerializationError(
-            "shared tensor handle was already imported, or never exported: "
-            "a payload made with copy_tensor=false can be loaded once");
+            (cur & kPinnedExport) != 0
+                ? "shared tensor handle has no export left to claim: it was already "
+                  "imported, or its block is pinned for borrowers (dumps with pin_shared, a "
+                  "manager's stored value), whose payloads load with adopt_shared=false"
+                : "shared tensor handle was already imported, or never exported: "
+                  "a payload made with copy_tensor=false can be loaded once");
     } while (!exports.compare_exchange_weak(cur, cur - 1));
   } else {
     // Borrow: the payload's export is never claimed, so its reference keeps the block

@@ -30,6 +30,12 @@ namespace torchpar::detail {
 inline constexpr uint64_t kSegmentMagic = 0x314d485352415054ULL;  // "TPARSHM1"
 inline constexpr uint32_t kSegmentVersion = 1;
 inline constexpr size_t kPageSize = 4096;
+/// The top bit of a block's exports word: the block has an export that pins it for
+/// borrowers (DumpsOptions::pin_shared, a manager's stored value) rather than one in flight.
+/// It is set, never cleared and never counted: the block is not reused while it is set, and
+/// the cleaner does not keep the segment's name for it past its creator's exit. The low 31
+/// bits count the exports in flight (each claimed by one adopting import).
+inline constexpr uint32_t kPinnedExport = 1u << 31;
 
 struct SegmentHeader {
   uint64_t magic;
@@ -77,7 +83,7 @@ class Segment {
     auto* arr = reinterpret_cast<uint32_t*>(base_ + sizeof(SegmentHeader));
     return std::atomic_ref<uint32_t>(arr[block]);
   }
-  /// Exports of `block` not yet imported.
+  /// Exports of `block` not yet imported (low 31 bits), and kPinnedExport.
   std::atomic_ref<uint32_t> exports(uint32_t block) const {
     auto* arr = reinterpret_cast<uint32_t*>(base_ + sizeof(SegmentHeader)) + num_blocks_;
     return std::atomic_ref<uint32_t>(arr[block]);

@@ -16,7 +16,8 @@
 namespace torchpar::detail {
 
 /// True when the segment open at `fd` is a torchpar segment with an export not yet
-/// imported. Anything unreadable or foreign counts as not in flight.
+/// imported (a pinned export, kPinnedExport, is not in flight: it waits for no receiver).
+/// Anything unreadable or foreign counts as not in flight.
 inline bool segment_in_flight(int fd) noexcept {
   struct stat st {};
   if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(sizeof(SegmentHeader))) return false;
@@ -38,7 +39,7 @@ inline bool segment_in_flight(int fd) noexcept {
       blocks;
   bool in_flight = false;
   for (uint32_t b = 0; b < blocks && !in_flight; ++b)
-    in_flight = __atomic_load_n(&exports[b], __ATOMIC_ACQUIRE) != 0;
+    in_flight = (__atomic_load_n(&exports[b], __ATOMIC_ACQUIRE) & ~kPinnedExport) != 0;
   ::munmap(p, len);
   return in_flight;
 }

@@ -33,7 +33,7 @@ void check_shareable(const at::Tensor& t, const char* what) {
 
 }  // namespace
 
-StorageHandle export_storage(const c10::Storage& storage) {
+StorageHandle export_storage(const c10::Storage& storage, bool pin) {
   BlockRef* ref = block_of(storage);
   TORCH_CHECK(ref != nullptr, "export_storage: the storage is not in shared memory");
   StorageHandle h;
@@ -48,6 +48,13 @@ StorageHandle export_storage(const c10::Storage& storage) {
     h.fd_number = h.fd;
     h.dev = ref->seg->dev();
     h.ino = ref->seg->ino();
+  }
+  if (pin) {
+    // One reference for every borrower to come, held for good (as an export nobody claims);
+    // the bit is set once, so pinning again adds nothing.
+    if ((ref->seg->exports(ref->block).fetch_or(kPinnedExport) & kPinnedExport) == 0)
+      ref->seg->refs(ref->block).fetch_add(1);
+    return h;
   }
   ref->seg->refs(ref->block).fetch_add(1);  // held for the importer, which adopts it
   ref->seg->exports(ref->block).fetch_add(1);

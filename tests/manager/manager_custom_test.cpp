@@ -142,6 +142,28 @@ TEST(ManagerCustom, RegisteredTypeIsMadeWithArgumentsAndCalledInTheServer) {
   EXPECT_EQ(m.number_of_objects(), 2u);
 }
 
+TEST(ManagerCustom, WithShareTensorsTheServerAdoptsTheArgumentsSharedMemory) {
+  // A registered member's arguments are loaded once in the server, adopting their shared
+  // tensors (not pinned for borrowers as stored values are): the server's tensor aliases
+  // the caller's. Results still come back as copies.
+  tp::ManagerOptions o = manager_options();
+  o.share_tensors = true;
+  tp::Manager m(o);
+  auto s = m.make<TensorStore>("TensorStore", std::string("shared"));
+  at::Tensor t = at::arange(6, at::kFloat);
+  s.call("put", std::string("w"), t);
+  EXPECT_TRUE(tp::is_shared(t));
+  t.add_(100);  // the server holds the same memory
+  at::Tensor got = s.call<at::Tensor>("get", std::string("w"));
+  EXPECT_TRUE(at::equal(got, at::arange(6, at::kFloat) + 100));
+  got.fill_(0);  // a copy
+  EXPECT_TRUE(
+      at::equal(s.call<at::Tensor>("get", std::string("w")), at::arange(6, at::kFloat) + 100));
+  // The same tensor again: a second export of the block, claimed by its one load.
+  s.call("put", std::string("w2"), t);
+  EXPECT_EQ(s.call<std::vector<std::string>>("keys"), (std::vector<std::string>{"w", "w2"}));
+}
+
 TEST(ManagerCustom, MethodNotExposedIsAnAttributeErrorListingTheExposedOnes) {
   tp::Manager m(manager_options());
   auto s = m.make<TensorStore>("TensorStore", std::string("x"));

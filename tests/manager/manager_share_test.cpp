@@ -9,6 +9,9 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -50,6 +53,20 @@ void put_then_write(TensorDict d, tp::Connection ctl, std::string strategy) {
 
 bool all_equal(const at::Tensor& t, float v) { return at::equal(t, at::full({kNumel}, v)); }
 
+/// How many torchpar-shm-cleaner processes watch `pid` (their argv: the program, the pid,
+/// the name prefix).
+int cleaners_of(pid_t pid) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    std::ifstream f(e.path() / "cmdline", std::ios::binary);
+    std::string cmdline((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (cmdline.find("torchpar-shm-cleaner") != std::string::npos &&
+        cmdline.find('\0' + std::to_string(pid) + '\0') != std::string::npos)
+      ++n;
+  }
+  return n;
+}
+
 std::string method_and_strategy(
     const ::testing::TestParamInfo<std::tuple<std::string, std::string>>& param) {
   return std::get<0>(param.param) + "_" + std::get<1>(param.param);
@@ -88,6 +105,18 @@ TEST_P(ManagerShareTensors, ParentAliasesTheChildsTensor) {
   EXPECT_TRUE(all_equal(a, 7));
   a.add_(1);
   EXPECT_TRUE(all_equal(b, 8));
+  // The stored value pins its block for borrowers, which is no handle in flight: the
+  // sender's cleaner unlinks the sender's names when it exits and ends (it kept them, and
+  // lived, an hour), while this process's mapping stays valid.
+  if (strategy == "file_system") {
+    const std::string prefix = "torchpar_" + std::to_string(p.pid()) + "_";
+    EXPECT_TRUE(
+        tp::testing::eventually([&] { return tp::testing::shm_entries(prefix).empty(); }, 10s))
+        << "the sender's /dev/shm names outlive it";
+    EXPECT_TRUE(tp::testing::eventually([&] { return cleaners_of(p.pid()) == 0; }, 10s))
+        << "the sender's torchpar-shm-cleaner is still running";
+    EXPECT_TRUE(all_equal(a, 8));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(MethodsAndStrategies, ManagerShareTensors,
@@ -137,6 +166,32 @@ TEST(LoadsOptions, BorrowedHandlesLoadAnyNumberOfTimes) {
   EXPECT_TRUE(at::equal(z, at::full({16}, 3.0f)));
   EXPECT_THROW(tp::loads<at::Tensor>(p, {.adopt_shared = false}), tp::SerializationError);
   EXPECT_THROW(tp::loads<at::Tensor>(p), tp::SerializationError);  // loaded once, as before
+}
+
+TEST(LoadsOptions, PinnedHandlesAreBorrowedNeverAdopted) {
+  // DumpsOptions::pin_shared, as a share_tensors proxy stores its values: borrowing loads
+  // any number of times, before and after another pinning dumps of the same storage; an
+  // adopting load is refused and leaves the pin in place.
+  at::Tensor t = at::zeros({16});
+  const tp::Payload p = tp::dumps(t, {.copy_tensor = false, .pass_fds = false, .pin_shared = true});
+  const tp::Payload again =
+      tp::dumps(t, {.copy_tensor = false, .pass_fds = false, .pin_shared = true});
+  try {
+    (void)tp::loads<at::Tensor>(p);
+    ADD_FAILURE() << "an adopting load of a pinned handle succeeded";
+  } catch (const tp::SerializationError& e) {
+    EXPECT_NE(std::string(e.what()).find("adopt_shared=false"), std::string::npos) << e.what();
+  }
+  at::Tensor x = tp::loads<at::Tensor>(p, {.adopt_shared = false});
+  at::Tensor y = tp::loads<at::Tensor>(again, {.adopt_shared = false});
+  at::Tensor z = tp::loads<at::Tensor>(p, {.adopt_shared = false});
+  t.fill_(5);
+  for (const auto& u : {x, y, z}) EXPECT_TRUE(at::equal(u, at::full({16}, 5.0f)));
+  // An ordinary export of the same block is still one to claim, once.
+  const tp::Payload once = tp::dumps(t, {.copy_tensor = false, .pass_fds = false});
+  EXPECT_TRUE(at::equal(tp::loads<at::Tensor>(once), at::full({16}, 5.0f)));
+  EXPECT_THROW(tp::loads<at::Tensor>(once), tp::SerializationError);
+  EXPECT_TRUE(at::equal(tp::loads<at::Tensor>(p, {.adopt_shared = false}), t));
 }
 
 }  // namespace

@@ -67,13 +67,13 @@ struct ManagerOptions {
   /// reused on that host, unrelated memory: do not set it for proxies used on other
   /// hosts. The built-in objects keep the bytes and never open the memory.
   /// Lifetime: a value can be read any number of times while its sender lives, and a
-  /// tensor already read stays valid after the sender exits. Each shared value pins its
-  /// block: the sender never reuses that memory, which goes back to the system once the
-  /// sender has exited and no reader maps it. A file_system segment's name (and so its
-  /// memory) outlives its creator: the value's handle counts as an export not yet taken,
-  /// so the creator's cleaner keeps the name for readers until an hour after the segment
-  /// was made, as torch_shm_manager keeps a segment for a receiver. So share large,
-  /// long-lived tensors (weights, buffers), not a stream of fresh ones.
+  /// tensor already read stays valid after the sender exits. After the sender's exit only
+  /// a process that still maps the segment (it holds a tensor read before) can read the
+  /// value again; elsewhere the read raises ShmError, with either sharing strategy. Each
+  /// shared value pins its block (DumpsOptions::pin_shared): the sender
+  /// never reuses that memory, which goes back to the system once the sender has exited
+  /// and no reader maps it; its file_system name goes at the sender's exit. So share
+  /// large, long-lived tensors (weights, buffers), not a stream of fresh ones.
   /// Source: issue 16; Python's Manager with torch.multiprocessing's reductions shares
   /// tensors through the server instead.
   bool share_tensors = false;

@@ -69,9 +69,18 @@ class BaseProxy {
                           Timeout wait = std::chrono::duration<double>(0)) const;
 
   /// Payload bytes of `value` for the server: tensors copied, or as shared-memory handles
-  /// (no fds: names, or the sender's /proc fd path) when share_tensors() is set.
+  /// (no fds: names, or the sender's /proc fd path) that pin their blocks for borrowers
+  /// (DumpsOptions::pin_shared) when share_tensors() is set.
   template <class T>
   std::string encode(const T& value) const {
+    const bool share = share_tensors();
+    return dumps(value, {.copy_tensor = !share, .pass_fds = !share, .pin_shared = share}).bytes;
+  }
+  /// As encode, for bytes the server loads once, adopting their shared tensors (a
+  /// registered member's arguments): the exports wait in flight for that one load
+  /// instead of pinning their blocks.
+  template <class T>
+  std::string encode_once(const T& value) const {
     const bool share = share_tensors();
     return dumps(value, {.copy_tensor = !share, .pass_fds = !share}).bytes;
   }

@@ -318,7 +318,7 @@ class Proxy : public BaseProxy {
     detail::check_managed_call(type_id(), typeid(T), method, typeid(Args),
                                std::is_void_v<R> ? typeid(void) : typeid(std::decay_t<R>));
     const std::string result = call_method(
-        method, encode(Args(static_cast<detail::managed_wire_t<A>>(args)...)), options.wait);
+        method, encode_once(Args(static_cast<detail::managed_wire_t<A>>(args)...)), options.wait);
     if constexpr (!std::is_void_v<R>) return decode<std::decay_t<R>>(result);
   }
 };

@@ -59,6 +59,14 @@ struct DumpsOptions {
   /// (never close them), and must not let the payload outlive the value. If dumps throws,
   /// they are released for it. Leave false anywhere else.
   bool borrow_fds = false;
+  /// Shared mode, for a payload to be loaded any number of times with
+  /// LoadsOptions::adopt_shared=false (a manager's stored values): each block's export
+  /// pins it for borrowers instead of waiting in flight for one adopting load. The sender
+  /// never reuses a pinned block, and the block is readable while the sender lives: the
+  /// sender's torchpar-shm-cleaner does not keep a pinned segment's name past the sender's
+  /// exit (file_system), as the sender's /proc fd goes with it (file_descriptor). An
+  /// adopting load of such a payload raises SerializationError.
+  bool pin_shared = false;
 };
 
 /// Options of `loads`.
@@ -71,7 +79,8 @@ struct LoadsOptions {
   /// values). The price: the payload's reference is never given back, so the sender never
   /// reuses the block; it is freed when the sender has exited and the last process mapping
   /// it lets go (file_system strategy: when its name is gone too, which the sender's
-  /// cleaner keeps for readers until an hour after the segment was made).
+  /// cleaner keeps for readers until an hour after the segment was made, or only until
+  /// the sender's exit when the payload was made with DumpsOptions::pin_shared).
   bool adopt_shared = true;
   /// The out-of-band storages of a payload made with DumpsOptions::storages, in order;
   /// loaded tensors alias them (no copy). A payload that refers to one without them, or
