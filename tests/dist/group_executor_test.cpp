@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -93,11 +94,18 @@ TEST(GroupExecutor, AfterAsynchronousCallsASynchronousOneWaitsItsTurn) {
   tp::detail::GroupExecutor ex(std::make_shared<NoBackend>());
   Recorder r;
   std::vector<std::shared_ptr<tp::detail::PromiseWork>> works;
-  for (int i = 0; i < 5; ++i) {
+  std::promise<void> go;
+  std::shared_future<void> gate = go.get_future().share();
+  works.push_back(ex.submit([&r, gate](tp::detail::GroupBackend&) {
+    gate.wait();  // holds the thread until the check below has run
+    r.run(0);
+  }));
+  for (int i = 1; i < 5; ++i) {
     works.push_back(ex.submit([&r, i](tp::detail::GroupBackend&) { r.run(i, 2ms); }));
   }
   // Queued or running calls: the fast path declines, so the caller submits and waits.
   EXPECT_FALSE(ex.try_run_inline([&](tp::detail::GroupBackend&) { r.run(99); }));
+  go.set_value();
   auto last = ex.submit([&r](tp::detail::GroupBackend&) { r.run(5); });
   ASSERT_TRUE(last->wait_until(tp::detail::SteadyClock::now() + 10s));
   for (auto& w : works) EXPECT_TRUE(w->done());
@@ -106,8 +114,15 @@ TEST(GroupExecutor, AfterAsynchronousCallsASynchronousOneWaitsItsTurn) {
   auto bad = ex.submit([](tp::detail::GroupBackend&) { throw std::runtime_error("in the work"); });
   EXPECT_THROW(bad->wait_until(tp::detail::SteadyClock::now() + 10s), std::runtime_error);
   EXPECT_TRUE(bad->done());
-  // Idle again: inline.
-  EXPECT_TRUE(ex.try_run_inline([&](tp::detail::GroupBackend&) { r.run(6); }));
+  // Idle again once the thread has let go of its last call (just after completing its
+  // Work): inline.
+  bool inline_ran = false;
+  const auto until = tp::detail::SteadyClock::now() + 10s;
+  while (!inline_ran && tp::detail::SteadyClock::now() < until) {
+    inline_ran = ex.try_run_inline([&](tp::detail::GroupBackend&) { r.run(6); });
+    if (!inline_ran) std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_TRUE(inline_ran);
 }
 
 TEST(GroupExecutor, CallsFromManyThreadsNeverOverlapAndKeepEachThreadsOrder) {
