@@ -48,9 +48,13 @@ void condition_waiter(int, tp::Condition c, tp::Value<int> flag, tp::Value<int> 
 
 }  // namespace
 
+// Under spawn only the barrier runs (2 spawned children): every primitive's handle reaches a
+// child that is not a fork of the test under forkserver too, and a spawned child costs a
+// LibTorch start (~0.7 CPU-s) each.
 class Sync : public tp::testing::StartMethodTest {};
 
 TEST_P(Sync, ValueAndArrayIncrementsUnderLockSumExactly) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Value<int64_t> v(0);
   tp::Array<int64_t> a(4);
   auto ctx = tp::start_processes(add_under_lock, std::make_tuple(v, a, 500), 4, opts(false));
@@ -71,6 +75,7 @@ TEST_P(Sync, BarrierAcrossProcesses) {
 }
 
 TEST_P(Sync, EventAcrossProcesses) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Event e;
   tp::Queue<std::string> out;
   auto ctx = tp::start_processes(wait_event, std::make_tuple(e, out), 2, opts(false));
@@ -82,6 +87,7 @@ TEST_P(Sync, EventAcrossProcesses) {
 }
 
 TEST_P(Sync, ConditionNotifyAcrossProcesses) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::Condition c;
   tp::Value<int> flag(0);
   tp::Value<int> registered(0, /*lock=*/false);
