@@ -276,6 +276,7 @@ TEST_P(PoolTest, CloseJoinAndTerminate) {
 }
 
 TEST_P(PoolTest, CtxPoolContextsAreDistinctPerWorker) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   auto o = options(2);
   tp::CtxPool<WorkerCtx> pool({WorkerCtx{"a"}, WorkerCtx{"b"}}, o);
   auto out = pool.map(ctx_name, std::vector<int>(20, 0), 1);
@@ -293,6 +294,7 @@ TEST_P(PoolTest, CtxPoolContextsAreDistinctPerWorker) {
 // CtxPool has every Pool call, each passing the worker's context (before: imap, starmap and
 // their relatives were Pool's, calling fn without the context; they did not compile).
 TEST_P(PoolTest, CtxPoolHasThePoolSurfaceWithItsContext) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   tp::CtxPool<WorkerCtx> pool({WorkerCtx{"a"}, WorkerCtx{"b"}}, options(2));
   const std::vector<int> items(6, 0);
   auto starts_with_context = [](const std::string& s) {

@@ -190,6 +190,7 @@ TEST_P(StartMethods, NestedSpawn) {
 // A child started from a thread that then ends lives on and finishes normally (before,
 // PR_SET_PDEATHSIG killed fork and spawn children when the starting thread exited).
 TEST_P(StartMethods, ChildOutlivesTheThreadThatStartedIt) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
   at::Tensor flags = at::zeros({2}, at::kInt);
   tp::share_memory_(flags);
   tp::ProcessOptions po;
