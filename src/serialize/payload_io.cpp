@@ -116,7 +116,8 @@ void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bo
       if (errno == EINTR) continue;
       if (spinning && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         // The read is the check: a reply that arrives is taken by the call that sees it.
-        spinning = Clock::now() < *spin_until && !(deadline && Clock::now() >= *deadline);
+        const auto now = Clock::now();
+        spinning = now < *spin_until && !(deadline && now >= *deadline);
         detail::cpu_relax();
         continue;
       }

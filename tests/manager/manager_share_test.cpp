@@ -53,6 +53,19 @@ void put_then_write(TensorDict d, tp::Connection ctl, std::string strategy) {
 
 bool all_equal(const at::Tensor& t, float v) { return at::equal(t, at::full({kNumel}, v)); }
 
+/// A client that never mapped the value: reading it after its sender exited raises
+/// SerializationError naming the sender's exit.
+void read_after_the_sender(TensorDict d) {
+  try {
+    (void)d.get("t");
+  } catch (const tp::SerializationError& e) {
+    require(std::string(e.what()).find("exited") != std::string::npos,
+            std::string("the error names the sender's exit: ") + e.what());
+    return;
+  }
+  throw std::runtime_error("a shared value was read after its sender exited");
+}
+
 /// How many torchpar-shm-cleaner processes watch `pid` (their argv: the program, the pid,
 /// the name prefix).
 int cleaners_of(pid_t pid) {
@@ -117,6 +130,12 @@ TEST_P(ManagerShareTensors, ParentAliasesTheChildsTensor) {
         << "the sender's torchpar-shm-cleaner is still running";
     EXPECT_TRUE(all_equal(a, 8));
   }
+  // Elsewhere (a forkserver child: it inherits no mapping of ours) the value is gone with
+  // its sender, with either strategy, and the read says so.
+  tp::Process late(child_options("forkserver"), read_after_the_sender, d);
+  late.start();
+  const auto error = late.error();
+  EXPECT_EQ(exit_code(late), 0) << (error ? error->first + ": " + error->second : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(MethodsAndStrategies, ManagerShareTensors,

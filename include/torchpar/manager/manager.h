@@ -69,11 +69,12 @@ struct ManagerOptions {
   /// Lifetime: a value can be read any number of times while its sender lives, and a
   /// tensor already read stays valid after the sender exits. After the sender's exit only
   /// a process that still maps the segment (it holds a tensor read before) can read the
-  /// value again; elsewhere the read raises ShmError, with either sharing strategy. Each
-  /// shared value pins its block (DumpsOptions::pin_shared): the sender
-  /// never reuses that memory, which goes back to the system once the sender has exited
-  /// and no reader maps it; its file_system name goes at the sender's exit. So share
-  /// large, long-lived tensors (weights, buffers), not a stream of fresh ones.
+  /// value again; elsewhere the read raises SerializationError naming the sender's exit,
+  /// with either sharing strategy. Each shared value pins its block
+  /// (DumpsOptions::pin_shared): the sender never reuses that memory, which goes back to
+  /// the system once the sender has exited and no reader maps it; its file_system name
+  /// goes at the sender's exit. So share large, long-lived tensors (weights, buffers), not
+  /// a stream of fresh ones.
   /// Source: issue 16; Python's Manager with torch.multiprocessing's reductions shares
   /// tensors through the server instead.
   bool share_tensors = false;

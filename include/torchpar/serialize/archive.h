@@ -65,7 +65,9 @@ struct DumpsOptions {
   /// never reuses a pinned block, and the block is readable while the sender lives: the
   /// sender's torchpar-shm-cleaner does not keep a pinned segment's name past the sender's
   /// exit (file_system), as the sender's /proc fd goes with it (file_descriptor). An
-  /// adopting load of such a payload raises SerializationError.
+  /// adopting load of such a payload raises SerializationError. The pin is one atomic bit
+  /// in the segment's header: any thread or process may dump the same storage, pinned or
+  /// not, at once. No Python original: torch.multiprocessing's handles are loaded once.
   bool pin_shared = false;
 };
 
