@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "support/collective_checks.h"
 #include "support/ranks.h"
@@ -238,6 +239,83 @@ void mismatch_inline_rank(int rank, int world, int port) {
 // reads the full metadata only when they differ: inline and slot-sized calls are compared too.
 TEST(Collective, MismatchedInlineOperationsRaiseOnEveryRank) {
   auto res = run_ranks(2, 60, &mismatch_inline_rank, 2, free_port());
+  for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
+// ---- a broadcast's root runs ahead (shm)
+// ---------------------------------------------------------
+
+void root_ahead_rank(int rank, int world, int port, int root) {
+  auto w = make_world(rank, world, port, 30);
+  auto signal = w.create_collective_group({}, tp::Backend::kGloo, 20.0s);
+  auto g = w.create_collective_group({}, tp::Backend::kShm, 20.0s);
+  // The root returns from an inline broadcast and from one through a slot before any other
+  // rank calls broadcast: it reaches the gloo barrier that the others pass first. (A larger
+  // broadcast's root returns once the others read all but its last chunk.)
+  for (int64_t n : {int64_t{2}, int64_t{1000}}) {  // inline; 4000 bytes: one slot
+    auto t = rank == root ? at::arange(n, at::kInt) : at::full({n}, -1, at::kInt);
+    if (rank == root) {
+      g.broadcast(t, root);
+      signal.barrier();
+    } else {
+      signal.barrier();
+      g.broadcast(t, root);
+    }
+    TORCHPAR_RCHECK(at::equal(t, at::arange(n, at::kInt)), "broadcast of {} ints (rank {})", n,
+                    rank);
+  }
+  // Many calls in a row, the others late now and then: the root is as far ahead as it may be,
+  // and every value still arrives (no set reused before everyone read it).
+  for (int i = 0; i < 300; ++i) {
+    const int64_t n = i % 30 == 29 ? 150000 : 3;  // inline, and 3 slots now and then
+    auto t = rank == root ? at::full({n}, i, at::kInt) : at::full({n}, -1, at::kInt);
+    if (rank != root && i % 40 == 7) std::this_thread::sleep_for(5ms);
+    g.broadcast(t, root);
+    TORCHPAR_RCHECK(at::equal(t, at::full({n}, i, at::kInt)), "call {} of {} ints (rank {})", i, n,
+                    rank);
+  }
+  auto s = at::ones({1});
+  g.all_reduce(s);
+  TORCHPAR_RCHECK(s.item<float>() == world, "all_reduce after the broadcasts: {}", s.item<float>());
+}
+
+TEST(Collective, ShmBroadcastRootReturnsOnceItsDataIsPublished) {
+  auto two = run_ranks(2, 60, &root_ahead_rank, 2, free_port(), 0);
+  for (auto& r : two) EXPECT_EQ(r.exitcode, 0) << r.error;
+  auto three = run_ranks(3, 60, &root_ahead_rank, 3, free_port(), 2);
+  for (auto& r : three) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
+/// The root of a broadcast does not wait for the others, so it learns that they called
+/// something else at its next call on the group; the others learn it at once.
+void root_disagree_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port, 20);
+  {  // both ranks think they are the root: both learn it at their next call
+    auto g = w.create_collective_group({}, tp::Backend::kShm);
+    auto t = at::ones({1});
+    g.broadcast(t, rank);
+    expect_disagree([&] { g.barrier(); },
+                    fmt::format("broadcast(dtype Float, numel 1, root {}", rank),
+                    fmt::format("broadcast(dtype Float, numel 1, root {}", 1 - rank));
+  }
+  {  // a root against an all_reduce through the slots: the root's next call throws
+    auto g = w.create_collective_group({}, tp::Backend::kShm);
+    auto t = at::ones({1000});
+    if (rank == 0) {
+      g.broadcast(t, 0);
+      try {
+        g.barrier();
+      } catch (const tp::Error&) {
+        return;
+      }
+      throw std::runtime_error("the root's next call after a disagreement did not throw");
+    }
+    expect_disagree([&] { g.all_reduce(t); }, "all_reduce(", "broadcast(");
+  }
+}
+
+TEST(Collective, ShmBroadcastRootLearnsOfADisagreementAtItsNextCall) {
+  auto res = run_ranks(2, 60, &root_disagree_rank, 2, free_port());
   for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
 }
 

@@ -101,22 +101,34 @@ void ShmBackend::reduce(const at::Tensor& t, int dst, const ReduceCallOptions& o
 }
 
 void ShmBackend::broadcast(const at::Tensor& t, int src, const CallOptions& o) {
-  begin(OpCode::kBroadcast, t, src, ReduceOp::kSum, o.timeout);
   char* data = static_cast<char*>(t.data_ptr());
   const size_t bytes = t.nbytes();
+  // The root publishes and goes on (as MPI's root returns once its data is sent). Tiny
+  // tensors go through the root's ring: it runs up to kRingDepth calls ahead. Larger ones
+  // through the slots: the root waits before reusing a set for every rank to have read it
+  // (ensure_writable), so it runs one chunk ahead and copies in while the others copy out.
   if (bytes <= kInlineBytes) {
-    if (rank() == src) std::memcpy(my_inline(), data, bytes);
-    arrive_and_wait();
-    if (rank() != src) std::memcpy(data, inline_of(src), bytes);
+    begin(OpCode::kBroadcast, t, src, ReduceOp::kSum, o.timeout, /*ring_root=*/rank() == src);
+    if (rank() == src) {
+      ring_publish(data, bytes);
+    } else {
+      ring_read(src, data, bytes);
+    }
     return;
   }
+  begin(OpCode::kBroadcast, t, src, ReduceOp::kSum, o.timeout);
   const bool stream = bytes >= kStreamBytes;
   for_chunks(bytes, slot_, [&](size_t off, size_t len) {
-    if (rank() == src) std::memcpy(my_slot(), data + off, len);
-    arrive_and_wait();
-    if (rank() != src) copy_out(data + off, slot(src), len, stream);
+    if (rank() == src) {
+      ensure_writable();
+      std::memcpy(my_slot(), data + off, len);
+      arrive_and_go();
+    } else {
+      arrive_and_wait_for(src);
+      copy_out(data + off, slot(src), len, stream);
+    }
   });
-  if (stream) stream_fence();
+  if (stream && rank() != src) stream_fence();
 }
 
 void ShmBackend::all_gather(const std::vector<at::Tensor>& out, const at::Tensor& in,

@@ -105,28 +105,90 @@ class ShmBackend final : public GroupBackend {
   // ---- backend.cpp: segment and steps
   void attach(const c10::intrusive_ptr<c10d::Store>& store);
   GroupBackend& p2p() const;
+  /// Starts an operation: its metadata, limit, and (unless `ring_root`: the root of a tiny
+  /// broadcast, which needs less, see ring_publish) ensure_writable.
   void begin(OpCode op, const at::Tensor& t, int root, ReduceOp rop,
-             std::chrono::duration<double> timeout);
+             std::chrono::duration<double> timeout, bool ring_root = false);
   void begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, ReduceOp rop,
-                  std::chrono::duration<double> timeout);
+                  std::chrono::duration<double> timeout, bool ring_root = false);
+  /// A tiny broadcast's root: writes `bytes` (<= kInlineBytes) and its metadata into its ring
+  /// entry for the next step and arrives; waits only when the ring is about to wrap (for
+  /// every rank to have read the entry it reuses). segment_layout.h has the protocol.
+  void ring_publish(const void* data, size_t bytes);
+  /// The other ranks of a tiny broadcast: arrive, wait for root `src`'s entry for this step,
+  /// check its metadata against ours and copy its `bytes` to `data`.
+  void ring_read(int src, void* data, size_t bytes);
   /// Arrive at the next step and wait for every rank to arrive there too; the first step
   /// of an operation also checks that every rank runs the same one.
   void arrive_and_wait() {
-    const uint32_t next = step_ + 1;
-    if (meta_pending_) {
-      ctl_[rank()].meta[next & 1] = cur_;
-      ctl_[rank()].inline_step[next & 1].sig = cur_sig_;
-    }
-    step_ = next;
-    barrier_.arrive_and_wait(next, wait_);
+    arrive_only();
+    barrier_.arrive_and_wait(step_, wait_);
+    synced_ = step_;
     if (meta_pending_) {
       meta_pending_ = false;
       check_meta();
     }
   }
+  /// Publishes this rank's metadata (first step of an operation) and arrives at the next
+  /// step without waiting for anyone. Callers first make sure the step's set is free
+  /// (ensure_writable) before writing their data for it.
+  void arrive_only() {
+    const uint32_t next = step_ + 1;
+    if (meta_pending_) {
+      ctl_[rank()].meta[next & 1] = cur_;
+      ctl_[rank()].inline_step[next & 1].sig = step_signature(cur_sig_, next);
+    }
+    step_ = next;
+    barrier_.arrive(next);
+  }
+  /// A step that only rank `q` writes (a broadcast's root): arrives, waits for q alone and
+  /// checks q's metadata. q checks ours later (defer_check).
+  void arrive_and_wait_for(int q) {
+    arrive_only();
+    barrier_.wait_for(q, step_, wait_);
+    if (size() == 2) synced_ = step_;
+    if (meta_pending_) {
+      meta_pending_ = false;
+      check_meta_of(q, step_, cur_, cur_sig_);
+    }
+  }
+  /// A step this rank writes and leaves at once (a broadcast's root): arrives without waiting;
+  /// the others' arrival, liveness and metadata are checked by ensure_writable, at the start of
+  /// this rank's next write to the segment (its next operation or chunk).
+  void arrive_and_go() {
+    const bool first = meta_pending_;
+    arrive_only();
+    if (first) {
+      meta_pending_ = false;
+      deferred_ = Deferred{step_, cur_, cur_sig_};
+    }
+  }
+  /// Before writing anything for step step_+1 (slots, inline data, metadata), every rank must
+  /// have finished reading the same set at step step_-1, that is arrived at step_. After a
+  /// full step (arrive_and_wait) that is known; after arrive_and_go it is waited for here.
+  /// A check left by arrive_and_go runs here too, before this rank arrives again (after that,
+  /// the others may overwrite the metadata it reads).
+  void ensure_writable() {
+    if (deferred_.step != 0 || static_cast<int32_t>(synced_ - step_) < 0) catch_up(step_);
+  }
+  /// Waits for every other rank to arrive at `need`, records the lowest counter seen in
+  /// synced_, and runs the metadata checks left for steps every rank has now reached
+  /// (deferred_, ring_steps_).
+  void catch_up(uint32_t need);
   /// Throws torchpar::Error on every rank (and aborts the segment) when the ranks' metadata
   /// of the current step differ (signatures first: they share the counters' cache lines).
-  void check_meta();
+  /// A signature that is not the step's (tagged with another step) differs too.
+  void check_meta() {
+    for (int q = 0; q < size(); ++q) check_meta_of(q, step_, cur_, cur_sig_);
+  }
+  /// The same for rank q's metadata at `step` against `mine` (whose signature is `sig`).
+  void check_meta_of(int q, uint32_t step, const OpMeta& mine, uint64_t sig) {
+    if (ctl_[q].inline_step[step & 1].sig != step_signature(sig, step)) {
+      meta_mismatch(q, step, mine);
+    }
+  }
+  /// Throws (and aborts) naming both calls unless q's metadata at `step` equals `mine`.
+  void meta_mismatch(int q, uint32_t step, const OpMeta& mine);
 
   char* slot_of(uint32_t set, int q) const {
     return data_ + (static_cast<size_t>(set) * size() + q) * slot_;
@@ -156,8 +218,19 @@ class ShmBackend final : public GroupBackend {
   char* data_ = nullptr;
   RankCtl* ctl_ = nullptr;
   StepBarrier barrier_;
+  bool spin_ = true;  // busy-wait first (ranks <= cores)
   size_t slot_ = 0;
   uint32_t step_ = 0;
+  uint32_t synced_ = 0;               // every other rank is known to have arrived at this step
+  std::vector<RingEntry*> rings_;     // by rank
+  std::vector<uint32_t> ring_steps_;  // tiny broadcasts published as root, not yet checked
+  /// The first step of an operation this rank left without waiting (arrive_and_go): the
+  /// others' metadata at that step is checked against `meta` once they arrive there.
+  struct Deferred {
+    uint32_t step = 0;  // 0: none
+    OpMeta meta{};
+    uint64_t sig = 0;
+  } deferred_;
   uint64_t calls_ = 0;
   OpMeta cur_{};
   uint64_t cur_sig_ = 0;  // op_signature(cur_)

@@ -4,8 +4,9 @@
 // Layout: a header page (geometry, the waiter count, the abort state), one 256-byte control
 // block per rank (its step counter, pid, and per step parity the signature of its current
 // operation and up to kInlineBytes of data in the counter's own cache line, then the full
-// metadata of its current operation by parity), rounded up to whole pages, then 2 x nranks
-// data slots of slot_bytes each: slot (set, rank) at data_offset + (set * nranks + rank) *
+// metadata of its current operation by parity), then per rank a ring of kRingDepth 64-byte
+// entries (its tiny broadcasts as root), rounded up to whole pages, then 2 x nranks data
+// slots of slot_bytes each: slot (set, rank) at data_offset + (set * nranks + rank) *
 // slot_bytes.
 //
 // Steps: in step k a rank writes only its own slot of set k%2 (or its inline data of parity
@@ -13,6 +14,12 @@
 // then reads any slot of set k%2 (any rank's inline data of parity k%2). Arriving at k+1 means
 // having finished reading set k%2, so the set is free again at step k+2: one barrier per step,
 // no second "done reading" barrier (step_barrier.h).
+//
+// Tiny broadcasts (at most kInlineBytes): the root writes its ring entry for step k
+// (k % kRingDepth), arrives and returns; the others arrive and read the entry. The entry is
+// written again at step k + kRingDepth, once every rank arrived at k + 1 (read it): the root
+// runs up to kRingDepth calls ahead, and reads the others' counters only when its ring is
+// about to wrap. It writes nothing beside its counter for such a step.
 //
 // Why inline data: a rank that sees a peer's counter reach k has that cache line already;
 // data and signature in the same line cost no further transfer between cores, where a slot
@@ -99,6 +106,28 @@ struct alignas(64) RankCtl {
 static_assert(sizeof(RankCtl) == 256);
 static_assert(offsetof(RankCtl, meta) == 64, "seq, signatures and inline data share one line");
 
+/// How many tiny broadcasts a root may run ahead of the slowest rank (ring entries per rank).
+inline constexpr uint32_t kRingDepth = 64;
+
+/// One tiny broadcast as its root publishes it, in a cache line of the root's ring: entry
+/// step % kRingDepth. Only the root writes it, `step` last (release); a reader that sees its
+/// step there has the rest.
+struct alignas(64) RingEntry {
+  std::atomic<uint32_t> step;  // the step this entry holds (0: none yet)
+  uint32_t pad;
+  alignas(8) char data[kInlineBytes];
+  OpMeta meta;   // the root's operation
+  uint64_t sig;  // op_signature(meta)
+};
+static_assert(sizeof(RingEntry) == 64);
+
+/// What a rank publishes as the signature of its operation's first step: the operation's
+/// signature tagged with the step, so that a signature left from an older step never
+/// matches (a broadcast's root publishes in its ring, not beside its counter).
+inline uint64_t step_signature(uint64_t sig, uint32_t step) {
+  return sig ^ (static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ULL);
+}
+
 /// A 64-bit digest of what ranks must agree on (every field of OpMeta but the call count):
 /// equal metadata, equal signatures. Ranks compare signatures first and the full metadata
 /// (for the message) only when they differ.
@@ -144,14 +173,21 @@ struct SegmentLayout {
     SegmentLayout l;
     l.nranks = nranks;
     l.slot_bytes = slot_bytes;
-    const size_t ctl_bytes = static_cast<size_t>(nranks) * sizeof(RankCtl);
+    const size_t ctl_bytes = static_cast<size_t>(nranks) * (sizeof(RankCtl) + kRingBytes);
     l.data_offset = kHeaderBytes + (ctl_bytes + kHeaderBytes - 1) / kHeaderBytes * kHeaderBytes;
     l.total_bytes = l.data_offset + 2 * static_cast<size_t>(nranks) * slot_bytes;
     return l;
   }
 
   static Header* header(char* base) { return reinterpret_cast<Header*>(base); }
+  static constexpr size_t kRingBytes = kRingDepth * sizeof(RingEntry);
   static RankCtl* ctl(char* base) { return reinterpret_cast<RankCtl*>(base + kHeaderBytes); }
+  /// Rank q's ring of tiny broadcasts (kRingDepth entries), after every control block.
+  RingEntry* ring(char* base, int q) const {
+    return reinterpret_cast<RingEntry*>(base + kHeaderBytes +
+                                        static_cast<size_t>(nranks) * sizeof(RankCtl) +
+                                        static_cast<size_t>(q) * kRingBytes);
+  }
   char* data(char* base) const { return base + data_offset; }
 
   /// Writes the geometry into a fresh (zero-filled) segment.

@@ -70,13 +70,13 @@ void StepBarrier::wait_for(int q, uint32_t step, const StepWait& limit) {
     header_->waiters.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = seq.load(std::memory_order_seq_cst);
     if (!reached(seen, step) && header_->aborted.load() == 0) {
-      futex_wait_until(futex_word(seq), seen, limit.deadline);
+      futex_wait_until(futex_word(seq), seen, limit.deadline_at());
     }
     header_->waiters.fetch_sub(1, std::memory_order_seq_cst);
     if (reached(seq.load(std::memory_order_acquire), step)) return;
     throw_if_aborted();
     const auto now = SteadyClock::now();
-    if (now >= limit.deadline) {
+    if (now >= limit.deadline_at()) {
       fail(q,
            fmt::format("{}: rank {} (pid {}) did not reach {} call #{} within {:.1f} s", name_, q,
                        ctl_[q].pid, limit.op, limit.call, limit.timeout.count()),

@@ -13,13 +13,23 @@ namespace torchpar::detail::shm_backend {
 
 /// The limit of one operation's waits, and what to call it in messages.
 struct StepWait {
-  /// When the operation gives up.
-  SteadyClock::time_point deadline;
+  /// When the operation gives up. Left at its default (the clock's epoch), it is set to
+  /// now + timeout by the first wait that does not end within its spin (deadline_at): a call
+  /// that never waits long reads no clock (~27 ns here, a seventh of a 4-byte all_reduce),
+  /// and the limit then counts from the first long wait, at most a few ms after the call began.
+  mutable SteadyClock::time_point deadline{};
   /// The operation's timeout, for messages ("within 8.0 s").
   std::chrono::duration<double> timeout{0};
   /// The operation and its number on the group, for messages ("all_reduce call #3").
   const char* op = "?";
   uint64_t call = 0;
+
+  SteadyClock::time_point deadline_at() const {
+    if (deadline == SteadyClock::time_point{}) {
+      deadline = SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(timeout);
+    }
+    return deadline;
+  }
 };
 
 /// Ranks meet at numbered steps: each arrives (publishes the step in its counter) and
