@@ -314,6 +314,36 @@ void root_disagree_rank(int rank, int world, int port) {
   }
 }
 
+/// A rank SIGKILLed in a run of tiny broadcasts: the root, which runs ahead, names it when
+/// its ring wraps (it waits for the dead rank there); a reader names a dead root at once.
+void broadcast_killed_rank(int rank, int world, int port, int victim) {
+  auto w = make_world(rank, world, port, 30);
+  auto g = w.create_collective_group({}, tp::Backend::kShm, 8.0s);
+  auto t = at::zeros({1}, at::kInt);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (int i = 0; i < 1000; ++i) {
+      if (rank == victim && i == 10) ::raise(SIGKILL);
+      g.broadcast(t, 0);
+    }
+  } catch (const tp::RankLostError& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    TORCHPAR_RCHECK(s < 8.5, "raised after {:.1f} s, beyond the 8 s timeout", s);
+    TORCHPAR_RCHECK(e.rank() == victim, "the error names rank {}, not {}: {}", e.rank(), victim,
+                    e.what());
+    return;
+  }
+  throw std::runtime_error("1000 broadcasts with a dead rank did not throw");
+}
+
+TEST(Collective, ShmBroadcastWithAKilledRankRaisesNamingIt) {
+  for (int victim : {1, 0}) {  // a reader, then the root
+    auto res = run_ranks(2, 60, &broadcast_killed_rank, 2, free_port(), victim);
+    EXPECT_EQ(res[victim].exitcode, -SIGKILL) << "victim " << victim;
+    EXPECT_EQ(res[1 - victim].exitcode, 0) << "victim " << victim << ": " << res[1 - victim].error;
+  }
+}
+
 TEST(Collective, ShmBroadcastRootLearnsOfADisagreementAtItsNextCall) {
   auto res = run_ranks(2, 60, &root_disagree_rank, 2, free_port());
   for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
