@@ -320,6 +320,9 @@ void broadcast_killed_rank(int rank, int world, int port, int victim) {
   auto w = make_world(rank, world, port, 30);
   auto g = w.create_collective_group({}, tp::Backend::kShm, 8.0s);
   auto t = at::zeros({1}, at::kInt);
+  // Everyone is past the group's creation (the root would otherwise run its 10 broadcasts
+  // and die while the other still talks to the store it hosts).
+  g.all_reduce(t);
   const auto t0 = std::chrono::steady_clock::now();
   try {
     for (int i = 0; i < 1000; ++i) {
