@@ -153,10 +153,11 @@ class CollectiveGroup {
   /// tensor = tensor of rank `src`.
   ///
   /// On the shm backend the root returns once its data is published (as MPI_Bcast's root
-  /// returns once its data is sent), up to one slot (256 KiB) or one inline call ahead of the
-  /// slowest rank; it can then modify `tensor`. A rank that called something else, or died,
-  /// is therefore named by the root's next call on the group, not by this one (the other
-  /// ranks raise at once, as for every collective).
+  /// returns once its data is sent): up to 64 calls of at most 16 bytes, or one 256 KiB
+  /// chunk, ahead of the slowest rank; it may then modify `tensor`. A rank that called
+  /// something else, or died, is therefore named by a later call of the root on the group
+  /// (the next one, or the one that finds its ring full), not by this one; the other ranks
+  /// raise at once, as for every collective.
   /// Source:  torch.distributed.broadcast.
   Work broadcast(at::Tensor tensor, int src, const CollectiveOptions& options = {});
   /// On `dst`: tensor = options.op(tensor of every rank); other ranks' tensors are left

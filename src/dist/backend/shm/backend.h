@@ -142,7 +142,7 @@ class ShmBackend final : public GroupBackend {
     barrier_.arrive(next);
   }
   /// A step that only rank `q` writes (a broadcast's root): arrives, waits for q alone and
-  /// checks q's metadata. q checks ours later (defer_check).
+  /// checks q's metadata. q checks ours later (arrive_and_go's deferred check).
   void arrive_and_wait_for(int q) {
     arrive_only();
     barrier_.wait_for(q, step_, wait_);
