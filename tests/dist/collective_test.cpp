@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -345,6 +346,41 @@ TEST(Collective, ShmBroadcastWithAKilledRankRaisesNamingIt) {
     EXPECT_EQ(res[victim].exitcode, -SIGKILL) << "victim " << victim;
     EXPECT_EQ(res[1 - victim].exitcode, 0) << "victim " << victim << ": " << res[1 - victim].error;
   }
+}
+
+/// A reader SIGSTOPped in a run of tiny broadcasts (alive, never arriving): the root, running
+/// ahead, times out when its ring is full, within the group's 2 s, naming the reader.
+void broadcast_stopped_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port, 30);
+  auto g = w.create_collective_group({}, tp::Backend::kShm, 2.0s);
+  auto pid = at::full({1}, rank == 1 ? static_cast<int64_t>(::getpid()) : 0, at::kLong);
+  g.all_reduce(pid);  // rank 0 learns rank 1's pid; both are past the group's creation
+  auto t = at::zeros({1}, at::kInt);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (int i = 0; i < 1000; ++i) {
+      if (rank == 1 && i == 10) ::raise(SIGSTOP);  // rank 0 kills it below
+      g.broadcast(t, 0);
+    }
+  } catch (const tp::TimeoutError& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ::kill(static_cast<pid_t>(pid.item<int64_t>()), SIGKILL);
+    TORCHPAR_RCHECK(rank == 0, "rank {} timed out: {}", rank, e.what());
+    TORCHPAR_RCHECK(s < 10, "timed out after {:.1f} s (group timeout 2 s)", s);
+    const std::string msg = e.what();
+    TORCHPAR_RCHECK(
+        msg.find("rank 1") != std::string::npos && msg.find("within 2.0 s") != std::string::npos,
+        "the error names neither rank 1 nor 2 s: {}", msg);
+    return;
+  }
+  if (rank == 0) ::kill(static_cast<pid_t>(pid.item<int64_t>()), SIGKILL);
+  throw std::runtime_error("1000 broadcasts with a stopped rank did not time out");
+}
+
+TEST(Collective, ShmBroadcastWithAStoppedRankTimesOut) {
+  auto res = run_ranks(2, 60, &broadcast_stopped_rank, 2, free_port());
+  EXPECT_EQ(res[0].exitcode, 0) << res[0].error;
+  EXPECT_EQ(res[1].exitcode, -SIGKILL);
 }
 
 TEST(Collective, ShmBroadcastRootLearnsOfADisagreementAtItsNextCall) {

@@ -206,7 +206,6 @@ void ShmBackend::ring_read(int src, void* data, size_t bytes) {
   // The root reached this step without publishing a tiny broadcast there: it called
   // something else (its counter's signature says what).
   if (!there) {
-    check_meta_of(src, step_, cur_, cur_sig_);
     meta_mismatch(src, step_, cur_);  // the same operation can only have been published here
     const std::string msg =
         fmt::format("{}: rank {} reached {} call #{} without publishing its data", name(), src,
