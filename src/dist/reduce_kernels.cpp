@@ -13,7 +13,8 @@ namespace torchpar::detail {
 namespace {
 
 template <class T>
-void combine_typed(T* d, const T* a, const T* b, size_t n, ReduceOp op) {
+inline __attribute__((always_inline)) void combine_typed(T* d, const T* a, const T* b, size_t n,
+                                                         ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
@@ -29,6 +30,29 @@ void combine_typed(T* d, const T* a, const T* b, size_t n, ReduceOp op) {
       for (size_t i = 0; i < n; ++i) d[i] = a[i] < b[i] ? b[i] : a[i];
       break;
   }
+}
+
+// float and double (gradients) get a loop per x86-64 level, picked at load time (GCC's
+// target_clones, an ifunc): the reduction of a chunk reads its own operand from a tensor
+// larger than the caches, and with SSE2's four floats per instruction the loop's memory
+// parallelism ran out first. 128 KiB from a 16 MiB tensor on the 2-core EPYC VM: SSE2
+// 10.1-10.8 us, AVX2 6.4-7.0, AVX-512 5.3-6.6; 16 MiB all_reduce on 2 ranks: see
+// docs/distributed.md.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TORCHPAR_SIMD_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TORCHPAR_SIMD_CLONES
+#endif
+
+TORCHPAR_SIMD_CLONES void combine_f32(float* d, const float* a, const float* b, size_t n,
+                                      ReduceOp op) {
+  combine_typed<float>(d, a, b, n, op);
+}
+
+TORCHPAR_SIMD_CLONES void combine_f64(double* d, const double* a, const double* b, size_t n,
+                                      ReduceOp op) {
+  combine_typed<double>(d, a, b, n, op);
 }
 
 void combine_bool(bool* d, const bool* a, const bool* b, size_t n, ReduceOp op) {
@@ -53,6 +77,16 @@ void reduce_combine(void* dst, const void* a, const void* b, size_t n, at::Scala
   if (dtype == at::kBool) {
     combine_bool(static_cast<bool*>(dst), static_cast<const bool*>(a), static_cast<const bool*>(b),
                  n, op);
+    return;
+  }
+  if (dtype == at::kFloat) {
+    combine_f32(static_cast<float*>(dst), static_cast<const float*>(a),
+                static_cast<const float*>(b), n, op);
+    return;
+  }
+  if (dtype == at::kDouble) {
+    combine_f64(static_cast<double*>(dst), static_cast<const double*>(a),
+                static_cast<const double*>(b), n, op);
     return;
   }
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "reduce_combine", [&] {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "dist/backend/shm/backend.h"
 #include "dist/reduce_kernels.h"
@@ -18,6 +19,12 @@ namespace {
 
 constexpr size_t kSmallBytes = 32 << 10;  // one-step all_reduce below this
 constexpr size_t kStreamBytes = 4 << 20;  // tensors at least this big: results bypass caches
+/// A chunked reduction combines its piece this much at a time into a block that stays in L1
+/// and copies the block out with memcpy. Storing the combined values straight into the slot
+/// was the slowest part of a 16 MiB all_reduce (per 128 KiB piece on the 2-core EPYC VM:
+/// 20-25 us straight, 12-13 us through 16 KiB blocks, where memcpy writes whole lines the
+/// other rank still holds without reading them first).
+constexpr size_t kReduceBlockBytes = 16 << 10;
 
 /// memcpy with non-temporal stores: the destination (a large user tensor) is not read
 /// before it is written, which saves the read-for-ownership traffic of normal stores.
@@ -234,16 +241,21 @@ void ShmBackend::small_reduce(char* data, size_t n, at::ScalarType dtype, Reduce
 
 /// Reduce-scatter + all-gather, one slot-sized chunk at a time. Step 1: every rank
 /// publishes the pieces of the chunk the others reduce (never its own piece). Step 2: each
-/// rank reduces its own piece from its tensor and the others' slots into its slot of the
-/// other set. Then every rank copies the reduced pieces out. Per chunk of C bytes a rank moves
-/// about 4C bytes instead of the 5.5C of publishing the whole chunk, and the reduction reads its
-/// own operand straight from the tensor.
+/// rank reduces its own piece from its tensor and the others' slots, a block of
+/// kReduceBlockBytes at a time, and copies each block into its slot of the other set and
+/// (when it receives the result) into its tensor. Then every rank copies the others' reduced
+/// pieces out. Per chunk of C bytes on 2 ranks a rank reads 1.5C and writes 1.5C, besides
+/// the C/2 the reduction reads from the other rank's slot.
 void ShmBackend::chunked_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op,
                                 bool to_all, int dst) {
   const size_t es = c10::elementSize(dtype);
   const size_t P = static_cast<size_t>(size());
   const size_t me = static_cast<size_t>(rank());
+  const bool receives = to_all || rank() == dst;
   const size_t chunk_elems = slot_ / es;
+  const size_t block_elems = kReduceBlockBytes / es;
+  if (!reduce_block_) reduce_block_ = std::make_unique<char[]>(kReduceBlockBytes);
+  char* block = reduce_block_.get();
   for (size_t first = 0; first < n; first += chunk_elems) {
     const size_t m = std::min(chunk_elems, n - first);
     char* src = data + first * es;
@@ -255,14 +267,21 @@ void ShmBackend::chunked_reduce(char* data, size_t n, at::ScalarType dtype, Redu
     arrive_and_wait();
     const size_t a = lo(me), len = lo(me + 1) - a;
     char* out = my_slot() + a * es;
-    auto operand = [&](size_t q) -> const char* {
-      return (q == me ? src : slot(static_cast<int>(q))) + a * es;
-    };
-    reduce_combine(out, operand(0), operand(1), len, dtype, op);
-    for (size_t q = 2; q < P; ++q) reduce_combine(out, out, operand(q), len, dtype, op);
+    for (size_t i = 0; i < len; i += block_elems) {
+      const size_t k = std::min(block_elems, len - i);
+      const size_t off = (a + i) * es;
+      auto operand = [&](size_t q) -> const char* {
+        return (q == me ? src : slot(static_cast<int>(q))) + off;
+      };
+      reduce_combine(block, operand(0), operand(1), k, dtype, op);
+      for (size_t q = 2; q < P; ++q) reduce_combine(block, block, operand(q), k, dtype, op);
+      std::memcpy(out + i * es, block, k * es);
+      if (receives) std::memcpy(src + off, block, k * es);  // after its last read of src
+    }
     arrive_and_wait();
-    if (to_all || rank() == dst) {
+    if (receives) {
       for (size_t r = 0; r < P; ++r) {
+        if (r == me) continue;  // reduced into the tensor already
         std::memcpy(src + lo(r) * es, slot(static_cast<int>(r)) + lo(r) * es,
                     (lo(r + 1) - lo(r)) * es);
       }

@@ -224,6 +224,8 @@ class ShmBackend final : public GroupBackend {
   uint32_t synced_ = 0;               // every other rank is known to have arrived at this step
   std::vector<RingEntry*> rings_;     // by rank
   std::vector<uint32_t> ring_steps_;  // tiny broadcasts published as root, not yet checked
+  /// A chunked reduction's result block (kReduceBlockBytes) before it is copied out.
+  std::unique_ptr<char[]> reduce_block_;
   /// The first step of an operation this rank left without waiting (arrive_and_go): the
   /// others' metadata at that step is checked against `meta` once they arrive there.
   struct Deferred {
