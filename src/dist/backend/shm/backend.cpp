@@ -165,7 +165,14 @@ void ShmBackend::ring_publish(const void* data, size_t bytes) {
     // further, while the others cannot yet have overwritten their metadata of that step.
     catch_up(step_);
   } else if (static_cast<int32_t>(synced_ - need) < 0) {
-    catch_up(need);
+    // The ring is full: wait until the others freed half of it (every step up to there is
+    // published, so they get there without this rank), looking at their counters every 16
+    // pauses. Waiting for one entry at a time, the root took each reader's counter line away
+    // at every call, and each arrival then waited for the line to come back: the root ran at
+    // that pace from then on. 4-byte broadcast, 2 ranks, 6 interleaved runs: median
+    // 0.101-0.110 -> 0.101 us, p99 0.41-0.45 -> 0.33-0.35 us.
+    constexpr int kPollPauses = 16;
+    catch_up(need + kRingDepth / 2, kPollPauses);
   }
   RingEntry& e = rings_[rank()][next % kRingDepth];
   std::memcpy(e.data, data, bytes);
@@ -218,11 +225,11 @@ void ShmBackend::ring_read(int src, void* data, size_t bytes) {
   if (size() == 2) synced_ = step_;
 }
 
-void ShmBackend::catch_up(uint32_t need) {
+void ShmBackend::catch_up(uint32_t need, int pauses) {
   uint32_t lowest = step_ + 1;
   for (int q = 0; q < size(); ++q) {
     if (q == rank()) continue;
-    barrier_.wait_for(q, need, wait_);
+    barrier_.wait_for(q, need, wait_, pauses);
     const uint32_t seen = ctl_[q].seq.load(std::memory_order_acquire);
     if (static_cast<int32_t>(seen - lowest) < 0) lowest = seen;
   }

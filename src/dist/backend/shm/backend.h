@@ -174,7 +174,7 @@ class ShmBackend final : public GroupBackend {
   /// Waits for every other rank to arrive at `need`, records the lowest counter seen in
   /// synced_, and runs the metadata checks left for steps every rank has now reached
   /// (deferred_, ring_steps_).
-  void catch_up(uint32_t need);
+  void catch_up(uint32_t need, int pauses = 1);
   /// Throws torchpar::Error on every rank (and aborts the segment) when the ranks' metadata
   /// of the current step differ (signatures first: they share the counters' cache lines).
   /// A signature that is not the step's (tagged with another step) differs too.

@@ -32,7 +32,7 @@ void StepBarrier::arrive(uint32_t step) {
   }
 }
 
-void StepBarrier::wait_for(int q, uint32_t step, const StepWait& limit) {
+void StepBarrier::wait_for(int q, uint32_t step, const StepWait& limit, int pauses) {
   auto& seq = ctl_[q].seq;
   if (reached(seq.load(std::memory_order_acquire), step)) return;
   if (spin_) {
@@ -52,6 +52,7 @@ void StepBarrier::wait_for(int q, uint32_t step, const StepWait& limit) {
     const auto& peer_cpu = ctl_[q].cpu;
     for (int i = 1; i <= 20000; ++i) {
       cpu_relax();
+      if (i % pauses != 0) continue;
       if (reached(seq.load(std::memory_order_acquire), step)) return;
       if (i % kYieldEvery == 0 || (i % kCheckCoreEvery == 0 &&
                                    peer_cpu.load(std::memory_order_relaxed) == ::sched_getcpu())) {

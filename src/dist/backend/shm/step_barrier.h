@@ -54,8 +54,10 @@ class StepBarrier {
 
   /// Publishes that this rank reached `step` and wakes the ranks asleep on its counter.
   void arrive(uint32_t step);
-  /// Waits until rank `q` reached `step` (see Guarantees).
-  void wait_for(int q, uint32_t step, const StepWait& limit);
+  /// Waits until rank `q` reached `step` (see Guarantees). `pauses`: CPU pauses between two
+  /// looks at q's counter while spinning; more than one for a wait expected to span several
+  /// of q's arrivals, so that q's stores do not find its counter's line taken away each time.
+  void wait_for(int q, uint32_t step, const StepWait& limit, int pauses = 1);
   /// arrive(step), then wait_for every other rank.
   void arrive_and_wait(uint32_t step, const StepWait& limit) {
     arrive(step);
