@@ -32,27 +32,56 @@ inline __attribute__((always_inline)) void combine_typed(T* d, const T* a, const
   }
 }
 
-// float and double (gradients) get a loop per x86-64 level, picked at load time (GCC's
-// target_clones, an ifunc): the reduction of a chunk reads its own operand from a tensor
-// larger than the caches, and with SSE2's four floats per instruction the loop's memory
-// parallelism ran out first. 128 KiB from a 16 MiB tensor on the 2-core EPYC VM: SSE2
-// 10.1-10.8 us, AVX2 6.4-7.0, AVX-512 5.3-6.6; 16 MiB all_reduce on 2 ranks: see
-// docs/distributed.md.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TORCHPAR_SIMD_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define TORCHPAR_SIMD_CLONES
-#endif
+// float and double (gradients) get a loop per x86 vector width, picked once from what the
+// CPU supports: the reduction of a chunk reads its own operand from a tensor larger than the
+// caches, and with SSE2's four floats per instruction the loop's memory parallelism ran out
+// first. 128 KiB from a 16 MiB tensor on the 2-core EPYC VM: SSE2 10.1-10.8 us, AVX2
+// 6.4-7.0, AVX-512 5.3-6.6; 16 MiB all_reduce on 2 ranks: see docs/distributed.md.
+// A plain function pointer, not GCC's target_clones: an ifunc resolver runs while the
+// dynamic linker relocates the library, before a sanitizer's runtime is up (TSan builds
+// crashed there).
+template <class T>
+using CombineFn = void (*)(T*, const T*, const T*, size_t, ReduceOp);
 
-TORCHPAR_SIMD_CLONES void combine_f32(float* d, const float* a, const float* b, size_t n,
-                                      ReduceOp op) {
-  combine_typed<float>(d, a, b, n, op);
+template <class T>
+void combine_base(T* d, const T* a, const T* b, size_t n, ReduceOp op) {
+  combine_typed<T>(d, a, b, n, op);
 }
 
-TORCHPAR_SIMD_CLONES void combine_f64(double* d, const double* a, const double* b, size_t n,
-                                      ReduceOp op) {
-  combine_typed<double>(d, a, b, n, op);
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TORCHPAR_VECTOR_KERNELS 1
+template <class T>
+__attribute__((target("avx2"))) void combine_avx2(T* d, const T* a, const T* b, size_t n,
+                                                  ReduceOp op) {
+  combine_typed<T>(d, a, b, n, op);
+}
+template <class T>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq"))) void combine_avx512(T* d, const T* a,
+                                                                                  const T* b,
+                                                                                  size_t n,
+                                                                                  ReduceOp op) {
+  combine_typed<T>(d, a, b, n, op);
+}
+#endif
+
+/// The widest loop this CPU runs, chosen at the first call (thread-safe static).
+template <class T>
+CombineFn<T> pick_combine() {
+#ifdef TORCHPAR_VECTOR_KERNELS
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+    return &combine_avx512<T>;
+  }
+  if (__builtin_cpu_supports("avx2")) return &combine_avx2<T>;
+#endif
+  return &combine_base<T>;
+}
+
+template <class T>
+void combine_fast(T* d, const T* a, const T* b, size_t n, ReduceOp op) {
+  static const CombineFn<T> fn = pick_combine<T>();
+  fn(d, a, b, n, op);
 }
 
 void combine_bool(bool* d, const bool* a, const bool* b, size_t n, ReduceOp op) {
@@ -80,13 +109,13 @@ void reduce_combine(void* dst, const void* a, const void* b, size_t n, at::Scala
     return;
   }
   if (dtype == at::kFloat) {
-    combine_f32(static_cast<float*>(dst), static_cast<const float*>(a),
-                static_cast<const float*>(b), n, op);
+    combine_fast<float>(static_cast<float*>(dst), static_cast<const float*>(a),
+                        static_cast<const float*>(b), n, op);
     return;
   }
   if (dtype == at::kDouble) {
-    combine_f64(static_cast<double*>(dst), static_cast<const double*>(a),
-                static_cast<const double*>(b), n, op);
+    combine_fast<double>(static_cast<double*>(dst), static_cast<const double*>(a),
+                         static_cast<const double*>(b), n, op);
     return;
   }
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "reduce_combine", [&] {
