@@ -242,13 +242,17 @@ void ShmBackend::small_reduce(char* data, size_t n, at::ScalarType dtype, Reduce
   if (to_all || rank() == dst) combine_all(data, 0, n, dtype, op);
 }
 
-/// Reduce-scatter + all-gather, one slot-sized chunk at a time. Step 1: every rank
-/// publishes the pieces of the chunk the others reduce (never its own piece). Step 2: each
-/// rank reduces its own piece from its tensor and the others' slots, a block of
-/// kReduceBlockBytes at a time, and copies each block into its slot of the other set and
-/// (when it receives the result) into its tensor. Then every rank copies the others' reduced
-/// pieces out. Per chunk of C bytes on 2 ranks a rank reads 1.5C and writes 1.5C, besides
-/// the C/2 the reduction reads from the other rank's slot.
+/// Reduce-scatter + all-gather, pipelined over slot-sized chunks with one step per chunk.
+/// Every chunk has the same piece boundaries (rank r's piece: elements [C*r/P, C*(r+1)/P)
+/// of a full chunk of C elements, clipped to the chunk's length), so in one step a rank's
+/// slot holds both the pieces of chunk j the others reduce (never its own piece) and, in
+/// its own piece's place, its reduced piece of chunk j-1. After the step's barrier each rank
+/// copies the others' reduced pieces of chunk j-1 into its tensor, reduces its piece of
+/// chunk j from its tensor and the others' slots, a block of kReduceBlockBytes at a time
+/// (each block memcpy'd into its slot of the next set and into its tensor), publishes the
+/// pieces of chunk j+1, and arrives at the next step. Per chunk of C bytes on 2 ranks a rank
+/// reads 1.5C and writes 1.5C, besides the C reads from the other rank's slot; one barrier
+/// per chunk instead of two (the ranks' imbalance was paid at each).
 void ShmBackend::chunked_reduce(char* data, size_t n, at::ScalarType dtype, ReduceOp op,
                                 bool to_all, int dst) {
   const size_t es = c10::elementSize(dtype);
@@ -256,20 +260,43 @@ void ShmBackend::chunked_reduce(char* data, size_t n, at::ScalarType dtype, Redu
   const size_t me = static_cast<size_t>(rank());
   const bool receives = to_all || rank() == dst;
   const size_t chunk_elems = slot_ / es;
+  const size_t chunks = (n + chunk_elems - 1) / chunk_elems;
   const size_t block_elems = kReduceBlockBytes / es;
   if (!reduce_block_) reduce_block_ = std::make_unique<char[]>(kReduceBlockBytes);
   char* block = reduce_block_.get();
-  for (size_t first = 0; first < n; first += chunk_elems) {
-    const size_t m = std::min(chunk_elems, n - first);
-    char* src = data + first * es;
-    auto lo = [&](size_t r) { return m * r / P; };
+  auto length = [&](size_t j) { return std::min(chunk_elems, n - j * chunk_elems); };
+  // Rank r's piece of chunk j: elements [lo(j, r), lo(j, r + 1)) of the chunk. A tensor of
+  // one chunk is split evenly; in longer ones a shorter last chunk is clipped to the full
+  // chunk's boundaries (its later pieces are short or empty) so that no piece of it lands
+  // on the reduced piece of the chunk before, which shares its step.
+  const size_t span = chunks == 1 ? n : chunk_elems;
+  auto lo = [&](size_t j, size_t r) { return std::min(span * r / P, length(j)); };
+  auto chunk_data = [&](size_t j) { return data + j * chunk_elems * es; };
+  auto publish = [&](size_t j) {
+    char* src = chunk_data(j);
     char* pub = my_slot();
     for (size_t r = 0; r < P; ++r) {
-      if (r != me) std::memcpy(pub + lo(r) * es, src + lo(r) * es, (lo(r + 1) - lo(r)) * es);
+      if (r != me) {
+        std::memcpy(pub + lo(j, r) * es, src + lo(j, r) * es, (lo(j, r + 1) - lo(j, r)) * es);
+      }
     }
-    arrive_and_wait();
-    const size_t a = lo(me), len = lo(me + 1) - a;
-    char* out = my_slot() + a * es;
+  };
+  // The others' reduced pieces of chunk j, in the set of the step every rank arrived at.
+  auto copy_out = [&](size_t j) {
+    char* src = chunk_data(j);
+    for (size_t r = 0; r < P; ++r) {
+      if (r == me) continue;  // reduced into the tensor already
+      std::memcpy(src + lo(j, r) * es, slot(static_cast<int>(r)) + lo(j, r) * es,
+                  (lo(j, r + 1) - lo(j, r)) * es);
+    }
+  };
+  publish(0);
+  arrive_and_wait();
+  for (size_t j = 0; j < chunks; ++j) {
+    if (j > 0 && receives) copy_out(j - 1);
+    char* src = chunk_data(j);
+    const size_t a = lo(j, me), len = lo(j, me + 1) - a;
+    char* out = my_slot() + a * es;  // the next step's set: every rank is done reading it
     for (size_t i = 0; i < len; i += block_elems) {
       const size_t k = std::min(block_elems, len - i);
       const size_t off = (a + i) * es;
@@ -281,15 +308,10 @@ void ShmBackend::chunked_reduce(char* data, size_t n, at::ScalarType dtype, Redu
       std::memcpy(out + i * es, block, k * es);
       if (receives) std::memcpy(src + off, block, k * es);  // after its last read of src
     }
+    if (j + 1 < chunks) publish(j + 1);
     arrive_and_wait();
-    if (receives) {
-      for (size_t r = 0; r < P; ++r) {
-        if (r == me) continue;  // reduced into the tensor already
-        std::memcpy(src + lo(r) * es, slot(static_cast<int>(r)) + lo(r) * es,
-                    (lo(r + 1) - lo(r)) * es);
-      }
-    }
   }
+  if (receives) copy_out(chunks - 1);
 }
 
 void ShmBackend::gather_impl(const at::Tensor& in, const std::vector<at::Tensor>& out, bool to_all,
