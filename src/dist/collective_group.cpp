@@ -95,12 +95,15 @@ at::Tensor contig(at::Tensor&& t, std::vector<std::pair<at::Tensor, at::Tensor>>
   return c;
 }
 
-std::vector<at::Tensor> contig_list(const std::vector<at::Tensor>& list,
+/// Contiguous stand-ins for a list the call owns, in the list itself: no new vector and no
+/// reference count traffic when every tensor is contiguous already (a 4-byte all_gather on
+/// shm paid an allocation and 2P atomic increments and decrements for the copy).
+std::vector<at::Tensor> contig_list(std::vector<at::Tensor>&& list,
                                     std::vector<std::pair<at::Tensor, at::Tensor>>* back) {
-  std::vector<at::Tensor> out;
-  out.reserve(list.size());
-  for (const auto& t : list) out.push_back(contig(t, back));
-  return out;
+  for (auto& t : list) {
+    if (!t.is_contiguous()) t = contig(std::move(t), back);
+  }
+  return std::move(list);
 }
 
 void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int size,
@@ -223,12 +226,11 @@ Work CollectiveGroup::all_gather(std::vector<at::Tensor> tensor_list, at::Tensor
   check_tensor(tensor, "all_gather", "tensor");
   check_list(tensor_list, tensor, size(), "all_gather", "tensor_list");
   CopyBacks back;
-  auto out = contig_list(tensor_list, &back);
+  auto out = contig_list(std::move(tensor_list), &back);
   const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
   return run(options.async_op, std::move(back),
-             [out = std::move(out), in = contig(tensor, nullptr), o](detail::GroupBackend& be) {
-               be.all_gather(out, in, o);
-             });
+             [out = std::move(out), in = contig(std::move(tensor), nullptr),
+              o](detail::GroupBackend& be) { be.all_gather(out, in, o); });
 }
 
 Work CollectiveGroup::broadcast(at::Tensor tensor, int src, const CollectiveOptions& options) {
@@ -265,7 +267,7 @@ Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_l
   std::vector<at::Tensor> out;
   if (rank() == dst) {
     check_list(gather_list, tensor, size(), "gather", "gather_list");
-    out = contig_list(gather_list, &back);
+    out = contig_list(std::move(gather_list), &back);
   } else if (!gather_list.empty()) {
     throw Error("CollectiveGroup::gather: gather_list must be empty on ranks other than dst");
   } else {
@@ -273,7 +275,7 @@ Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_l
   }
   const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
   return run(options.async_op, std::move(back),
-             [in = contig(tensor, nullptr), out = std::move(out), dst,
+             [in = contig(std::move(tensor), nullptr), out = std::move(out), dst,
               o](detail::GroupBackend& be) { be.gather(in, out, dst, o); });
 }
 
@@ -284,16 +286,17 @@ Work CollectiveGroup::scatter(at::Tensor tensor, std::vector<at::Tensor> scatter
   std::vector<at::Tensor> in;
   if (rank() == src) {
     check_list(scatter_list, tensor, size(), "scatter", "scatter_list");
-    in = contig_list(scatter_list, nullptr);
+    in = contig_list(std::move(scatter_list), nullptr);
   } else if (!scatter_list.empty()) {
     throw Error("CollectiveGroup::scatter: scatter_list must be empty on ranks other than src");
   }
   CopyBacks back;
-  auto t = contig(tensor, &back);
+  auto t = contig(std::move(tensor), &back);
   const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
-  return run(
-      options.async_op, std::move(back),
-      [t, in = std::move(in), src, o](detail::GroupBackend& be) { be.scatter(t, in, src, o); });
+  return run(options.async_op, std::move(back),
+             [t = std::move(t), in = std::move(in), src, o](detail::GroupBackend& be) {
+               be.scatter(t, in, src, o);
+             });
 }
 
 Work CollectiveGroup::reduce_scatter(at::Tensor output, std::vector<at::Tensor> input_list,
@@ -302,10 +305,11 @@ Work CollectiveGroup::reduce_scatter(at::Tensor output, std::vector<at::Tensor> 
   check_list(input_list, output, size(), "reduce_scatter", "input_list");
   detail::check_reducible(output.scalar_type(), options.op, "CollectiveGroup::reduce_scatter");
   CopyBacks back;
-  auto t = contig(output, &back);
+  auto t = contig(std::move(output), &back);
   const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
   return run(options.async_op, std::move(back),
-             [t, in = contig_list(input_list, nullptr), o](detail::GroupBackend& be) {
+             [t = std::move(t), in = contig_list(std::move(input_list), nullptr),
+              o](detail::GroupBackend& be) {
                be.reduce_scatter(t, in, o);
                divide_for_average(t, o.op, be.size());
              });
@@ -319,10 +323,10 @@ Work CollectiveGroup::all_to_all(std::vector<at::Tensor> output_list,
   check_list(input_list, input_list[0], size(), "all_to_all", "input_list");
   check_list(output_list, input_list[0], size(), "all_to_all", "output_list");
   CopyBacks back;
-  auto out = contig_list(output_list, &back);
+  auto out = contig_list(std::move(output_list), &back);
   const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
   return run(options.async_op, std::move(back),
-             [out = std::move(out), in = contig_list(input_list, nullptr),
+             [out = std::move(out), in = contig_list(std::move(input_list), nullptr),
               o](detail::GroupBackend& be) { be.all_to_all(out, in, o); });
 }
 

@@ -136,6 +136,29 @@ inline void check_ops(tp::CollectiveGroup& g, at::ScalarType dt, int64_t n, bool
     g.all_to_all(out, in);
     for (int q = 0; q < P; ++q) expect_equal(out[q], make(q * P + me, n, dt), "all_to_all " + tag);
   }
+  // non-contiguous lists (columns of [n, 2] tensors), the call owning them: results reach
+  // the caller's columns and the other columns stay untouched
+  {
+    std::vector<at::Tensor> bases, out, in;
+    for (int q = 0; q < P; ++q) {
+      bases.push_back(at::full({n, 2}, -1, dt));
+      out.push_back(bases.back().select(1, 0));
+      in.push_back(at::stack({make(me * P + q, n, dt), make(me * P + q, n, dt)}, 1).select(1, 1));
+    }
+    auto in0 = at::stack({make(me, n, dt), make(me, n, dt)}, 1).select(1, 0);
+    g.all_gather(out, in0);
+    for (int q = 0; q < P; ++q) {
+      expect_equal(bases[q].select(1, 0), make(q, n, dt), "strided all_gather " + tag);
+      expect_equal(bases[q].select(1, 1), at::full({n}, -1, dt),
+                   "strided all_gather neighbours " + tag);
+    }
+    g.all_to_all(out, in);
+    for (int q = 0; q < P; ++q) {
+      expect_equal(bases[q].select(1, 0), make(q * P + me, n, dt), "strided all_to_all " + tag);
+      expect_equal(bases[q].select(1, 1), at::full({n}, -1, dt),
+                   "strided all_to_all neighbours " + tag);
+    }
+  }
 }
 
 }  // namespace torchpar::testing
