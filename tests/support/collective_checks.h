@@ -137,8 +137,9 @@ inline void check_ops(tp::CollectiveGroup& g, at::ScalarType dt, int64_t n, bool
     for (int q = 0; q < P; ++q) expect_equal(out[q], make(q * P + me, n, dt), "all_to_all " + tag);
   }
   // non-contiguous lists (columns of [n, 2] tensors), the call owning them: results reach
-  // the caller's columns and the other columns stay untouched
-  {
+  // the caller's columns and the other columns stay untouched (small sizes only: the
+  // copy-back does not depend on the size, and 4 oversubscribed ranks pay per call)
+  if (n <= 1000) {
     std::vector<at::Tensor> bases, out, in;
     for (int q = 0; q < P; ++q) {
       bases.push_back(at::full({n, 2}, -1, dt));
