@@ -50,9 +50,11 @@ void StepBarrier::wait_for(int q, uint32_t step, const StepWait& limit, int paus
     constexpr int kYieldEvery = 128;
     constexpr int kCheckCoreEvery = 8;
     const auto& peer_cpu = ctl_[q].cpu;
+    int until_look = pauses;  // a countdown: no division on the spin's hot path
     for (int i = 1; i <= 20000; ++i) {
       cpu_relax();
-      if (i % pauses != 0) continue;
+      if (--until_look > 0) continue;
+      until_look = pauses;
       if (reached(seq.load(std::memory_order_acquire), step)) return;
       if (i % kYieldEvery == 0 || (i % kCheckCoreEvery == 0 &&
                                    peer_cpu.load(std::memory_order_relaxed) == ::sched_getcpu())) {
