@@ -51,7 +51,17 @@ struct Args {
   int ranks = 2;
 };
 
-using Op = std::function<void(const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out)>;
+enum class OpKind { kAllReduce, kBroadcast, kAllGather };
+
+OpKind op_kind(const std::string& op) {
+  if (op == "all_reduce") return OpKind::kAllReduce;
+  if (op == "broadcast") return OpKind::kBroadcast;
+  return OpKind::kAllGather;
+}
+
+/// One call of an op. The op is an enum, resolved before timing (as the OpenMPI peer's
+/// `int op`): a string compare per call was a few ns of each timed 4-byte call.
+using Op = std::function<void(OpKind op, at::Tensor& t, std::vector<at::Tensor>& out)>;
 
 double busbw(const std::string& op, long bytes, int n, double seconds) {
   const double b = static_cast<double>(bytes);
@@ -70,7 +80,7 @@ void settle(int rank, const Op& run, std::chrono::milliseconds settle) {
   std::vector<at::Tensor> none;
   for (;;) {
     go.fill_(rank == 0 && std::chrono::steady_clock::now() - t0 < settle ? 1.0 : 0.0);
-    run("all_reduce", go, none);
+    run(OpKind::kAllReduce, go, none);
     if (go.item<float>() == 0) return;
   }
 }
@@ -90,8 +100,9 @@ void measure(const Args& a, const std::string& system, int rank, const Op& run,
       const int iters = torchpar::bench::iters_for(bytes, a.iters);
       barrier();
       const int warmup = torchpar::bench::warmup_for(iters, a.warmup);
-      for (int i = 0; i < warmup; ++i) run(op, t, out);
-      const auto times = torchpar::bench::time_calls(iters, [&] { run(op, t, out); });
+      const OpKind kind = op_kind(op);
+      for (int i = 0; i < warmup; ++i) run(kind, t, out);
+      const auto times = torchpar::bench::time_calls(iters, [&] { run(kind, t, out); });
       if (rank == 0) {
         std::printf("%s\n", fmt::format("{{\"system\": \"{}\", \"op\": \"{}\", \"bytes\": {}, "
                                         "\"ranks\": {}, \"median_us\": {:.3f}, "
@@ -119,10 +130,10 @@ void run_torchpar(const Args& a, const std::string& system, int rank, int port) 
       {}, system == "torchpar-shm" ? tp::Backend::kShm : tp::Backend::kGloo);
   measure(
       a, system, rank,
-      [&](const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out) {
-        if (op == "all_reduce") {
+      [&](OpKind op, at::Tensor& t, std::vector<at::Tensor>& out) {
+        if (op == OpKind::kAllReduce) {
           g.all_reduce(t);
-        } else if (op == "broadcast") {
+        } else if (op == OpKind::kBroadcast) {
           g.broadcast(t, 0);
         } else {
           g.all_gather(out, t);
@@ -144,11 +155,11 @@ void run_c10d(const Args& a, int rank, int port) {
       c10::make_intrusive<c10d::PrefixStore>("bench", store), rank, a.ranks, opts);
   measure(
       a, "c10d-gloo-cpp", rank,
-      [&](const std::string& op, at::Tensor& t, std::vector<at::Tensor>& out) {
+      [&](OpKind op, at::Tensor& t, std::vector<at::Tensor>& out) {
         std::vector<at::Tensor> v{t};
-        if (op == "all_reduce") {
+        if (op == OpKind::kAllReduce) {
           pg->allreduce(v)->wait();
-        } else if (op == "broadcast") {
+        } else if (op == OpKind::kBroadcast) {
           pg->broadcast(v)->wait();
         } else {
           std::vector<std::vector<at::Tensor>> outs{out};
@@ -167,7 +178,9 @@ int main(int argc, char** argv) {
   app.add_option("--systems", a.systems, "torchpar-shm, torchpar-gloo, c10d-gloo-cpp")
       ->delimiter(',')
       ->check(CLI::IsMember({"torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp"}));
-  app.add_option("--ops", a.ops, "all_reduce, broadcast, all_gather")->delimiter(',');
+  app.add_option("--ops", a.ops, "all_reduce, broadcast, all_gather")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"all_reduce", "broadcast", "all_gather"}));
   torchpar::bench::add_size_options(app, a.sizes, a.iters, a.warmup);
   app.add_option("--ranks", a.ranks, "ranks (forked processes)")->check(CLI::Range(2, 64));
   CLI11_PARSE(app, argc, argv);

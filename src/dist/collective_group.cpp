@@ -1,3 +1,4 @@
+#include <c10/util/MaybeOwned.h>
 #include <fmt/format.h>
 
 #include "dist/backend/backend.h"
@@ -78,32 +79,40 @@ void check_tensor(const at::Tensor& t, const char* where, const char* what) {
   if (t.is_sparse()) throw Error(fmt::format("CollectiveGroup::{}: {} is sparse", where, what));
 }
 
-/// A contiguous stand-in for `t`, and a note to copy results back when it is a copy.
-at::Tensor contig(const at::Tensor& t, std::vector<std::pair<at::Tensor, at::Tensor>>* back) {
-  if (t.is_contiguous()) return t;
+using CopyBackList = std::vector<std::pair<at::Tensor, at::Tensor>>;  // (caller's, stand-in)
+
+/// `t` itself (borrowed: no reference count traffic, each one an atomic increment and
+/// decrement on the caller's path) when contiguous; else a contiguous copy, noted in `back`
+/// (when given) to be copied back into `t` after the call.
+c10::MaybeOwned<at::Tensor> contig(const at::Tensor& t, CopyBackList* back) {
+  if (t.is_contiguous()) return c10::MaybeOwned<at::Tensor>::borrowed(t);
   at::Tensor c = t.contiguous();
   if (back) back->emplace_back(t, c);
-  return c;
-}
-/// The same for a tensor the call owns: a contiguous one moves through, with no reference
-/// count traffic (each copy of a tensor is an atomic increment and decrement, a few percent
-/// of a 4-byte all_reduce on shm).
-at::Tensor contig(at::Tensor&& t, std::vector<std::pair<at::Tensor, at::Tensor>>* back) {
-  if (t.is_contiguous()) return std::move(t);
-  at::Tensor c = t.contiguous();
-  if (back) back->emplace_back(std::move(t), c);
-  return c;
+  return c10::MaybeOwned<at::Tensor>::owned(std::move(c));
 }
 
-/// Contiguous stand-ins for a list the call owns, in the list itself: no new vector and no
-/// reference count traffic when every tensor is contiguous already (a 4-byte all_gather on
-/// shm paid an allocation and 2P atomic increments and decrements for the copy).
-std::vector<at::Tensor> contig_list(std::vector<at::Tensor>&& list,
-                                    std::vector<std::pair<at::Tensor, at::Tensor>>* back) {
-  for (auto& t : list) {
-    if (!t.is_contiguous()) t = contig(std::move(t), back);
+/// `list` itself when every tensor is contiguous (no new vector, no reference counts); else
+/// `storage`, filled with the tensors or their contiguous stand-ins (noted in `back`).
+const std::vector<at::Tensor>& contig_list(const std::vector<at::Tensor>& list, CopyBackList* back,
+                                           std::vector<at::Tensor>& storage) {
+  bool all = true;
+  for (const auto& t : list) all = all && t.is_contiguous();
+  if (all) return list;
+  storage.reserve(list.size());
+  for (const auto& t : list) storage.push_back(*contig(t, back));
+  return storage;
+}
+
+/// Runs body(b, args...); a rank this call found lost goes into the World's record (rank
+/// 0's leave stops waiting for it); the error propagates as it is.
+template <class Body, class... Args>
+void call_noting_lost(const Body& body, detail::GroupBackend& b, const Args&... args) {
+  try {
+    body(b, args...);
+  } catch (const RankLostError& e) {
+    b.note_lost(e.rank());
+    throw;
   }
-  return std::move(list);
 }
 
 void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int size,
@@ -179,27 +188,22 @@ std::chrono::duration<double> CollectiveGroup::call_timeout(Timeout timeout) con
   return timeout.value_or(be().timeout());
 }
 
-template <class Op>
-Work CollectiveGroup::run(bool async_op, CopyBacks back, Op call) {
+template <class Body, class... Args>
+Work CollectiveGroup::run(bool async_op, CopyBacks back, Body body, const Args&... args) {
   be();  // throws ClosedError once destroyed
-  // A rank this call found lost goes into the World's record (rank 0's leave stops waiting
-  // for it); the error propagates as it is.
-  auto op = [call = std::move(call)](detail::GroupBackend& b) {
-    try {
-      call(b);
-    } catch (const RankLostError& e) {
-      b.note_lost(e.rank());
-      throw;
-    }
-  };
-  // A synchronous call with nothing pending runs here and now: no Work, no std::function and
-  // no promise's mutex per call (a 4-byte all_reduce on shm is well under a microsecond, and
-  // those allocations and locks were a tenth of it). Its error propagates as it is.
-  if (!async_op && impl_->executor.try_run_inline(op)) {
+  // A synchronous call with nothing pending runs here and now, on the caller's tensors: no
+  // Work, no std::function, no promise's mutex and no tensor handle copied per call (a 4-byte
+  // all_reduce on shm is well under a microsecond, and each of those was a visible part of
+  // it). Its error propagates as it is.
+  if (!async_op && impl_->executor.try_run_inline(
+                       [&](detail::GroupBackend& b) { call_noting_lost(body, b, args...); })) {
     for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
     return Work(detail::completed_work());
   }
-  Work w(impl_->executor.submit(std::move(op)));
+  // Queued: the call owns copies of the handles (the storage stays shared).
+  Work w(impl_->executor.submit([body = std::move(body), args...](detail::GroupBackend& b) {
+    call_noting_lost(body, b, args...);
+  }));
   if (!back.empty()) {
     w.impl_->add_then([back = std::move(back)] {
       for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
@@ -209,125 +213,154 @@ Work CollectiveGroup::run(bool async_op, CopyBacks back, Op call) {
   return w;
 }
 
-Work CollectiveGroup::all_reduce(at::Tensor tensor, const ReduceOptions& options) {
+Work CollectiveGroup::all_reduce(const at::Tensor& tensor, const ReduceOptions& options) {
   check_tensor(tensor, "all_reduce", "tensor");
   detail::check_reducible(tensor.scalar_type(), options.op, "CollectiveGroup::all_reduce");
   CopyBacks back;
-  auto t = contig(std::move(tensor), &back);
+  const auto t = contig(tensor, &back);
   const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
-  return run(options.async_op, std::move(back), [t = std::move(t), o](detail::GroupBackend& be) {
-    be.all_reduce(t, o);
-    divide_for_average(t, o.op, be.size());
-  });
+  return run(
+      options.async_op, std::move(back),
+      [o](detail::GroupBackend& be, const at::Tensor& x) {
+        be.all_reduce(x, o);
+        divide_for_average(x, o.op, be.size());
+      },
+      *t);
 }
 
-Work CollectiveGroup::all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor,
-                                 const CollectiveOptions& options) {
+Work CollectiveGroup::all_gather(const std::vector<at::Tensor>& tensor_list,
+                                 const at::Tensor& tensor, const CollectiveOptions& options) {
   check_tensor(tensor, "all_gather", "tensor");
   check_list(tensor_list, tensor, size(), "all_gather", "tensor_list");
   CopyBacks back;
-  auto out = contig_list(std::move(tensor_list), &back);
+  std::vector<at::Tensor> storage;
+  const auto& out = contig_list(tensor_list, &back, storage);
+  const auto in = contig(tensor, nullptr);
   const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
-  return run(options.async_op, std::move(back),
-             [out = std::move(out), in = contig(std::move(tensor), nullptr),
-              o](detail::GroupBackend& be) { be.all_gather(out, in, o); });
+  return run(
+      options.async_op, std::move(back),
+      [o](detail::GroupBackend& be, const std::vector<at::Tensor>& outs, const at::Tensor& x_in) {
+        be.all_gather(outs, x_in, o);
+      },
+      out, *in);
 }
 
-Work CollectiveGroup::broadcast(at::Tensor tensor, int src, const CollectiveOptions& options) {
+Work CollectiveGroup::broadcast(const at::Tensor& tensor, int src,
+                                const CollectiveOptions& options) {
   check_tensor(tensor, "broadcast", "tensor");
   check_rank(src, size(), "broadcast", "src");
   CopyBacks back;
-  auto t = contig(std::move(tensor), &back);
+  const auto t = contig(tensor, &back);
   const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
-  return run(options.async_op, std::move(back),
-             [t = std::move(t), src, o](detail::GroupBackend& be) { be.broadcast(t, src, o); });
+  return run(
+      options.async_op, std::move(back),
+      [src, o](detail::GroupBackend& be, const at::Tensor& x) { be.broadcast(x, src, o); }, *t);
 }
 
-Work CollectiveGroup::reduce(at::Tensor tensor, int dst, const ReduceOptions& options) {
+Work CollectiveGroup::reduce(const at::Tensor& tensor, int dst, const ReduceOptions& options) {
   check_tensor(tensor, "reduce", "tensor");
   check_rank(dst, size(), "reduce", "dst");
   detail::check_reducible(tensor.scalar_type(), options.op, "CollectiveGroup::reduce");
   CopyBacks back;
-  auto t = contig(std::move(tensor), &back);
   // Only dst's tensor changes; other ranks reduce from a copy so theirs stay as they were.
-  if (rank() != dst) t = t.clone();
+  const auto t =
+      rank() == dst
+          ? contig(tensor, &back)
+          : c10::MaybeOwned<at::Tensor>::owned(tensor.clone(at::MemoryFormat::Contiguous));
   const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
-  return run(options.async_op, std::move(back),
-             [t = std::move(t), dst, o](detail::GroupBackend& be) {
-               be.reduce(t, dst, o);
-               if (be.rank() == dst) divide_for_average(t, o.op, be.size());
-             });
+  return run(
+      options.async_op, std::move(back),
+      [dst, o](detail::GroupBackend& be, const at::Tensor& x) {
+        be.reduce(x, dst, o);
+        if (be.rank() == dst) divide_for_average(x, o.op, be.size());
+      },
+      *t);
 }
 
-Work CollectiveGroup::gather(at::Tensor tensor, std::vector<at::Tensor> gather_list, int dst,
-                             const CollectiveOptions& options) {
+Work CollectiveGroup::gather(const at::Tensor& tensor, const std::vector<at::Tensor>& gather_list,
+                             int dst, const CollectiveOptions& options) {
   check_tensor(tensor, "gather", "tensor");
   check_rank(dst, size(), "gather", "dst");
   CopyBacks back;
-  std::vector<at::Tensor> out;
+  std::vector<at::Tensor> storage;
+  const std::vector<at::Tensor>* out = &storage;
   if (rank() == dst) {
     check_list(gather_list, tensor, size(), "gather", "gather_list");
-    out = contig_list(std::move(gather_list), &back);
+    out = &contig_list(gather_list, &back, storage);
   } else if (!gather_list.empty()) {
     throw Error("CollectiveGroup::gather: gather_list must be empty on ranks other than dst");
   } else {
-    out.assign(static_cast<size_t>(size()), at::Tensor());
+    storage.assign(static_cast<size_t>(size()), at::Tensor());
   }
+  const auto in = contig(tensor, nullptr);
   const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
-  return run(options.async_op, std::move(back),
-             [in = contig(std::move(tensor), nullptr), out = std::move(out), dst,
-              o](detail::GroupBackend& be) { be.gather(in, out, dst, o); });
+  return run(
+      options.async_op, std::move(back),
+      [dst, o](detail::GroupBackend& be, const at::Tensor& x_in,
+               const std::vector<at::Tensor>& outs) { be.gather(x_in, outs, dst, o); },
+      *in, *out);
 }
 
-Work CollectiveGroup::scatter(at::Tensor tensor, std::vector<at::Tensor> scatter_list, int src,
-                              const CollectiveOptions& options) {
+Work CollectiveGroup::scatter(const at::Tensor& tensor, const std::vector<at::Tensor>& scatter_list,
+                              int src, const CollectiveOptions& options) {
   check_tensor(tensor, "scatter", "tensor");
   check_rank(src, size(), "scatter", "src");
-  std::vector<at::Tensor> in;
+  std::vector<at::Tensor> storage;
+  const std::vector<at::Tensor>* in = &storage;
   if (rank() == src) {
     check_list(scatter_list, tensor, size(), "scatter", "scatter_list");
-    in = contig_list(std::move(scatter_list), nullptr);
+    in = &contig_list(scatter_list, nullptr, storage);
   } else if (!scatter_list.empty()) {
     throw Error("CollectiveGroup::scatter: scatter_list must be empty on ranks other than src");
   }
   CopyBacks back;
-  auto t = contig(std::move(tensor), &back);
+  const auto t = contig(tensor, &back);
   const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
-  return run(options.async_op, std::move(back),
-             [t = std::move(t), in = std::move(in), src, o](detail::GroupBackend& be) {
-               be.scatter(t, in, src, o);
-             });
+  return run(
+      options.async_op, std::move(back),
+      [src, o](detail::GroupBackend& be, const at::Tensor& x, const std::vector<at::Tensor>& ins) {
+        be.scatter(x, ins, src, o);
+      },
+      *t, *in);
 }
 
-Work CollectiveGroup::reduce_scatter(at::Tensor output, std::vector<at::Tensor> input_list,
+Work CollectiveGroup::reduce_scatter(const at::Tensor& output,
+                                     const std::vector<at::Tensor>& input_list,
                                      const ReduceOptions& options) {
   check_tensor(output, "reduce_scatter", "output");
   check_list(input_list, output, size(), "reduce_scatter", "input_list");
   detail::check_reducible(output.scalar_type(), options.op, "CollectiveGroup::reduce_scatter");
   CopyBacks back;
-  auto t = contig(std::move(output), &back);
+  const auto t = contig(output, &back);
+  std::vector<at::Tensor> storage;
+  const auto& in = contig_list(input_list, nullptr, storage);
   const detail::ReduceCallOptions o{.op = options.op, .timeout = call_timeout(options.timeout)};
-  return run(options.async_op, std::move(back),
-             [t = std::move(t), in = contig_list(std::move(input_list), nullptr),
-              o](detail::GroupBackend& be) {
-               be.reduce_scatter(t, in, o);
-               divide_for_average(t, o.op, be.size());
-             });
+  return run(
+      options.async_op, std::move(back),
+      [o](detail::GroupBackend& be, const at::Tensor& x, const std::vector<at::Tensor>& ins) {
+        be.reduce_scatter(x, ins, o);
+        divide_for_average(x, o.op, be.size());
+      },
+      *t, in);
 }
 
-Work CollectiveGroup::all_to_all(std::vector<at::Tensor> output_list,
-                                 std::vector<at::Tensor> input_list,
+Work CollectiveGroup::all_to_all(const std::vector<at::Tensor>& output_list,
+                                 const std::vector<at::Tensor>& input_list,
                                  const CollectiveOptions& options) {
   if (input_list.empty()) throw Error("CollectiveGroup::all_to_all: input_list is empty");
   check_tensor(input_list[0], "all_to_all", "input_list");
   check_list(input_list, input_list[0], size(), "all_to_all", "input_list");
   check_list(output_list, input_list[0], size(), "all_to_all", "output_list");
   CopyBacks back;
-  auto out = contig_list(std::move(output_list), &back);
+  std::vector<at::Tensor> out_storage, in_storage;
+  const auto& out = contig_list(output_list, &back, out_storage);
+  const auto& in = contig_list(input_list, nullptr, in_storage);
   const detail::CallOptions o{.timeout = call_timeout(options.timeout)};
-  return run(options.async_op, std::move(back),
-             [out = std::move(out), in = contig_list(std::move(input_list), nullptr),
-              o](detail::GroupBackend& be) { be.all_to_all(out, in, o); });
+  return run(
+      options.async_op, std::move(back),
+      [o](detail::GroupBackend& be, const std::vector<at::Tensor>& outs,
+          const std::vector<at::Tensor>& ins) { be.all_to_all(outs, ins, o); },
+      out, in);
 }
 
 Work CollectiveGroup::barrier(const CollectiveOptions& options) {
@@ -335,30 +368,30 @@ Work CollectiveGroup::barrier(const CollectiveOptions& options) {
   return run(options.async_op, {}, [o](detail::GroupBackend& be) { be.barrier(o); });
 }
 
-void CollectiveGroup::send(at::Tensor tensor, int dst, int tag) {
+void CollectiveGroup::send(const at::Tensor& tensor, int dst, int tag) {
   check_send(tensor, dst, size(), rank());
-  be().send(contig(tensor, nullptr), dst, tag, {.timeout = call_timeout(std::nullopt)});
+  be().send(*contig(tensor, nullptr), dst, tag, {.timeout = call_timeout(std::nullopt)});
 }
 
-int CollectiveGroup::recv(at::Tensor tensor, std::optional<int> src, int tag) {
+int CollectiveGroup::recv(const at::Tensor& tensor, std::optional<int> src, int tag) {
   check_recv(tensor, src, size(), rank());
   CopyBacks back;
-  auto t = contig(tensor, &back);
-  const int sender = be().recv(t, src, tag, {.timeout = call_timeout(std::nullopt)});
+  const auto t = contig(tensor, &back);
+  const int sender = be().recv(*t, src, tag, {.timeout = call_timeout(std::nullopt)});
   for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
   return sender;
 }
 
-Work CollectiveGroup::isend(at::Tensor tensor, int dst, int tag) {
+Work CollectiveGroup::isend(const at::Tensor& tensor, int dst, int tag) {
   check_send(tensor, dst, size(), rank());
-  return be().isend(contig(tensor, nullptr), dst, tag);
+  return be().isend(*contig(tensor, nullptr), dst, tag);
 }
 
-Work CollectiveGroup::irecv(at::Tensor tensor, std::optional<int> src, int tag) {
+Work CollectiveGroup::irecv(const at::Tensor& tensor, std::optional<int> src, int tag) {
   check_recv(tensor, src, size(), rank());
   CopyBacks back;
-  auto t = contig(tensor, &back);
-  Work w = be().irecv(t, src, tag);
+  const auto t = contig(tensor, &back);
+  Work w = be().irecv(*t, src, tag);
   if (!back.empty()) {
     w.impl_->add_then([back = std::move(back)] {
       for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);

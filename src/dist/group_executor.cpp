@@ -17,23 +17,45 @@ struct GroupExecutor::State {
   std::condition_variable cv;
   std::deque<std::function<void()>> queue;  // guarded by mu
   bool stop = false;                        // guarded by mu
-  // Who runs a call now: kIdle, kInline or kWorker. Taken with a compare-and-swap from kIdle,
-  // so a synchronous call with nothing queued takes no lock (a 4-byte all_reduce on shm is
-  // a fraction of a microsecond; the mutex and notify per call were a tenth of it).
-  std::atomic<int> runner{0};
-  std::atomic<size_t> queued{0};  // queue.size(), readable without the lock
+  // Calls submitted, counted by the calling thread (one at a time: the class's contract),
+  // and calls the executor's thread finished, which only it stores (with release). Equal:
+  // nothing is queued or running, and nothing can start before the caller's next submit, so
+  // a synchronous call may run inline without a lock or a locked instruction. (A
+  // compare-and-swap in and a sequentially consistent store out per call each drained the
+  // store buffer: a 4-byte broadcast's root waited there for its ring entry's cache line.)
+  uint64_t submitted = 0;
+  std::atomic<uint64_t> finished{0};
   std::atomic<bool> stopped{false};
+  // Set while a call runs inline: a second thread calling meanwhile breaks the contract.
+  // Relaxed: a best-effort check, not a lock.
+  std::atomic<bool> inside{false};
 };
 
 namespace {
 
-void run_one(const GroupExecutor::Op& op, GroupBackend& backend, PromiseWork& work) {
+void run_one(const GroupExecutor::Op& op, GroupBackend& backend, PromiseWork& work,
+             std::atomic<uint64_t>& finished) {
+  std::exception_ptr error;
   try {
     op(backend);
-    work.set_value();
   } catch (...) {
-    work.set_error(std::current_exception());
+    error = std::current_exception();
   }
+  // Counted before the Work completes: a caller woken by it finds the executor idle and
+  // runs its next synchronous call inline.
+  finished.store(finished.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  if (error) {
+    work.set_error(error);
+  } else {
+    work.set_value();
+  }
+}
+
+[[noreturn]] void two_threads(const GroupBackend& backend) {
+  throw Error(fmt::format(
+      "{}: called from two threads at once; a group is used by one thread at a time (hand it "
+      "over under a mutex)",
+      backend.name()));
 }
 
 }  // namespace
@@ -57,32 +79,19 @@ std::shared_ptr<PromiseWork> completed_work() {
   return std::shared_ptr<PromiseWork>(std::shared_ptr<void>(), done);
 }
 
-namespace {
-constexpr int kIdle = 0, kInline = 1, kWorker = 2;
-}  // namespace
-
 bool GroupExecutor::try_run_inline(c10::function_ref<void(GroupBackend&)> op) {
   State& s = *state_;
-  if (s.stopped.load()) {
+  if (s.stopped.load(std::memory_order_relaxed)) {
     throw ClosedError(fmt::format("{}: the group was destroyed", s.backend->name()));
   }
-  // Calls queued before this one run first (submit counts them before it notifies).
-  if (s.queued.load() != 0) return false;
-  int expected = kIdle;
-  if (!s.runner.compare_exchange_strong(expected, kInline)) return false;
-  struct Idle {  // on return and on throw: the next call (or the thread) may run
+  // Calls submitted before this one run first, on the executor's thread.
+  if (s.finished.load(std::memory_order_acquire) != s.submitted) return false;
+  if (s.inside.load(std::memory_order_relaxed)) two_threads(*s.backend);
+  s.inside.store(true, std::memory_order_relaxed);
+  struct Leave {  // on return and on throw
     State& s;
-    ~Idle() {
-      s.runner.store(kIdle);
-      // A call submitted meanwhile waits for the runner: wake the thread. (Both sides use
-      // sequentially consistent operations: either the thread saw kIdle, or this sees it
-      // queued.)
-      if (s.queued.load() != 0) {
-        std::lock_guard<std::mutex> g(s.mu);
-        s.cv.notify_all();
-      }
-    }
-  } idle{s};
+    ~Leave() { s.inside.store(false, std::memory_order_relaxed); }
+  } leave{s};
   op(*s.backend);
   return true;
 }
@@ -90,14 +99,16 @@ bool GroupExecutor::try_run_inline(c10::function_ref<void(GroupBackend&)> op) {
 std::shared_ptr<PromiseWork> GroupExecutor::submit(Op op) {
   auto work = std::make_shared<PromiseWork>();
   State& s = *state_;
+  if (s.inside.load(std::memory_order_relaxed)) two_threads(*s.backend);
   std::unique_lock<std::mutex> lk(s.mu);
   if (s.stop) {
     throw ClosedError(fmt::format("{}: the group was destroyed", s.backend->name()));
   }
   if (!worker_.joinable()) worker_ = std::thread(&GroupExecutor::worker_loop, state_);
+  // The thread holds the state while it runs a call: a plain pointer (no cycle).
   s.queue.push_back(
-      [op = std::move(op), work, backend = s.backend] { run_one(op, *backend, *work); });
-  s.queued.fetch_add(1);
+      [op = std::move(op), work, st = &s] { run_one(op, *st->backend, *work, st->finished); });
+  ++s.submitted;
   s.cv.notify_all();
   return work;
 }
@@ -106,20 +117,14 @@ void GroupExecutor::worker_loop(const std::shared_ptr<State>& state) {
   State& s = *state;
   std::unique_lock<std::mutex> lk(s.mu);
   for (;;) {
-    s.cv.wait(lk, [&] {
-      return (!s.queue.empty() && s.runner.load() == kIdle) || (s.stop && s.queue.empty());
-    });
+    s.cv.wait(lk, [&] { return !s.queue.empty() || s.stop; });
     if (s.queue.empty()) return;  // stopped, and nothing is left to run
-    int expected = kIdle;
-    if (!s.runner.compare_exchange_strong(expected, kWorker)) continue;  // an inline call won
     auto fn = std::move(s.queue.front());
     s.queue.pop_front();
-    s.queued.fetch_sub(1);
     lk.unlock();
     fn();
+    fn = nullptr;  // its captures (the Work, the tensors) go before the next wait
     lk.lock();
-    s.runner.store(kIdle);
-    s.cv.notify_all();
   }
 }
 

@@ -31,9 +31,12 @@ std::shared_ptr<PromiseWork> completed_work();
 /// Lifetime: the thread and every queued call hold the state, and the state holds the
 /// backend, by shared_ptr: nothing is freed under a running call. stop() (and the
 /// destructor) lets the queued calls finish, then joins the thread.
-/// Safety: submit and try_run_inline are thread-safe; calls run in the order they were
-/// entered.
-
+/// Safety: the group's contract: one calling thread at a time (submit, try_run_inline and
+/// stop from any thread, but not at once; a hand-over between threads must synchronize, as
+/// a mutex does). The executor's own thread is the only other one, and the fast path takes
+/// no lock and no locked instruction: it runs inline only once every submitted call has
+/// finished, which only the caller's next submit can change. Two threads caught calling at
+/// once get torchpar::Error (a best-effort check, not a lock).
 class GroupExecutor {
  public:
   using Op = std::function<void(GroupBackend&)>;

@@ -1,7 +1,8 @@
 // GroupExecutor (src/dist/group_executor.h), with a backend whose calls are the test's own
 // functions: calls never overlap, synchronous calls run on the caller's thread when nothing
 // is queued or running, a synchronous call after asynchronous ones from the same thread runs
-// after them, errors reach the caller or the Work, and stop() lets queued calls finish.
+// after them, threads taking turns keep their order, two threads at once get an error,
+// errors reach the caller or the Work, and stop() lets queued calls finish.
 #include "dist/group_executor.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <future>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -125,20 +127,27 @@ TEST(GroupExecutor, AfterAsynchronousCallsASynchronousOneWaitsItsTurn) {
   EXPECT_TRUE(inline_ran);
 }
 
-TEST(GroupExecutor, CallsFromManyThreadsNeverOverlapAndKeepEachThreadsOrder) {
+TEST(GroupExecutor, ThreadsTakingTurnsNeverOverlapTheExecutorsThreadAndKeepTheirOrder) {
+  // The group's contract: one thread at a time, hand-overs under a mutex. Asynchronous calls
+  // left running on the executor's thread must finish before any thread's next inline call.
   tp::detail::GroupExecutor ex(std::make_shared<NoBackend>());
   Recorder r;
+  std::mutex turn;
   constexpr int kThreads = 4, kCalls = 2000;
+  std::atomic<int> inline_runs{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < kCalls; ++i) {
         const int id = t * kCalls + i;
+        std::lock_guard<std::mutex> g(turn);
         if (i % 7 == 3) {  // now and then an asynchronous call, not waited for
-          (void)ex.submit([&r, id](tp::detail::GroupBackend&) { r.run(id); });
+          (void)ex.submit([&r, id](tp::detail::GroupBackend&) { r.run(id, 20us); });
           continue;
         }
-        if (!ex.try_run_inline([&](tp::detail::GroupBackend&) { r.run(id); })) {
+        if (ex.try_run_inline([&](tp::detail::GroupBackend&) { r.run(id); })) {
+          ++inline_runs;
+        } else {
           auto w = ex.submit([&r, id](tp::detail::GroupBackend&) { r.run(id); });
           ASSERT_TRUE(w->wait_until(tp::detail::SteadyClock::now() + 30s));
         }
@@ -148,6 +157,7 @@ TEST(GroupExecutor, CallsFromManyThreadsNeverOverlapAndKeepEachThreadsOrder) {
   for (auto& th : threads) th.join();
   ex.stop();  // lets the last asynchronous calls finish
   EXPECT_EQ(r.most_inside.load(), 1) << "two calls ran at once";
+  EXPECT_GT(inline_runs.load(), 0) << "the fast path never ran: the test shows nothing";
   ASSERT_EQ(r.order.size(), static_cast<size_t>(kThreads * kCalls));
   std::vector<int> next(kThreads, 0);
   for (int id : r.order) {
@@ -155,6 +165,34 @@ TEST(GroupExecutor, CallsFromManyThreadsNeverOverlapAndKeepEachThreadsOrder) {
     EXPECT_EQ(id % kCalls, next[t]) << "thread " << t << "'s calls ran out of order";
     next[t] = id % kCalls + 1;
   }
+}
+
+TEST(GroupExecutor, ASecondThreadCallingDuringAnInlineCallGetsAnErrorNamingTheContract) {
+  tp::detail::GroupExecutor ex(std::make_shared<NoBackend>());
+  std::promise<void> entered, release;
+  std::shared_future<void> gate = release.get_future().share();
+  std::thread first([&] {
+    EXPECT_TRUE(ex.try_run_inline([&](tp::detail::GroupBackend&) {
+      entered.set_value();
+      gate.wait();
+    }));
+  });
+  entered.get_future().wait();
+  auto expect_contract_error = [](auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << "no error while another thread's call ran";
+    } catch (const tp::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("two threads at once"), std::string::npos) << e.what();
+    }
+  };
+  expect_contract_error([&] { (void)ex.try_run_inline([](tp::detail::GroupBackend&) {}); });
+  expect_contract_error([&] { (void)ex.submit([](tp::detail::GroupBackend&) {}); });
+  release.set_value();
+  first.join();
+  // Handed over properly (the join), the second thread's calls run.
+  std::thread second([&] { EXPECT_TRUE(ex.try_run_inline([](tp::detail::GroupBackend&) {})); });
+  second.join();
 }
 
 TEST(GroupExecutor, StopLetsQueuedCallsFinishThenRefusesNewOnes) {

@@ -105,7 +105,10 @@ class GroupBackend;
 /// Shapes: CPU at::Tensor of any shape; contiguous or not (non-contiguous ones go through
 /// a contiguous copy). Every rank passes the same dtype and number of elements (per list
 /// element) for an operation; a mismatch across ranks raises torchpar::Error on every rank
-/// (the shm backend checks it; Gloo may report it as a size error).
+/// (the shm backend checks it; Gloo may report it as a size error). Tensors and lists are
+/// taken by reference and written in place: a synchronous call copies neither the tensors
+/// nor their handles; an asynchronous one keeps handles to them (sharing their storage)
+/// until it ran.
 /// Dtypes: gloo supports float16/32/64, int8, uint8, int32, int64 (and bool for
 /// broadcast/all_gather); shm supports every real dtype, bool and bfloat16. Reductions
 /// refuse complex dtypes, and kAvg integer dtypes (torchpar::Error, before anything runs).
@@ -143,12 +146,12 @@ class CollectiveGroup {
   /// Source:  torch.distributed.all_reduce.
   ///
   ///   g.all_reduce(grad, {.op = torchpar::ReduceOp::kAvg});
-  Work all_reduce(at::Tensor tensor, const ReduceOptions& options = {});
+  Work all_reduce(const at::Tensor& tensor, const ReduceOptions& options = {});
   /// tensor_list[r] = tensor of rank r.
   ///
   /// Shapes:  tensor_list has size() tensors of tensor's dtype and numel (any shapes).
   /// Source:  torch.distributed.all_gather.
-  Work all_gather(std::vector<at::Tensor> tensor_list, at::Tensor tensor,
+  Work all_gather(const std::vector<at::Tensor>& tensor_list, const at::Tensor& tensor,
                   const CollectiveOptions& options = {});
   /// tensor = tensor of rank `src`.
   ///
@@ -159,38 +162,38 @@ class CollectiveGroup {
   /// (the next one, or the one that finds its ring full), not by this one; the other ranks
   /// raise at once, as for every collective.
   /// Source:  torch.distributed.broadcast.
-  Work broadcast(at::Tensor tensor, int src, const CollectiveOptions& options = {});
+  Work broadcast(const at::Tensor& tensor, int src, const CollectiveOptions& options = {});
   /// On `dst`: tensor = options.op(tensor of every rank); other ranks' tensors are left
   /// unchanged.
   ///
   /// Errors:  as all_reduce.
   /// Source:  torch.distributed.reduce.
-  Work reduce(at::Tensor tensor, int dst, const ReduceOptions& options = {});
+  Work reduce(const at::Tensor& tensor, int dst, const ReduceOptions& options = {});
   /// On `dst`: gather_list[r] = tensor of rank r.
   ///
   /// Shapes:  gather_list has size() tensors like `tensor` on dst, and is empty elsewhere.
   /// Source:  torch.distributed.gather.
-  Work gather(at::Tensor tensor, std::vector<at::Tensor> gather_list, int dst,
+  Work gather(const at::Tensor& tensor, const std::vector<at::Tensor>& gather_list, int dst,
               const CollectiveOptions& options = {});
   /// tensor = scatter_list[this rank] of rank `src`.
   ///
   /// Shapes:  scatter_list has size() tensors like `tensor` on src, and is empty elsewhere.
   /// Source:  torch.distributed.scatter.
-  Work scatter(at::Tensor tensor, std::vector<at::Tensor> scatter_list, int src,
+  Work scatter(const at::Tensor& tensor, const std::vector<at::Tensor>& scatter_list, int src,
                const CollectiveOptions& options = {});
   /// output = options.op over ranks r of input_list[this rank] of rank r.
   ///
   /// Shapes:  input_list has size() tensors of output's dtype and numel.
   /// Errors:  as all_reduce.
   /// Source:  torch.distributed.reduce_scatter.
-  Work reduce_scatter(at::Tensor output, std::vector<at::Tensor> input_list,
+  Work reduce_scatter(const at::Tensor& output, const std::vector<at::Tensor>& input_list,
                       const ReduceOptions& options = {});
   /// output_list[r] = input_list[this rank] of rank r.
   ///
   /// Shapes:  both lists have size() tensors of one dtype and numel (shm: equal numel).
   /// Source:  torch.distributed.all_to_all.
-  Work all_to_all(std::vector<at::Tensor> output_list, std::vector<at::Tensor> input_list,
-                  const CollectiveOptions& options = {});
+  Work all_to_all(const std::vector<at::Tensor>& output_list,
+                  const std::vector<at::Tensor>& input_list, const CollectiveOptions& options = {});
   /// Returns once every rank of the group entered barrier.
   ///
   /// Source:  torch.distributed.barrier.
@@ -199,16 +202,16 @@ class CollectiveGroup {
   /// Sends `tensor` to rank `dst`; blocks until it was taken (or buffered by Gloo), at most
   /// the group's timeout (TimeoutError naming the group after it).
   /// Source:  torch.distributed.send.
-  void send(at::Tensor tensor, int dst, int tag = 0);
+  void send(const at::Tensor& tensor, int dst, int tag = 0);
   /// Receives into `tensor` (same dtype and numel as sent) from `src`, or from any rank when
   /// `src` is nullopt; returns the sender's rank. Waits at most the group's timeout.
   /// Source:  torch.distributed.recv.
-  int recv(at::Tensor tensor, std::optional<int> src = std::nullopt, int tag = 0);
+  int recv(const at::Tensor& tensor, std::optional<int> src = std::nullopt, int tag = 0);
   /// send without waiting: Work::wait waits. Point-to-point never waits for the group's
   /// pending collectives, and they never wait for it.
-  Work isend(at::Tensor tensor, int dst, int tag = 0);
+  Work isend(const at::Tensor& tensor, int dst, int tag = 0);
   /// Work::wait returns the sender (machin: irecv from any source).
-  Work irecv(at::Tensor tensor, std::optional<int> src = std::nullopt, int tag = 0);
+  Work irecv(const at::Tensor& tensor, std::optional<int> src = std::nullopt, int tag = 0);
 
   /// Lets the group's pending asynchronous operations finish, then releases its connections
   /// and shared memory; later calls throw ClosedError.
@@ -219,11 +222,12 @@ class CollectiveGroup {
 
  private:
   using CopyBacks = std::vector<std::pair<at::Tensor, at::Tensor>>;  // (caller's, stand-in)
-  /// Hands `op` (a callable taking detail::GroupBackend&) to the group's executor: run on the
-  /// caller's thread, with no Work allocated, when synchronous and nothing is pending. Defined
-  /// (and instantiated) in collective_group.cpp only.
-  template <class Op>
-  Work run(bool async_op, CopyBacks back, Op op);
+  /// Hands `body(backend, args...)` to the group's executor: run on the caller's thread with
+  /// `args` as they are (no copy, no Work allocated) when synchronous and nothing is pending;
+  /// else queued with copies of `args` (tensor handles and lists of them). Defined (and
+  /// instantiated) in collective_group.cpp only.
+  template <class Body, class... Args>
+  Work run(bool async_op, CopyBacks back, Body body, const Args&... args);
   std::chrono::duration<double> call_timeout(Timeout timeout) const;
   detail::GroupBackend& be() const;
   std::shared_ptr<Impl> impl_;

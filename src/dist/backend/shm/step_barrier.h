@@ -44,6 +44,9 @@ struct StepWait {
 /// (checked every 50 ms) or the segment was aborted. A failure aborts the segment first, so
 /// every other rank's wait throws too (and at once: abort wakes every futex waiter).
 /// Waits spin (when `spin`), then yield, then sleep on the awaited counter's futex in slices.
+/// Arrivals take no fence where the kernel offers membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)
+/// (every rank registers at construction): a rank about to sleep issues one instead, which
+/// either makes the arrival's store visible before it looks, or the arrival see it waiting.
 /// Safety: one StepBarrier per rank and process; not thread-safe (a group runs one operation
 /// at a time). abort() and throw_if_aborted() may be called from any rank at any time.
 class StepBarrier {
@@ -84,6 +87,7 @@ class StepBarrier {
   int size_ = 0;
   std::string name_;
   bool spin_ = true;
+  bool asymmetric_ = false;  // arrivals without a fence; sleepers issue a membarrier
 };
 
 }  // namespace torchpar::detail::shm_backend
