@@ -104,6 +104,8 @@ class ShmBackend final : public GroupBackend {
  private:
   // ---- backend.cpp: segment and steps
   void attach(const c10::intrusive_ptr<c10d::Store>& store);
+  /// Maps and touches every page of the segment (attach, before this rank publishes).
+  void touch_pages();
   GroupBackend& p2p() const;
   /// Starts an operation: its metadata, limit, and (unless `ring_root`: the root of a tiny
   /// broadcast, which needs less, see ring_publish) ensure_writable.
