@@ -176,8 +176,15 @@ void ShmBackend::begin_meta(OpCode op, int32_t dtype, int64_t numel, int root, R
                             std::chrono::duration<double> timeout, bool ring_root) {
   if (!data_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
   barrier_.throw_if_aborted();
-  cur_ = OpMeta{static_cast<int32_t>(op), dtype, numel, root, static_cast<int32_t>(rop), ++calls_};
-  cur_sig_ = op_signature(cur_);
+  const OpMeta m{static_cast<int32_t>(op), dtype, numel, root, static_cast<int32_t>(rop), ++calls_};
+  // The signature is a chain of ten dependent multiplies (~25 ns) ahead of this rank's
+  // arrival: recomputed only when the operation differs from the last one (a loop of one
+  // operation compares five fields instead).
+  if (m.op != cur_.op || m.dtype != cur_.dtype || m.numel != cur_.numel || m.root != cur_.root ||
+      m.reduce_op != cur_.reduce_op) {
+    cur_sig_ = op_signature(m);
+  }
+  cur_ = m;
   wait_ = StepWait{.timeout = timeout, .op = op_name(op), .call = calls_};
   meta_pending_ = true;
   if (!ring_root) ensure_writable();

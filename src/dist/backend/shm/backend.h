@@ -237,7 +237,7 @@ class ShmBackend final : public GroupBackend {
   } deferred_;
   uint64_t calls_ = 0;
   OpMeta cur_{};
-  uint64_t cur_sig_ = 0;  // op_signature(cur_)
+  uint64_t cur_sig_ = op_signature(OpMeta{});  // op_signature(cur_), always
   bool meta_pending_ = false;
   StepWait wait_;  // the current operation's limit
 };
