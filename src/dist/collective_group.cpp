@@ -103,6 +103,15 @@ const std::vector<at::Tensor>& contig_list(const std::vector<at::Tensor>& list, 
   return storage;
 }
 
+/// The Work of every call that ran inline. A copy touches no reference count (its handle
+/// has no control block) and calls nothing; building it per call from completed_work()'s
+/// returned handle cost a store-forwarding stall (the callee stored the handle as two
+/// 8-byte words, the caller loaded it as one 16-byte word), ~5 ns of a 4-byte collective.
+const Work& completed_inline() {
+  static const Work done(detail::completed_work());
+  return done;
+}
+
 /// Runs body(b, args...); a rank this call found lost goes into the World's record (rank
 /// 0's leave stops waiting for it); the error propagates as it is.
 template <class Body, class... Args>
@@ -198,7 +207,7 @@ Work CollectiveGroup::run(bool async_op, CopyBacks back, Body body, const Args&.
   if (!async_op && impl_->executor.try_run_inline(
                        [&](detail::GroupBackend& b) { call_noting_lost(body, b, args...); })) {
     for (const auto& [orig, stand_in] : back) orig.copy_(stand_in);
-    return Work(detail::completed_work());
+    return completed_inline();
   }
   // Queued: the call owns copies of the handles (the storage stays shared).
   Work w(impl_->executor.submit([body = std::move(body), args...](detail::GroupBackend& b) {

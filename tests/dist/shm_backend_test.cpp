@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -207,6 +208,29 @@ std::string run_steps(const Segment& seg, int r, uint32_t steps) {
 }
 
 // ---- segment layout ------------------------------------------------------------------------
+
+// Tiny payloads (broadcast's ring, all_reduce's inline data) are copied by copy_inline: every
+// length up to kInlineBytes, at every source and destination offset, copies exactly its bytes.
+TEST(SegmentLayout, CopyInlineCopiesEveryLengthExactly) {
+  constexpr size_t kMax = tp::detail::shm_backend::kInlineBytes;
+  std::array<unsigned char, 3 * kMax> src{};
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 37 + 11);
+  for (size_t n = 0; n <= kMax; ++n) {
+    for (size_t so = 0; so < 8; ++so) {
+      for (size_t dof = 0; dof < 8; ++dof) {
+        std::array<unsigned char, 3 * kMax> dst;
+        dst.fill(0xEE);
+        tp::detail::shm_backend::copy_inline(dst.data() + dof, src.data() + so, n);
+        for (size_t i = 0; i < dst.size(); ++i) {
+          const bool inside = i >= dof && i < dof + n;
+          const unsigned char want = inside ? src[so + i - dof] : 0xEE;
+          ASSERT_EQ(dst[i], want) << "n " << n << ", offsets " << so << "/" << dof << ", byte "
+                                  << i;
+        }
+      }
+    }
+  }
+}
 
 // Ranks compare op_signature first and the full metadata only when signatures differ, so every
 // field ranks must agree on has to change the signature; the call count must not.

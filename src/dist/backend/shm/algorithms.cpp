@@ -221,7 +221,7 @@ void ShmBackend::combine_all(char* dst, size_t byte_off, size_t n, at::ScalarTyp
 
 void ShmBackend::combine_inline(char* dst, size_t n, at::ScalarType dtype, ReduceOp op) {
   if (size() == 1) {
-    std::memcpy(dst, inline_of(0), n * c10::elementSize(dtype));
+    copy_inline(dst, inline_of(0), n * c10::elementSize(dtype));
     return;
   }
   reduce_combine(dst, inline_of(0), inline_of(1), n, dtype, op);
@@ -232,7 +232,7 @@ void ShmBackend::small_reduce(char* data, size_t n, at::ScalarType dtype, Reduce
                               int dst) {
   const size_t bytes = n * c10::elementSize(dtype);
   if (bytes <= kInlineBytes) {
-    std::memcpy(my_inline(), data, bytes);
+    copy_inline(my_inline(), data, bytes);
     arrive_and_wait();
     if (to_all || rank() == dst) combine_inline(data, n, dtype, op);
     return;

@@ -238,6 +238,9 @@ class ShmBackend final : public GroupBackend {
   uint64_t calls_ = 0;
   OpMeta cur_{};
   uint64_t cur_sig_ = op_signature(OpMeta{});  // op_signature(cur_), always
+  // cur_'s (op, dtype) and (root, reduce_op), each as one word (begin_meta): zero like OpMeta{}.
+  uint64_t sig_key_a_ = 0;
+  uint64_t sig_key_b_ = 0;
   bool meta_pending_ = false;
   StepWait wait_;  // the current operation's limit
 };

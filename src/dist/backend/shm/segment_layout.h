@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace torchpar::detail::shm_backend {
 
@@ -86,6 +87,29 @@ struct OpMeta {
 
 /// Bytes of data a rank can publish in its counter's cache line (per step parity).
 inline constexpr size_t kInlineBytes = 16;
+
+/// memcpy of n <= kInlineBytes bytes without a call: two (possibly overlapping) loads and
+/// stores of 8 or 4 bytes, or a byte loop below 4. memcpy with a size known only at run
+/// time was a call into libc on every tiny collective (1% of a 4-byte broadcast's profile).
+inline void copy_inline(void* dst, const void* src, size_t n) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  if (n >= 8) {
+    uint64_t head, tail;
+    std::memcpy(&head, s, 8);
+    std::memcpy(&tail, s + n - 8, 8);
+    std::memcpy(d, &head, 8);
+    std::memcpy(d + n - 8, &tail, 8);
+  } else if (n >= 4) {
+    uint32_t head, tail;
+    std::memcpy(&head, s, 4);
+    std::memcpy(&tail, s + n - 4, 4);
+    std::memcpy(d, &head, 4);
+    std::memcpy(d + n - 4, &tail, 4);
+  } else {
+    for (size_t i = 0; i < n; ++i) d[i] = s[i];
+  }
+}
 
 /// What a rank publishes beside its counter for one step parity.
 struct InlineStep {
