@@ -552,6 +552,7 @@ POOL_PEERS = ("multiprocessing.Pool", "torch.multiprocessing.Pool")
 # Starting a worker: start methods (ours and Python's), and Python's extra forkserver run with
 # torch preloaded in its server; timed starts per method and run (quick, full).
 START_METHODS = ("fork", "forkserver", "spawn")
+POOL_QUICK_TASKS = 10000  # per map in a --quick run (Python's chunksize-1 maps: ~1 s per pool)
 START_COUNTS = (1, 5)  # Python spawn and forkserver starts take 1.3-2 s each here (they import torch)
 START_PEER = "multiprocessing.Process"
 
@@ -575,7 +576,7 @@ def parse_python_pool(out):
 
 
 def runners_pools(cfg):
-    tasks, starts = cfg.pick(20000, 200000), cfg.pick(*START_COUNTS)
+    tasks, starts = cfg.pick(POOL_QUICK_TASKS, 200000), cfg.pick(*START_COUNTS)
     ours = [cfg.bin / "pool_bench", "--benchmark_format=json", "--tasks", tasks, "--starts", starts]
     if cfg.quick:
         ours.append("--benchmark_min_time=0.1")
@@ -598,7 +599,7 @@ def report_pools(runs, limits, cfg):
         summary[measure] = {"torchpar": mine, **dict(zip(POOL_PEERS, peers)), "unit": unit}
     md = table(["measure", "unit", "torchpar", *POOL_PEERS, *(f"torchpar vs {p}" for p in POOL_PEERS)],
                rows, left=2)
-    md += (f"\n\nPools of 2 worker processes (fork), {cfg.pick(20000, 200000):,} tasks per map. "
+    md += (f"\n\nPools of 2 worker processes (fork), {cfg.pick(POOL_QUICK_TASKS, 200000):,} tasks per map. "
            "Ratios: how many times better torchpar is (> 1: torchpar better). pool_bench reports "
            "Google Benchmark's mean per iteration, python_pool.py medians (apply_async, tensors) "
            "or total rates (maps). No issue target and no meaningful physical limit here.")
@@ -937,7 +938,7 @@ def runners_pserver(cfg):
             "--cycles-16m", cycles["16m"], f"--benchmark_min_time={cfg.pick(0.1, 0.5)}"]
     timeout = cfg.pick(180, 600)
     peer = [PY, PEERS / "python_pserver.py", "--cycles", cycles["mnist"], "--cycles-16m",
-            cycles["16m"], "--batches", 3, "--timeout", timeout - 30]
+            cycles["16m"], "--batches", cfg.pick(1, 3), "--timeout", timeout - 30]
     return [Runner("pserver_bench", True, ours, parse_pserver_bench, timeout),
             Runner("python_pserver.py", False, peer, parse_python_pserver, timeout)]
 
@@ -973,7 +974,7 @@ def report_pserver(runs, limits, cfg):
            "state dict back (loaded when newer). cycles/s: all trainers' cycles over the wall "
            f"time of whole batches ({cycles['mnist']:,} cycles per trainer per batch for mnist, "
            f"{cycles['16m']:,} for 16 MiB, after a warm-up batch), timed in the server; torchpar "
-           f"over Google Benchmark's batches, Python over 3. The server reduces in "
+           f"over Google Benchmark's batches, Python over {cfg.pick(1, 3)}. The server reduces in "
            "the background, on both sides as torchpar's PushPullGradServerImpl with its defaults: "
            "batches of 4 pushes stacked and summed, batches of 4 of those set as gradients, SGD "
            "step (lr 0.01), a copy of the new state dict published; queues of 64 drop their "
