@@ -120,9 +120,11 @@ class GroupBackend;
 /// others within the call's timeout, naming the rank (and the timeout) — never a hang.
 /// Synchronous calls throw; asynchronous ones hand the error to Work::wait. After a
 /// failure the group is broken: later calls throw at once. docs/errors.md has the states.
-/// Safety: a group is used by one thread at a time; operations run in the order they are
-/// issued (one executor per group: a synchronous call runs on the caller's thread when
-/// nothing is pending, asynchronous ones on the group's thread).
+/// Safety: a group is used by one thread at a time (hand it over under a mutex); operations
+/// run in the order they are issued (one executor per group: a synchronous call runs on the
+/// caller's thread when nothing is pending, asynchronous ones on the group's thread). A call
+/// made while another thread's call runs on the caller's thread raises torchpar::Error
+/// naming the group (a best-effort check, not a lock: do not rely on it).
 /// Lifetime: copies share the group; the last copy (or destroy()) lets pending
 /// asynchronous operations finish and releases connections and shared memory.
 /// Source: torch.distributed.{all_reduce, ...}, machin.parallel.distributed.CollectiveGroup.
