@@ -1095,7 +1095,8 @@ def report_collectives(runs, limits, cfg):
     bw_limit = memcpy_GBps(limits)
     others = COLL_SYSTEMS[1:]
     md, summary = [], {}
-    md.append(f"2 ranks, float32, --iters {iters} --warmup {warmup} (fewer timed calls above 1 MiB: "
+    md.append(f"2 ranks, each bound to a core of its own (coll_bench as mpirun does by default), "
+              f"float32, --iters {iters} --warmup {warmup} (fewer timed calls above 1 MiB: "
               "max(3, iters x 1 MiB / bytes); warm-up calls max(1, min(warmup, timed calls))). Latency: median of rank 0's timed calls. busbw as "
               "nccl-tests. \"shm vs X\": X's latency / torchpar-shm's (> 1: torchpar-shm faster). "
               "Fraction of limit: torchpar-shm busbw / one thread's 64 MiB memcpy GB/s "
