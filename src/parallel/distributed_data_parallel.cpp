@@ -3,10 +3,13 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <map>
@@ -37,6 +40,9 @@ void all_gather(CollectiveGroup& group, std::vector<at::Tensor> out, const at::T
 
 /// torch's default broadcast_bucket_size: rank 0's state goes out in buckets of this size.
 constexpr int64_t kBroadcastBucketBytes = int64_t{250} << 20;
+/// torch's _DEFAULT_FIRST_BUCKET_BYTES: with overlap, the first gradients of a backward go
+/// out in a bucket of at most this size.
+constexpr int64_t kFirstBucketBytes = int64_t{1} << 20;
 
 /// Starts op k for every k, then waits for each in order and runs done(k) after it, so that
 /// done(k) overlaps the transfer of the later ones. start(k, async_op): async only when there
@@ -71,12 +77,13 @@ void run_pipelined(std::size_t n, Start&& start, Done&& done) {
 }
 
 /// Splits tensors[indices] into buckets of one dtype each, in order; a bucket is closed once
-/// it holds cap_bytes or more (torch's _compute_bucket_assignment_by_size, without its small
-/// first bucket, which only pays when reduction overlaps backward). Deterministic, so every
-/// rank with the same model gets the same buckets.
+/// it holds cap_bytes or more, the first one closed at first_cap_bytes
+/// (torch's _compute_bucket_assignment_by_size). Deterministic, so every rank with the same
+/// model gets the same buckets.
 std::vector<std::vector<std::size_t>> assign_buckets(const std::vector<at::Tensor>& tensors,
                                                      const std::vector<std::size_t>& indices,
-                                                     int64_t cap_bytes) {
+                                                     int64_t cap_bytes,
+                                                     int64_t first_cap_bytes = INT64_MAX) {
   struct Open {
     std::vector<std::size_t> members;
     int64_t bytes = 0;
@@ -87,7 +94,7 @@ std::vector<std::vector<std::size_t>> assign_buckets(const std::vector<at::Tenso
     Open& b = open[tensors[i].scalar_type()];
     b.members.push_back(i);
     b.bytes += static_cast<int64_t>(tensors[i].nbytes());
-    if (b.bytes >= cap_bytes) {
+    if (b.bytes >= (out.empty() ? std::min(cap_bytes, first_cap_bytes) : cap_bytes)) {
       out.push_back(std::move(b.members));
       b = Open{};
     }
@@ -207,6 +214,11 @@ struct Bucket {
   std::vector<int64_t> offsets;      // element offset of each member's gradient in flat
   int64_t grad_numel = 0;            // where the flags start
   at::Tensor flat;
+  // This round (backward .. synchronize_gradients), with overlap_with_backward:
+  std::vector<char> ready;  // member j's gradient accumulated by this round's backward
+  std::size_t ready_count = 0;
+  bool started = false;  // its all_reduce is under way: `work`
+  Work work;
 };
 
 struct DistributedDataParallel::Impl {
@@ -214,9 +226,49 @@ struct DistributedDataParallel::Impl {
   std::vector<at::Tensor> params;
   std::vector<at::Tensor> buffers;
   std::vector<Bucket> buckets;
+  DistributedDataParallelStats stats;
+
+  // overlap_with_backward: the hooks on the gradient accumulators (kept alive here, as the
+  // parameters only hold them weakly) and where each parameter sits.
+  /// Runs after autograd accumulated a parameter's gradient of this backward (a post hook
+  /// on its AccumulateGrad node, as torch's Reducer registers); on the backward's thread.
+  class GradientReadyHook final : public torch::autograd::FunctionPostHook {
+   public:
+    GradientReadyHook(Impl* impl, std::size_t param) : impl_(impl), param_(param) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list& outputs,
+        const torch::autograd::variable_list& /*inputs*/) override {
+      impl_->on_gradient_ready(param_);
+      return outputs;
+    }
+
+   private:
+    Impl* impl_;
+    std::size_t param_;
+  };
+  struct Hooked {
+    std::shared_ptr<torch::autograd::Node> accumulator;
+    uintptr_t key;
+  };
+  std::vector<Hooked> hooks;
+  std::vector<std::pair<std::size_t, std::size_t>> slot_of;  // param -> (bucket, member)
+  std::size_t next_start = 0;  // buckets start in index order, on every rank the same
+  bool require_sync = true;    // false under no_sync()
+  bool stale = false;          // a backward reached a started bucket
+  std::exception_ptr hook_error;
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl();
 
   void pack(Bucket& b) const;
   void unpack(Bucket& b) const;
+  void start(std::size_t k, bool async_op);
+  void install_hooks();
+  void on_gradient_ready(std::size_t param) noexcept;
+  void finish_round();
+  void reset_round();
 };
 
 void DistributedDataParallel::Impl::pack(Bucket& b) const {
@@ -251,6 +303,113 @@ void DistributedDataParallel::Impl::unpack(Bucket& b) const {
       g.copy_(slot);
     }  // else no rank has it: it stays undefined everywhere
   }
+}
+
+DistributedDataParallel::Impl::~Impl() {
+  for (auto& h : hooks) h.accumulator->del_post_hook(h.key);
+  for (auto& b : buckets) {  // in flight: they write into b.flat, which they keep alive
+    try {
+      if (b.started && !b.work.is_completed()) b.work.wait();
+    } catch (...) {  // the group reports its failure to the next caller
+    }
+  }
+}
+
+void DistributedDataParallel::Impl::start(std::size_t k, bool async_op) {
+  Bucket& b = buckets[k];
+  pack(b);
+  b.work = start_average(group, b.flat, async_op);
+  b.started = true;
+}
+
+void DistributedDataParallel::Impl::install_hooks() {
+  slot_of.assign(params.size(), {SIZE_MAX, 0});
+  for (std::size_t k = 0; k < buckets.size(); ++k) {
+    Bucket& b = buckets[k];
+    b.ready.assign(b.members.size(), 0);
+    for (std::size_t j = 0; j < b.members.size(); ++j) {
+      const std::size_t i = b.members[j];
+      slot_of[i] = {k, j};
+      auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+      if (!acc) {
+        throw ValueError(fmt::format(
+            "DistributedDataParallel: parameter {} has no gradient accumulator (not a leaf "
+            "that requires grad), which overlap_with_backward hooks",
+            i));
+      }
+      const uintptr_t key = acc->add_post_hook(std::make_unique<GradientReadyHook>(this, i));
+      hooks.push_back({std::move(acc), key});
+    }
+  }
+}
+
+void DistributedDataParallel::Impl::on_gradient_ready(std::size_t param) noexcept {
+  try {
+    const auto [k, j] = slot_of[param];
+    Bucket& b = buckets[k];
+    if (b.started) {  // a second backward: this bucket averages the first one's gradients
+      stale = true;
+      return;
+    }
+    if (!require_sync || b.ready[j]) return;
+    b.ready[j] = 1;
+    if (++b.ready_count < b.members.size()) return;
+    // Start every complete bucket from next_start on, in order, except the last: its
+    // gradients are the last of the backward, so nothing is left to overlap its transfer and
+    // synchronize_gradients() reduces it on the calling thread (no executor hop).
+    c10::NoGradGuard no_grad;
+    while (next_start + 1 < buckets.size() &&
+           buckets[next_start].ready_count == buckets[next_start].members.size()) {
+      start(next_start++, /*async_op=*/true);
+      ++stats.buckets_started_in_backward;
+    }
+  } catch (...) {  // thrown out of backward it would leave the round half done: kept for later
+    if (!hook_error) hook_error = std::current_exception();
+  }
+}
+
+/// Starts the buckets not started yet (async while more than one is left to start, as
+/// run_pipelined), waits for every one in order and copies the averages back. After a
+/// failure it still waits for every started one and rethrows the first error.
+void DistributedDataParallel::Impl::finish_round() {
+  const std::size_t n = buckets.size();
+  const std::size_t to_start = n - next_start;
+  std::exception_ptr error = hook_error;
+  hook_error = nullptr;
+  if (!error) {
+    try {
+      for (std::size_t k = next_start; k < n; ++k) {
+        start(k, /*async_op=*/to_start > 1);
+        ++stats.buckets_started_in_synchronize;
+      }
+      next_start = n;
+      for (std::size_t k = 0; k < n; ++k) {
+        buckets[k].work.wait();
+        unpack(buckets[k]);
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (!error) return;
+  for (auto& b : buckets) {
+    try {
+      if (b.started && !b.work.is_completed()) b.work.wait();
+    } catch (...) {  // the first error is the one to report
+    }
+  }
+  std::rethrow_exception(error);
+}
+
+void DistributedDataParallel::Impl::reset_round() {
+  for (auto& b : buckets) {
+    std::fill(b.ready.begin(), b.ready.end(), 0);
+    b.ready_count = 0;
+    b.started = false;
+    b.work = Work();
+  }
+  next_start = 0;
+  stale = false;
 }
 
 // ---- DistributedDataParallel
@@ -296,7 +455,12 @@ DistributedDataParallel::DistributedDataParallel(std::vector<at::Tensor> paramet
 
   // Beyond 2^62 bytes every dtype's gradients fit in one bucket anyway.
   const double cap = std::min(options.bucket_cap_mb * double(1 << 20), 0x1p62);
-  for (auto& members : assign_buckets(m.params, reduced, static_cast<int64_t>(cap))) {
+  // With overlap, buckets follow the order backward produces gradients: the reverse of the
+  // parameters' (torch's Reducer), the first one small so it goes out early.
+  if (options.overlap_with_backward) std::reverse(reduced.begin(), reduced.end());
+  for (auto& members :
+       assign_buckets(m.params, reduced, static_cast<int64_t>(cap),
+                      options.overlap_with_backward ? kFirstBucketBytes : INT64_MAX)) {
     Bucket b;
     b.members = std::move(members);
     for (std::size_t i : b.members) {
@@ -307,6 +471,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<at::Tensor> paramet
                        m.params[b.members[0]].options().requires_grad(false));
     m.buckets.push_back(std::move(b));
   }
+  if (options.overlap_with_backward) m.install_hooks();
 }
 
 DistributedDataParallel::~DistributedDataParallel() = default;
@@ -332,15 +497,52 @@ void DistributedDataParallel::synchronize_gradients() {
       }
     }
   }
+  const auto t0 = std::chrono::steady_clock::now();
   c10::NoGradGuard no_grad;  // a gradient built with create_graph must not grow a graph here
-  run_pipelined(
-      m.buckets.size(),
-      [&](std::size_t k, bool async_op) {
-        m.pack(m.buckets[k]);
-        return start_average(m.group, m.buckets[k].flat, async_op);
-      },
-      [&](std::size_t k) { m.unpack(m.buckets[k]); });
+  if (m.hooks.empty()) {
+    run_pipelined(
+        m.buckets.size(),
+        [&](std::size_t k, bool async_op) {
+          m.pack(m.buckets[k]);
+          return start_average(m.group, m.buckets[k].flat, async_op);
+        },
+        [&](std::size_t k) { m.unpack(m.buckets[k]); });
+    m.stats.buckets_started_in_synchronize += static_cast<int64_t>(m.buckets.size());
+  } else {
+    const bool stale = m.stale;
+    try {
+      m.finish_round();
+    } catch (...) {
+      m.reset_round();
+      throw;
+    }
+    m.reset_round();
+    if (stale) {
+      throw ValueError(
+          "DistributedDataParallel: a second backward ran before synchronize_gradients and "
+          "reached buckets whose all_reduce had started (overlap_with_backward): those hold "
+          "the first backward's average; run the other backwards of gradient accumulation "
+          "under no_sync()");
+    }
+  }
+  ++m.stats.synchronizations;
+  m.stats.synchronize_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
+
+DistributedDataParallel::NoSync::~NoSync() {
+  if (impl_ != nullptr) impl_->require_sync = previous_;
+}
+
+DistributedDataParallel::NoSync::NoSync(NoSync&& other) noexcept
+    : impl_(std::exchange(other.impl_, nullptr)), previous_(other.previous_) {}
+
+DistributedDataParallel::NoSync DistributedDataParallel::no_sync() {
+  Impl& m = impl();
+  return NoSync(&m, std::exchange(m.require_sync, false));
+}
+
+DistributedDataParallelStats DistributedDataParallel::stats() const { return impl().stats; }
 
 void DistributedDataParallel::sync_buffers() {
   Impl& m = impl();

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """`torchpar train` end to end: the data loader on the real files and on a truncated and a
-wrong-magic copy; a short run of each strategy (metrics.json fields, accuracy clearly above
-chance and, for pserver, within 3 points of single; model.pt, curves.png); ddp as the ranks
+wrong-magic copy; a short run of each strategy (metrics.json fields, ddp's time in
+synchronize_gradients, accuracy clearly above chance and, for pserver, within 3 points of single; model.pt, curves.png); ddp as the ranks
 of `torchpar run -n 2` (within 2 points of --workers 2, only rank 0 reporting; --no-plot draws
 no curves.png); a ddp worker and
 the pserver server SIGKILLed mid-run end the run naming them (pserver: the trainers fail on
@@ -156,6 +156,13 @@ try:
         check({"epoch", "train_loss", "test_accuracy", "seconds", "samples_per_s"} <= set(e),
               f"{strategy}: per-epoch fields")
         check(m["strategy"] == strategy and m["status"] == "completed", f"{strategy}: status")
+        sync = {"synchronize_seconds", "synchronize_us_per_step", "synchronize_fraction"}
+        if strategy == "ddp":  # DistributedDataParallel::stats(): the ranks' mean, > 0, < the epoch
+            check(sync <= set(e) and 0 < e["synchronize_seconds"] < e["seconds"] and
+                  0 < e["synchronize_fraction"] < 1 and e["synchronize_us_per_step"] > 0,
+                  f"ddp: time in synchronize_gradients reported: {[e.get(k) for k in sorted(sync)]}")
+        else:
+            check(not sync & set(e), f"{strategy}: no synchronize_* fields")
         check(e["test_accuracy"] > 30, f"{strategy}: accuracy {e['test_accuracy']:.1f}% > 30% (chance 10%)")
         accuracy[strategy] = e["test_accuracy"]
         check(os.path.getsize(os.path.join(out, "model.pt")) > 50000, f"{strategy}: model.pt written")

@@ -2,8 +2,10 @@
 // initialise their models differently start from rank 0's parameters and buffers; after
 // backward and synchronize_gradients every rank holds the average of the ranks' gradients,
 // checked against one backward over the concatenated data, with one bucket per dtype and with
-// several; frozen and unused parameters; the replicas stay equal over optimizer steps; models
-// that differ are refused on every rank; a rank that dies makes the other raise RankLostError.
+// several; frozen and unused parameters; with overlap_with_backward, buckets started by
+// backward's hooks, no_sync() and a refused second backward; the replicas stay equal over optimizer
+// steps; models that differ are refused on every rank; a rank that dies makes the other raise
+// RankLostError.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -101,7 +103,8 @@ void copy_parameters(TestNet& from, TestNet& to) {
   for (auto& item : to->named_parameters()) item.value().copy_(src[item.key()]);
 }
 
-void average_rank(int rank, int port, std::string backend, double cap_mb, int want_buckets) {
+void average_rank(int rank, int port, std::string backend, double cap_mb, int want_buckets,
+                  bool overlap) {
   auto world = make_world(rank, port);
   auto group = world.create_collective_group({}, tp::backend_from_string(backend));
   torch::manual_seed(100);
@@ -111,7 +114,8 @@ void average_rank(int rank, int port, std::string backend, double cap_mb, int wa
   TORCHPAR_RCHECK(rank == 0 || !at::equal(net->lin1->weight, rank0_init->lin1->weight),
                   "the ranks should start from different parameters");
 
-  tp::DistributedDataParallel ddp(*net, group, {.bucket_cap_mb = cap_mb});
+  tp::DistributedDataParallel ddp(*net, group,
+                                  {.bucket_cap_mb = cap_mb, .overlap_with_backward = overlap});
   expect_same_state(net, rank0_init, "after construction");
   for (const auto& name : kTrained) {
     TORCHPAR_RCHECK(net->named_parameters()[name].requires_grad(), "{} lost requires_grad", name);
@@ -172,13 +176,15 @@ struct Case {
   double cap_mb;
   int buckets;
   std::string name;
+  bool overlap = false;
 };
 
 class DdpAverage : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DdpAverage, EveryRankGetsTheAverageGradient) {
   const auto c = GetParam();
-  auto res = run_ranks(kWorld, 120, &average_rank, free_port(), c.backend, c.cap_mb, c.buckets);
+  auto res =
+      run_ranks(kWorld, 120, &average_rank, free_port(), c.backend, c.cap_mb, c.buckets, c.overlap);
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_EQ(res[r].exitcode, 0) << "rank " << r << ": " << res[r].error;
   }
@@ -187,14 +193,137 @@ TEST_P(DdpAverage, EveryRankGetsTheAverageGradient) {
 // 25 MiB: a float32 and a float64 bucket. 1e-4 MiB (104 bytes): the float32 parameters
 // (rare 16 B, never 12 B, lin1.weight 384 B | lin1.bias 64 B, lin2.weight 256 B | lin2.bias
 // 16 B) fill 3 buckets. 1e-6 MiB (1 byte): a bucket per parameter that requires grad.
-INSTANTIATE_TEST_SUITE_P(Buckets, DdpAverage,
-                         ::testing::Values(Case{"shm", 25, 2, "shm_default"},
-                                           Case{"shm", 1e-4, 4, "shm_small"},
-                                           Case{"shm", 1e-6, 7, "shm_per_parameter"},
-                                           Case{"gloo", 25, 2, "gloo_default"},
-                                           Case{"gloo", 1e-4, 4, "gloo_small"},
-                                           Case{"gloo", 1e-6, 7, "gloo_per_parameter"}),
-                         [](const auto& test) { return test.param.name; });
+// Overlapped, in reverse (lin2.bias, lin2.weight 272 B | lin1.bias, lin1.weight | never,
+// rare): 3 float32 buckets at 1e-4 MiB and scale's; backward starts the first two, the one
+// holding `never` (no rank uses it) waits for synchronize_gradients.
+INSTANTIATE_TEST_SUITE_P(
+    Buckets, DdpAverage,
+    ::testing::Values(Case{"shm", 25, 2, "shm_default"}, Case{"shm", 1e-4, 4, "shm_small"},
+                      Case{"shm", 1e-6, 7, "shm_per_parameter"},
+                      Case{"gloo", 25, 2, "gloo_default"}, Case{"gloo", 1e-4, 4, "gloo_small"},
+                      Case{"gloo", 1e-6, 7, "gloo_per_parameter"},
+                      Case{"shm", 1e-4, 4, "shm_small_overlap", true},
+                      Case{"shm", 1e-6, 7, "shm_per_parameter_overlap", true},
+                      Case{"gloo", 1e-6, 7, "gloo_per_parameter_overlap", true}),
+    [](const auto& test) { return test.param.name; });
+
+// ---- overlap with backward ---------------------------------------------------------------------
+
+/// Three Linear layers, every parameter used on every rank: x [B, 6] -> [B, 2].
+torch::nn::Sequential overlap_net() {
+  return torch::nn::Sequential(torch::nn::Linear(6, 32), torch::nn::Tanh(),
+                               torch::nn::Linear(32, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 2));
+}
+
+/// The sum over ranks r of rank r's mean loss on batch_of(step, r) (and, with `twice`, also
+/// on batch_of(step + 100, r)), divided by the ranks: what every rank's gradient should be.
+std::vector<at::Tensor> reference_gradients(torch::nn::Sequential& net, int step, bool twice) {
+  torch::nn::Sequential ref = overlap_net();
+  {
+    torch::NoGradGuard no_grad;
+    auto src = net->parameters();
+    auto dst = ref->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    for (int s : twice ? std::vector<int>{step, step + 100} : std::vector<int>{step}) {
+      const Batch b = batch_of(s, r);
+      (torch::mse_loss(ref->forward(b.x).narrow(1, 0, 2), b.y.narrow(1, 0, 2)) / kWorld).backward();
+    }
+  }
+  std::vector<at::Tensor> out;
+  for (auto& p : ref->parameters()) out.push_back(p.grad().clone());
+  return out;
+}
+
+void expect_gradients(torch::nn::Sequential& net, const std::vector<at::Tensor>& want,
+                      const std::string& what) {
+  auto params = net->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& got = params[i].grad();
+    TORCHPAR_RCHECK(got.defined() && at::allclose(got, want[i], 1e-4, 1e-6),
+                    "{}: gradient of parameter {} is not the average", what, i);
+  }
+}
+
+// A bucket per parameter (6): backward starts the first 5 (the last is reduced by
+// synchronize_gradients on the calling thread) and the averages are right; under no_sync()
+// two batches accumulate and one synchronization averages their sum; a second backward
+// outside no_sync() is refused after the round completes, and the group goes on working.
+void overlap_rank(int rank, int port, std::string backend) {
+  auto world = make_world(rank, port);
+  auto group = world.create_collective_group({}, tp::backend_from_string(backend));
+  torch::manual_seed(100 + rank);
+  torch::nn::Sequential net = overlap_net();
+  tp::DistributedDataParallel ddp(*net, group,
+                                  {.bucket_cap_mb = 1e-6, .overlap_with_backward = true});
+  TORCHPAR_RCHECK(ddp.num_buckets() == 6, "{} buckets, want 6", ddp.num_buckets());
+  auto loss = [&](int step) {
+    const Batch b = batch_of(step, rank);
+    return torch::mse_loss(net->forward(b.x), b.y.narrow(1, 0, 2));
+  };
+  for (int step = 0; step < 3; ++step) {
+    net->zero_grad();
+    const auto before = ddp.stats();
+    loss(step).backward();
+    const auto in_backward = ddp.stats().buckets_started_in_backward;
+    TORCHPAR_RCHECK(in_backward - before.buckets_started_in_backward == 5,
+                    "step {}: backward started {} buckets, want 5", step,
+                    in_backward - before.buckets_started_in_backward);
+    const auto want = reference_gradients(net, step, false);
+    ddp.synchronize_gradients();
+    expect_gradients(net, want, fmt::format("step {}", step));
+    const auto after = ddp.stats();
+    TORCHPAR_RCHECK(
+        after.buckets_started_in_synchronize - before.buckets_started_in_synchronize == 1 &&
+            after.synchronizations == before.synchronizations + 1 &&
+            after.synchronize_seconds > before.synchronize_seconds,
+        "step {}: stats did not count the synchronization", step);
+  }
+
+  // Gradient accumulation: the first batch under no_sync(), the second starts the buckets.
+  net->zero_grad();
+  const auto before = ddp.stats().buckets_started_in_backward;
+  {
+    auto guard = ddp.no_sync();
+    loss(10).backward();
+  }
+  TORCHPAR_RCHECK(ddp.stats().buckets_started_in_backward == before,
+                  "a backward under no_sync() started buckets");
+  loss(110).backward();
+  const auto want = reference_gradients(net, 10, true);
+  ddp.synchronize_gradients();
+  expect_gradients(net, want, "accumulated under no_sync()");
+
+  // Two backwards without no_sync(): refused, after the round's all_reduces.
+  net->zero_grad();
+  loss(20).backward();
+  loss(120).backward();
+  try {
+    ddp.synchronize_gradients();
+    throw std::runtime_error("a second backward outside no_sync() was not refused");
+  } catch (const tp::ValueError& e) {
+    TORCHPAR_RCHECK(std::string(e.what()).find("no_sync()") != std::string::npos, "unclear: {}",
+                    e.what());
+  }
+  net->zero_grad();
+  loss(30).backward();
+  const auto again = reference_gradients(net, 30, false);
+  ddp.synchronize_gradients();
+  expect_gradients(net, again, "after the refused round");
+}
+
+class DdpOverlap : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DdpOverlap, BackwardStartsBucketsAndNoSyncAccumulates) {
+  auto res = run_ranks(kWorld, 120, &overlap_rank, free_port(), GetParam());
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(res[r].exitcode, 0) << "rank " << r << ": " << res[r].error;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DdpOverlap, ::testing::Values("shm", "gloo"));
 
 // One dtype, one bucket: synchronize_gradients reduces on the calling thread (no executor hop).
 // Linear(3, 2) on a batch of 4 rows all equal to rank + 1: d(sum of outputs)/dW[i][j] is

@@ -21,6 +21,35 @@ struct DistributedDataParallelOptions {
   /// it reaches the cap, so a parameter larger than the cap gets a bucket of its own. Must be
   /// > 0 (torchpar::ValueError otherwise). Source: DDP's bucket_cap_mb (default 25).
   double bucket_cap_mb = 25.0;
+  /// Starts a bucket's all_reduce during backward, as soon as autograd has accumulated the
+  /// gradients of all its parameters (a post hook on each parameter's gradient accumulator),
+  /// so that the transfer overlaps the rest of backward, as torch's DDP Reducer does.
+  /// synchronize_gradients() then starts the buckets still waiting (those with a parameter
+  /// whose gradient this backward did not produce, and the last bucket, whose gradients are
+  /// the last of the backward), waits for all and copies the averages back. Buckets follow
+  /// the reverse of module.parameters() (the order backward produces gradients) and the first
+  /// is capped at 1 MiB (torch's first_bucket_bytes_cap), so it goes out early.
+  ///
+  /// The gradients a started bucket averages are the ones its backward left: run exactly one
+  /// backward per synchronize_gradients() on every rank, and wrap the other backwards of
+  /// gradient accumulation in no_sync(). Default false: gradients are read when
+  /// synchronize_gradients() is called, any number of backwards before it. Source: DDP's
+  /// overlap of backward and communication, always on there.
+  bool overlap_with_backward = false;
+};
+
+/// What DistributedDataParallel did so far, for profiles (torch's DDP logging data:
+/// avg_backward_comm_time and the like). Counts are since construction.
+struct DistributedDataParallelStats {
+  /// synchronize_gradients() calls that returned normally.
+  int64_t synchronizations = 0;
+  /// Wall time inside those calls, seconds: what a step waits for its gradients' averages
+  /// after backward, which includes waiting for the slowest rank to arrive.
+  double synchronize_seconds = 0;
+  /// Bucket all_reduces started by autograd hooks during backward (overlap_with_backward).
+  int64_t buckets_started_in_backward = 0;
+  /// Bucket all_reduces started by synchronize_gradients() itself.
+  int64_t buckets_started_in_synchronize = 0;
 };
 
 /// Keeps the replicas of a model on the ranks of a group equal while each rank trains on its
@@ -42,7 +71,9 @@ struct DistributedDataParallelOptions {
 ///
 /// Unlike torch's DDP it does not wrap forward(): call the module itself. What torch does
 /// inside backward (its Reducer's autograd hooks) is the explicit synchronize_gradients(), so
-/// torch's no_sync() (gradient accumulation) is simply not calling it for a few steps.
+/// torch's no_sync() (gradient accumulation) is simply not calling it for a few steps. With
+/// options.overlap_with_backward the buckets' all_reduces start during backward, as torch's
+/// do; then one backward per synchronize_gradients(), the others under no_sync().
 ///
 /// Parameters: the set is fixed at construction, in module.parameters() order. Those with
 /// requires_grad = false are broadcast at construction and never take part in a
@@ -66,7 +97,11 @@ struct DistributedDataParallelOptions {
 ///          dies during the constructor, synchronize_gradients or sync_buffers (naming it),
 ///          TimeoutError when one stops calling; the group is broken after either (every
 ///          later call throws at once), so restart the job (`torchpar run --max-restarts`).
-///          After a failed synchronize_gradients the gradients are partly averaged.
+///          After a failed synchronize_gradients the gradients are partly averaged. With
+///          overlap_with_backward, ValueError from synchronize_gradients when a second
+///          backward reached a bucket already started (use no_sync()); the call first
+///          completes its all_reduces, so the ranks stay in step, and that bucket holds the
+///          average of the first backward's gradients.
 /// Safety:  not thread-safe: one thread at a time, the group not used meanwhile by another
 ///          thread. Every rank calls the constructor and each method the same number of times,
 ///          in the same order relative to its other collectives on the group.
@@ -77,6 +112,8 @@ struct DistributedDataParallelOptions {
 /// Source:  torch.nn.parallel.DistributedDataParallel (its Reducer's bucketing, and
 ///          _sync_module_states at construction).
 class DistributedDataParallel {
+  struct Impl;
+
  public:
   /// Wraps every parameter and buffer of `module` (recursively). Collective: broadcasts them
   /// from the group's rank 0 (in place, without recording autograd history).
@@ -95,7 +132,8 @@ class DistributedDataParallel {
   /// afterwards every rank holds the same .grad() tensors. Call after backward, before the
   /// optimizer's step. Packs each bucket and starts its all_reduce (async) before packing
   /// the next one, then waits for them in order and copies each result back. A model with
-  /// one bucket is reduced on the calling thread instead (nothing to overlap).
+  /// one bucket is reduced on the calling thread instead (nothing to overlap). With
+  /// overlap_with_backward, the buckets backward started are only waited for.
   ///
   /// Shapes:  each .grad() as its parameter (any strides); an undefined one counts as zeros
   ///          (see the class comment).
@@ -114,13 +152,42 @@ class DistributedDataParallel {
   /// Source: DDP's buffer broadcast before each forward (broadcast_buffers = true).
   void sync_buffers();
 
+  /// While alive, backward starts no bucket (overlap_with_backward): the gradients of the
+  /// backwards run meanwhile accumulate in .grad() and are averaged with those of the next
+  /// backward outside it, or by synchronize_gradients(). Without overlap_with_backward it
+  /// changes nothing. Guards nest; each restores what it found. Not thread-safe.
+  /// Source: DDP.no_sync().
+  ///
+  /// ```cpp
+  /// { auto guard = ddp.no_sync(); loss(batch1).backward(); }   // accumulates locally
+  /// loss(batch2).backward();                                    // starts the buckets
+  /// ddp.synchronize_gradients();                                // averages both batches' sum
+  /// ```
+  class NoSync {
+   public:
+    ~NoSync();
+    NoSync(NoSync&& other) noexcept;
+    NoSync& operator=(NoSync&&) = delete;
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    friend class DistributedDataParallel;
+    NoSync(Impl* impl, bool previous) : impl_(impl), previous_(previous) {}
+    Impl* impl_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSync no_sync();
+
+  /// Counters and time spent so far (see DistributedDataParallelStats).
+  DistributedDataParallelStats stats() const;
+
   /// Number of gradient buckets (one all_reduce each per synchronize_gradients call).
   std::size_t num_buckets() const;
   /// The group the replicas synchronize over. Source: DDP's process_group.
   const CollectiveGroup& process_group() const;
 
  private:
-  struct Impl;
   Impl& impl() const;
   std::unique_ptr<Impl> impl_;
 };

@@ -169,7 +169,8 @@ void gpt_ddp_worker(int rank, TrainConfig cfg, int port, AuthKey key, at::Tensor
   torch::manual_seed(cfg.seed);
   Gpt gpt(gpt_config(cfg));
   DistributedDataParallel ddp(*gpt,
-                              world.create_collective_group({}, backend_from_string(cfg.backend)));
+                              world.create_collective_group({}, backend_from_string(cfg.backend)),
+                              {.overlap_with_backward = true});
   Stepper stepper(gpt, cfg, rank, std::move(train_bytes));
   msgs.put({kReady, rank, 0, 0, 0.0, 0});
   for (;;) {
@@ -427,7 +428,8 @@ void train_ddp_as_rank(GptSession& s, ProgressBar& bar) {
   // kAuto: shared memory among the ranks of one host, and across hosts what the World's
   // host keys call for (Gloo between hosts), never decided here.
   CollectiveGroup group = world.create_collective_group({}, backend_from_string(cfg.backend));
-  DistributedDataParallel ddp(*s.gpt, group);  // s.gpt: seed cfg.seed, as every worker's
+  // s.gpt: seed cfg.seed, as every worker's; buckets start during backward.
+  DistributedDataParallel ddp(*s.gpt, group, {.overlap_with_backward = true});
   Stepper stepper(s.gpt, cfg, rank, s.corpus.train);
   const int64_t ranks = cfg.workers;
   for (int64_t round = 1; round <= rounds(cfg); ++round) {

@@ -108,7 +108,9 @@ torch::optim::SGD make_sgd(Net& net, const TrainConfig& c) {
 
 /// A worker after its setup: reports ready, then trains one epoch of its shard per `go`
 /// message until kStop, reporting progress; update() applies each batch's gradients (see
-/// train_epoch). after_epoch() runs before the epoch is reported done.
+/// train_epoch). after_epoch() runs before the epoch is reported done and returns the
+/// seconds and steps the worker spent synchronizing gradients during it (ddp; else zeros),
+/// which the kEpochDone message carries.
 template <class Update, class AfterEpoch>
 void serve_epochs(int index, const TrainConfig& cfg, Net& net, const Split& data, Queue<Msg>& msgs,
                   Queue<int>& go, Update&& update, AfterEpoch&& after_epoch) {
@@ -122,8 +124,8 @@ void serve_epochs(int index, const TrainConfig& cfg, Net& net, const Split& data
           msgs.put({kProgress, index, epoch, s, l, b});
         },
         update);
-    after_epoch();
-    msgs.put({kEpochDone, index, epoch, 0, 0.0, 0});
+    const SyncTime sync = after_epoch();
+    msgs.put({kEpochDone, index, epoch, 0, sync.seconds, sync.steps});
   }
 }
 
@@ -135,7 +137,8 @@ void hogwild_worker(int index, TrainConfig cfg, std::vector<at::Tensor> shared, 
   for (size_t i = 0; i < params.size(); ++i) params[i].set_data(shared[i]);  // alias shm
   auto opt = make_sgd(net, cfg);
   serve_epochs(
-      index, cfg, net, Split{images, labels}, msgs, go, [&] { opt.step(); }, [] {});
+      index, cfg, net, Split{images, labels}, msgs, go, [&] { opt.step(); },
+      [] { return SyncTime{}; });
 }
 
 void ddp_worker(int rank, TrainConfig cfg, int port, AuthKey key, at::Tensor images,
@@ -144,10 +147,13 @@ void ddp_worker(int rank, TrainConfig cfg, int port, AuthKey key, at::Tensor ima
   World world = join_world(rank, cfg, port, std::move(key));
   torch::manual_seed(cfg.seed + rank);
   Net net;
-  // Every rank starts from rank 0's parameters; each step averages the gradients.
+  // Every rank starts from rank 0's parameters; each step averages the gradients, the
+  // buckets' all_reduces started during backward (one backward per step).
   DistributedDataParallel ddp(*net,
-                              world.create_collective_group({}, backend_from_string(cfg.backend)));
+                              world.create_collective_group({}, backend_from_string(cfg.backend)),
+                              {.overlap_with_backward = true});
   auto opt = make_sgd(net, cfg);
+  DistributedDataParallelStats last;
   serve_epochs(
       rank, cfg, net, Split{images, labels}, msgs, go,
       [&] {
@@ -156,6 +162,11 @@ void ddp_worker(int rank, TrainConfig cfg, int port, AuthKey key, at::Tensor ima
       },
       [&] {
         if (rank == 0) params_out.put(clone_parameters(*net));
+        const auto now = ddp.stats();
+        const SyncTime t{now.synchronize_seconds - last.synchronize_seconds,
+                         now.synchronizations - last.synchronizations};
+        last = now;
+        return t;
       });
 }
 
@@ -256,7 +267,7 @@ void pserver_trainer(int rank, TrainConfig cfg, int port, AuthKey key, at::Tenso
   server.pull(vnet, Seconds(cfg.timeout));  // the server's version 0
   serve_epochs(
       rank, cfg, net, Split{images, labels}, msgs, go,
-      [&] { server.push(vnet, Seconds(cfg.timeout)); }, [] {});
+      [&] { server.push(vnet, Seconds(cfg.timeout)); }, [] { return SyncTime{}; });
   group.destroy();
 }
 
@@ -266,6 +277,7 @@ struct EpochMetrics {
   int epoch;
   double train_loss, test_loss, test_accuracy, seconds;
   int64_t samples;
+  SyncTime sync{};  // ddp: the mean over ranks of their time in synchronize_gradients
 };
 
 struct Run {
@@ -307,6 +319,13 @@ nlohmann::json metrics_json(const Run& run) {
                       {"seconds", e.seconds},
                       {"samples", e.samples},
                       {"samples_per_s", e.seconds > 0 ? e.samples / e.seconds : 0.0}});
+    if (cfg.strategy == "ddp" && e.sync.steps > 0) {
+      // What a step waited for its gradients' average after backward (the transfer and the
+      // slower rank): DistributedDataParallel::stats(), the mean over ranks.
+      epochs.back()["synchronize_seconds"] = e.sync.seconds;
+      epochs.back()["synchronize_us_per_step"] = 1e6 * e.sync.seconds / e.sync.steps;
+      epochs.back()["synchronize_fraction"] = e.seconds > 0 ? e.sync.seconds / e.seconds : 0.0;
+    }
     secs += e.seconds;
     samples += e.samples;
   }
@@ -419,11 +438,12 @@ void print_plan(const Session& s) {
 }
 
 /// Evaluates the parent's model, records the epoch and prints its line.
-void record_epoch(Session& s, int epoch, double secs, const EpochProgress& progress) {
+void record_epoch(Session& s, int epoch, double secs, const EpochProgress& progress,
+                  SyncTime sync = {}) {
   const Eval ev = evaluate(s.net, s.data.test);
   const double train_loss =
       progress.batches ? progress.loss_sum / static_cast<double>(progress.batches) : 0;
-  s.run.epochs.push_back({epoch, train_loss, ev.loss, ev.accuracy, secs, s.per_epoch});
+  s.run.epochs.push_back({epoch, train_loss, ev.loss, ev.accuracy, secs, s.per_epoch, sync});
   std::printf(
       "epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, %.0f "
       "samples/s\n",
@@ -503,6 +523,7 @@ void train_workers_epoch(Session& s, Workers& w, int epoch) {
   const auto t0 = Clock::now();
   for (int i = 0; i < trainers(cfg); ++i) w.go.put(epoch);
   EpochProgress progress(s, epoch);
+  SyncTime sync;  // summed over the trainers, then their mean
   for (int finished = 0; finished < trainers(cfg);) {
     auto m = poll(w.msgs, w, cfg);
     if (!m) continue;
@@ -511,15 +532,19 @@ void train_workers_epoch(Session& s, Workers& w, int epoch) {
       progress.add(n, l, b);
     } else if (kind == kEpochDone) {
       ++finished;
+      sync.seconds += l;
+      sync.steps += b;
     }
   }
+  sync.seconds /= trainers(cfg);
+  sync.steps /= trainers(cfg);
   const double secs = Seconds(Clock::now() - t0).count();
   progress.bar.finish();
   if (uses_world(cfg)) {
     if (cfg.strategy == "pserver") w.requests.put(epoch);
     copy_parameters(*s.net, wait_for(w.params, w, cfg));
   }
-  record_epoch(s, epoch, secs, progress);
+  record_epoch(s, epoch, secs, progress, sync);
 }
 
 void train_with_workers(Session& s, Workers& w) {
@@ -542,7 +567,8 @@ void train_as_rank(Session& s) {
   CollectiveGroup group = world.create_collective_group({}, backend_from_string(cfg.backend));
   torch::manual_seed(cfg.seed + rank);
   s.net = Net();  // rank 0's is the parent's initial model of a spawned run (seed + 0)
-  DistributedDataParallel ddp(*s.net, group);  // every rank starts from rank 0's parameters
+  // Every rank starts from rank 0's parameters; buckets start during backward.
+  DistributedDataParallel ddp(*s.net, group, {.overlap_with_backward = true});
   auto opt = make_sgd(s.net, cfg);
   for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
     const auto t0 = Clock::now();

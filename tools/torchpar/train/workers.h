@@ -27,9 +27,17 @@ using Seconds = std::chrono::duration<double>;
 
 // Messages from workers: (kind, worker, round, samples, loss_sum, batches). A round is an
 // epoch of the mnist model and the steps between two evaluations of the gpt model; samples
-// count images (mnist) or tokens (gpt), batches count batches or optimizer steps.
+// count images (mnist) or tokens (gpt), batches count batches or optimizer steps. kEpochDone
+// of an mnist worker carries (0, seconds, steps) of its SyncTime instead.
 enum Kind : int { kReady = 0, kProgress = 1, kEpochDone = 2 };
 using Msg = std::tuple<int, int, int, int64_t, double, int64_t>;
+
+/// Time a ddp worker spent in DistributedDataParallel::synchronize_gradients over a round:
+/// seconds, and the calls (one per step).
+struct SyncTime {
+  double seconds = 0;
+  int64_t steps = 0;
+};
 /// Sent on the `go` queue instead of a round: the worker returns.
 constexpr int kStop = -1;
 
