@@ -64,17 +64,40 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq"))) void combine_avx51
 }
 #endif
 
+bool cpu_runs(CombineLoop loop) {
+#ifdef TORCHPAR_VECTOR_KERNELS
+  __builtin_cpu_init();
+  switch (loop) {
+    case CombineLoop::kBaseline:
+      return true;
+    case CombineLoop::kAvx2:
+      return __builtin_cpu_supports("avx2");
+    case CombineLoop::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  }
+  return false;
+#else
+  return loop == CombineLoop::kBaseline;
+#endif
+}
+
+template <class T>
+CombineFn<T> loop_fn(CombineLoop loop) {
+#ifdef TORCHPAR_VECTOR_KERNELS
+  if (loop == CombineLoop::kAvx512) return &combine_avx512<T>;
+  if (loop == CombineLoop::kAvx2) return &combine_avx2<T>;
+#endif
+  (void)loop;
+  return &combine_base<T>;
+}
+
 /// The widest loop this CPU runs, chosen at the first call (thread-safe static).
 template <class T>
 CombineFn<T> pick_combine() {
-#ifdef TORCHPAR_VECTOR_KERNELS
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
-    return &combine_avx512<T>;
+  for (auto loop : {CombineLoop::kAvx512, CombineLoop::kAvx2}) {
+    if (cpu_runs(loop)) return loop_fn<T>(loop);
   }
-  if (__builtin_cpu_supports("avx2")) return &combine_avx2<T>;
-#endif
   return &combine_base<T>;
 }
 
@@ -122,6 +145,26 @@ void reduce_combine(void* dst, const void* a, const void* b, size_t n, at::Scala
     combine_typed<scalar_t>(static_cast<scalar_t*>(dst), static_cast<const scalar_t*>(a),
                             static_cast<const scalar_t*>(b), n, op);
   });
+}
+
+bool combine_loop_supported(CombineLoop loop) { return cpu_runs(loop); }
+
+void reduce_combine_with(CombineLoop loop, void* dst, const void* a, const void* b, size_t n,
+                         at::ScalarType dtype, ReduceOp op) {
+  if (!cpu_runs(loop)) {
+    throw Error(
+        fmt::format("reduce_combine_with: this CPU does not run loop {}", static_cast<int>(loop)));
+  }
+  if (dtype == at::kFloat) {
+    loop_fn<float>(loop)(static_cast<float*>(dst), static_cast<const float*>(a),
+                         static_cast<const float*>(b), n, op);
+  } else if (dtype == at::kDouble) {
+    loop_fn<double>(loop)(static_cast<double*>(dst), static_cast<const double*>(a),
+                          static_cast<const double*>(b), n, op);
+  } else {
+    throw Error(
+        fmt::format("reduce_combine_with: float or double only, got {}", c10::toString(dtype)));
+  }
 }
 
 void reduce_divide(void* dst, size_t n, at::ScalarType dtype, int divisor) {

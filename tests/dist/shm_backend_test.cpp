@@ -8,8 +8,10 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <exception>
+#include <limits>
 #include <string>
 #include <thread>
 #include <utility>
@@ -120,6 +122,67 @@ std::string dtype_name(const ::testing::TestParamInfo<at::ScalarType>& param) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, ReduceKernels, ::testing::ValuesIn(kNumericDtypes), dtype_name);
+
+// Every vector loop this CPU runs gives the baseline loop's bits, NaN, signed zeros and
+// infinities included (MIN/MAX pick an operand by `<`: a vector min/max instruction with its
+// operands swapped would return the other NaN or zero), and the reference's on exact data.
+// The dispatcher only ever runs the widest, so without this the others go untested here.
+class CombineLoops : public ::testing::TestWithParam<at::ScalarType> {};
+
+TEST_P(CombineLoops, EveryLoopGivesTheBaselineBits) {
+  using tp::detail::CombineLoop;
+  const auto dt = GetParam();
+  auto specials = [&](int r) {
+    auto v = operand(r, dt);
+    const double nan = std::nan(""), inf = std::numeric_limits<double>::infinity();
+    const std::vector<double> odd = {nan, -0.0, 0.0, inf, -inf, 1e-300, -nan};
+    for (int64_t i = r; i < kNumel; i += 5) v[i] = odd[(i / 5 + r) % odd.size()];
+    return v;
+  };
+  // Views of the result as integers: at::equal(NaN, NaN) is false.
+  auto bits = [](const at::Tensor& t) {
+    return t.view(t.scalar_type() == at::kFloat ? at::kInt : at::kLong);
+  };
+  int loops = 0;
+  for (auto loop : {CombineLoop::kBaseline, CombineLoop::kAvx2, CombineLoop::kAvx512}) {
+    if (!tp::detail::combine_loop_supported(loop)) {
+      EXPECT_THROW(
+          tp::detail::reduce_combine_with(loop, nullptr, nullptr, nullptr, 0, dt, ReduceOp::kSum),
+          tp::Error);
+      continue;
+    }
+    ++loops;
+    for (auto op : {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin, ReduceOp::kMax}) {
+      const auto x0 = specials(0), x1 = specials(1);
+      auto got = at::empty({kNumel}, dt), want = at::empty({kNumel}, dt);
+      tp::detail::reduce_combine_with(loop, got.data_ptr(), x0.data_ptr(), x1.data_ptr(), kNumel,
+                                      dt, op);
+      tp::detail::reduce_combine_with(CombineLoop::kBaseline, want.data_ptr(), x0.data_ptr(),
+                                      x1.data_ptr(), kNumel, dt, op);
+      EXPECT_TRUE(at::equal(bits(got), bits(want)))
+          << "loop " << static_cast<int>(loop) << ", " << tp::to_string(op) << " on "
+          << c10::toString(dt);
+      // Exact data: the loop against ATen (every loop, not only the one picked).
+      const auto e0 = operand(0, dt), e1 = operand(1, dt);
+      tp::detail::reduce_combine_with(loop, got.data_ptr(), e0.data_ptr(), e1.data_ptr(), kNumel,
+                                      dt, op);
+      const auto s = at::stack({e0, e1}).to(at::kDouble);
+      const at::Tensor ref = op == ReduceOp::kSum       ? at::sum(s, 0)
+                             : op == ReduceOp::kProduct ? at::prod(s, 0)
+                             : op == ReduceOp::kMin     ? at::amin(s, 0)
+                                                        : at::amax(s, 0);
+      EXPECT_TRUE(at::equal(got, ref.to(dt))) << "loop " << static_cast<int>(loop) << ", "
+                                              << tp::to_string(op) << " on " << c10::toString(dt);
+    }
+  }
+  EXPECT_GE(loops, 1);
+  EXPECT_THROW(tp::detail::reduce_combine_with(CombineLoop::kBaseline, nullptr, nullptr, nullptr, 0,
+                                               at::kInt, ReduceOp::kSum),
+               tp::Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(FloatAndDouble, CombineLoops, ::testing::Values(at::kFloat, at::kDouble),
+                         dtype_name);
 
 TEST(ReduceKernels, BoolIsOrForSumMaxAndForProductMin) {
   std::vector<at::Tensor> v;
