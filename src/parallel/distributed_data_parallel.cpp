@@ -269,6 +269,9 @@ struct DistributedDataParallel::Impl {
   void on_gradient_ready(std::size_t param) noexcept;
   void finish_round();
   void reset_round();
+  void wait_started() noexcept;
+  /// After an error before the round's end: waits for what backward started, then resets.
+  void abandon_round() noexcept;
 };
 
 void DistributedDataParallel::Impl::pack(Bucket& b) const {
@@ -307,12 +310,7 @@ void DistributedDataParallel::Impl::unpack(Bucket& b) const {
 
 DistributedDataParallel::Impl::~Impl() {
   for (auto& h : hooks) h.accumulator->del_post_hook(h.key);
-  for (auto& b : buckets) {  // in flight: they write into b.flat, which they keep alive
-    try {
-      if (b.started && !b.work.is_completed()) b.work.wait();
-    } catch (...) {  // the group reports its failure to the next caller
-    }
-  }
+  wait_started();  // in flight: they write into the flat buffers
 }
 
 void DistributedDataParallel::Impl::start(std::size_t k, bool async_op) {
@@ -392,13 +390,23 @@ void DistributedDataParallel::Impl::finish_round() {
     }
   }
   if (!error) return;
+  wait_started();
+  std::rethrow_exception(error);
+}
+
+void DistributedDataParallel::Impl::wait_started() noexcept {
   for (auto& b : buckets) {
     try {
       if (b.started && !b.work.is_completed()) b.work.wait();
     } catch (...) {  // the first error is the one to report
     }
   }
-  std::rethrow_exception(error);
+}
+
+void DistributedDataParallel::Impl::abandon_round() noexcept {
+  wait_started();
+  hook_error = nullptr;
+  reset_round();
 }
 
 void DistributedDataParallel::Impl::reset_round() {
@@ -490,6 +498,8 @@ void DistributedDataParallel::synchronize_gradients() {
     for (std::size_t i : b.members) {
       const at::Tensor& g = m.params[i].grad();
       if (g.defined() && g.layout() != at::kStrided) {
+        // Buckets backward started are waited for: they write into the flat buffers.
+        if (!m.hooks.empty()) m.abandon_round();
         throw ValueError(fmt::format(
             "DistributedDataParallel: parameter {} has a {} gradient; only dense gradients are "
             "averaged",

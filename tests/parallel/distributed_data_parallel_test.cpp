@@ -250,7 +250,8 @@ void expect_gradients(torch::nn::Sequential& net, const std::vector<at::Tensor>&
 // A bucket per parameter (6): backward starts the first 5 (the last is reduced by
 // synchronize_gradients on the calling thread) and the averages are right; under no_sync()
 // two batches accumulate and one synchronization averages their sum; a second backward
-// outside no_sync() is refused after the round completes, and the group goes on working.
+// outside no_sync() is refused after the round completes, and the group goes on working; so
+// does a sparse gradient.
 void overlap_rank(int rank, int port, std::string backend) {
   auto world = make_world(rank, port);
   auto group = world.create_collective_group({}, tp::backend_from_string(backend));
@@ -312,6 +313,25 @@ void overlap_rank(int rank, int port, std::string backend) {
   const auto again = reference_gradients(net, 30, false);
   ddp.synchronize_gradients();
   expect_gradients(net, again, "after the refused round");
+
+  // A sparse gradient is refused on every rank after backward started 5 buckets: they are
+  // waited for (they write into the flat buffers) and the next round starts afresh.
+  net->zero_grad();
+  loss(40).backward();
+  at::Tensor first = net->parameters()[0];
+  first.mutable_grad() = first.grad().to_sparse();
+  try {
+    ddp.synchronize_gradients();
+    throw std::runtime_error("a sparse gradient was not refused");
+  } catch (const tp::ValueError& e) {
+    TORCHPAR_RCHECK(std::string(e.what()).find("only dense gradients") != std::string::npos,
+                    "unclear: {}", e.what());
+  }
+  net->zero_grad();
+  loss(50).backward();
+  const auto after_sparse = reference_gradients(net, 50, false);
+  ddp.synchronize_gradients();
+  expect_gradients(net, after_sparse, "after the sparse gradient");
 }
 
 class DdpOverlap : public ::testing::TestWithParam<std::string> {};
