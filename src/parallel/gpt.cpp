@@ -13,12 +13,13 @@
 #include <string>
 #include <utility>
 
+#include "shape_text.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar {
 namespace {
 
-std::string shape_of(at::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
+using detail::shape_of;
 
 /// A plain submodule, so parameter names nest as in Python ("h.0.ln_1.weight"): torch::nn
 /// refuses dots in a registered name.

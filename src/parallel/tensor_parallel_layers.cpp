@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "shape_text.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar {
@@ -16,7 +17,7 @@ namespace {
 
 std::string label(const SliceOptions& o) { return o.name.empty() ? "tensor" : "'" + o.name + "'"; }
 
-std::string shape_of(at::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
+using detail::shape_of;
 
 void check_slice_args(const at::Tensor& t, int rank, int world_size, const SliceOptions& o,
                       const char* fn) {
