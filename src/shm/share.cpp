@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "allocator.h"
+#include "deferred_release.h"
 #include "torchpar/core/error.h"
 #include "torchpar/shm/handle.h"
 
@@ -117,9 +118,10 @@ at::Tensor& share_memory_(at::Tensor& tensor) {
   const size_t nbytes = impl->nbytes();
   at::DataPtr dp = detail::shm_allocate(nbytes);
   if (nbytes > 0) std::memcpy(dp.get(), impl->data(), nbytes);
-  impl->set_data_ptr_noswap(std::move(dp));  // every view of this storage now sees shm
+  at::DataPtr old = impl->set_data_ptr(std::move(dp));  // every view now sees shm
   impl->set_allocator(&detail::g_allocator);
   impl->set_resizable(false);
+  detail::release_later(std::move(old), nbytes);  // a large private buffer: in the background
   return tensor;
 }
 

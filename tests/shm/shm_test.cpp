@@ -1,5 +1,6 @@
 // Shared-memory tensors: strategies, share_memory_, handles across real processes,
-// cleanup after SIGKILL, fd economy, exhaustion errors, the segment cache and fork.
+// cleanup after SIGKILL, fd economy, exhaustion errors, the segment cache and fork; the
+// private buffer share_memory_ replaces, freed by a background thread.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -8,8 +9,13 @@
 
 #include <signal.h>
 
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <thread>
+#include <vector>
 
+#include "shm/deferred_release.h"
 #include "support/child.h"
 #include "support/strategy_guard.h"
 #include "torchpar/torchpar.h"
@@ -387,4 +393,80 @@ TEST(ShmErrors, RejectsWhatCannotBeShared) {
   EXPECT_THROW(tp::share_memory_(undefined), c10::Error);
   at::Tensor sparse = at::eye(3).to_sparse();
   EXPECT_THROW(tp::share_memory_(sparse), c10::Error);
+}
+
+// ---- the private buffer share_memory_ replaces ------------------------------------------------
+
+namespace {
+
+/// RssAnon of this process (private resident memory) from /proc/self/status, bytes.
+long long rss_anon_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("RssAnon:", 0) == 0) return std::stoll(line.substr(8)) * 1024;  // kB
+  }
+  return -1;
+}
+
+}  // namespace
+
+// 64 MiB from LibTorch's allocator: the data are in shared memory at once, and the private
+// buffer they left is freed by the background thread (RssAnon drops by its size).
+TEST(ShareMemoryRelease, LargePrivateBufferIsFreedInTheBackground) {
+  constexpr int64_t kFloats = 16 << 20;  // 64 MiB
+  at::Tensor t = at::arange(0, kFloats, at::kFloat);
+  const uint64_t freed_before = tp::detail::drain_released();
+  const long long before = rss_anon_bytes();
+  ASSERT_GT(before, 64LL << 20);
+  tp::share_memory_(t);
+  ASSERT_TRUE(tp::is_shared(t));
+  EXPECT_EQ(t[kFloats - 1].item<float>(), static_cast<float>(kFloats - 1));
+  EXPECT_EQ(tp::detail::drain_released(), freed_before + 1)
+      << "the background thread should have freed exactly this buffer";
+  const long long after = rss_anon_bytes();
+  EXPECT_LT(after, before - (60LL << 20))
+      << "RssAnon " << before << " -> " << after << ": the private 64 MiB were not freed";
+  EXPECT_TRUE(at::equal(t, at::arange(0, kFloats, at::kFloat)));
+}
+
+// A buffer with a deleter of its own (at::from_blob's) is freed by the caller, at once: the
+// deleter may expect the caller's thread.
+TEST(ShareMemoryRelease, ForeignDeleterRunsOnTheCallingThread) {
+  constexpr int64_t kFloats = 3 << 20;  // 12 MiB: above the background thread's minimum
+  static_assert(kFloats * 4 >= static_cast<int64_t>(tp::detail::kDeferredReleaseMinBytes));
+  auto* buf = new std::vector<float>(kFloats, 1.5f);
+  std::thread::id deleted_on;
+  at::Tensor t = at::from_blob(
+      buf->data(), {kFloats},
+      [&deleted_on, buf](void*) {
+        deleted_on = std::this_thread::get_id();
+        delete buf;
+      },
+      at::kFloat);
+  tp::share_memory_(t);
+  EXPECT_EQ(deleted_on, std::this_thread::get_id());
+  EXPECT_EQ(t[kFloats - 1].item<float>(), 1.5f);
+}
+
+// A child forked while the parent's thread exists has no such thread: it starts its own at
+// its first large share_memory_ (else its drain would wait for ever), counting from zero.
+TEST(ShareMemoryRelease, ForkedChildStartsItsOwnThread) {
+  {
+    at::Tensor t = at::ones({3 << 20}, at::kFloat);
+    tp::share_memory_(t);
+  }
+  ASSERT_GE(tp::detail::drain_released(), 1u);
+  Child c = fork_child([](int) {
+    at::Tensor t = at::ones({3 << 20}, at::kFloat);
+    tp::share_memory_(t);
+    const uint64_t freed = tp::detail::drain_released();
+    if (freed != 1) {
+      std::fprintf(stderr, "child: %llu buffers freed, want 1\n",
+                   static_cast<unsigned long long>(freed));
+      return 1;
+    }
+    return t[7].item<float>() == 1.0f ? 0 : 2;
+  });
+  EXPECT_EQ(wait_child(c, std::chrono::seconds(30)), 0);
 }

@@ -1,0 +1,119 @@
+#include "deferred_release.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <pthread.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <utility>
+
+namespace torchpar::detail {
+namespace {
+
+struct QueuedBuffer {
+  c10::DataPtr ptr;
+  size_t nbytes;
+};
+
+struct BufferReaper {
+  std::mutex mu;
+  std::condition_variable cv;  // work queued, or a buffer freed
+  std::deque<QueuedBuffer> pending;
+  size_t pending_bytes = 0;
+  uint64_t queued = 0;  // handed to the thread, in this process
+  uint64_t freed = 0;   // freed by it
+  bool running = false;
+
+  BufferReaper() {
+    // A fork while the thread or a caller holds `mu` would leave the child's copy locked;
+    // the child has no thread, and the parent's condition variable may hold the parent
+    // thread's waiter state: both are made new there.
+    ::pthread_atfork([] { get().mu.lock(); }, [] { get().mu.unlock(); },
+                     [] {
+                       BufferReaper& r = get();
+                       r.mu.unlock();
+                       new (&r.cv) std::condition_variable();
+                       r.running = false;
+                       // A buffer the parent's thread was freeing at the fork is not in
+                       // `pending`: this child never frees its copy (private pages, gone at
+                       // exit).
+                       r.pending_bytes = 0;
+                       for (const auto& p : r.pending) r.pending_bytes += p.nbytes;
+                       r.freed = 0;
+                       r.queued = r.pending.size();
+                     });
+  }
+
+  static BufferReaper& get() {
+    static auto* r = new BufferReaper();  // never destroyed: the detached thread uses it to the end
+    return *r;
+  }
+
+  /// Starts the thread unless it runs; false when none can be started. Under `mu`.
+  bool ensure_running() {
+    if (running) return true;
+    try {
+      std::thread([this] { run(); }).detach();
+    } catch (...) {
+      return false;
+    }
+    running = true;
+    return true;
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] { return !pending.empty(); });
+      QueuedBuffer p = std::move(pending.front());
+      pending.pop_front();
+      lock.unlock();
+      p.ptr.clear();  // the munmap
+      lock.lock();
+      pending_bytes -= p.nbytes;
+      ++freed;
+      cv.notify_all();
+    }
+  }
+};
+
+bool default_cpu_buffer(const c10::DataPtr& ptr) {
+  const c10::DeleterFnPtr d = ptr.get_deleter();
+  return d != nullptr && d == c10::GetDefaultCPUAllocator()->raw_deleter();
+}
+
+}  // namespace
+
+void release_later(c10::DataPtr&& ptr, size_t nbytes) noexcept {
+  c10::DataPtr mine = std::move(ptr);  // freed here unless queued
+  if (nbytes < kDeferredReleaseMinBytes || !default_cpu_buffer(mine)) return;
+  BufferReaper& r = BufferReaper::get();
+  std::lock_guard<std::mutex> lock(r.mu);
+  // Too much waiting, or no thread: the caller frees it (on return).
+  if (r.pending_bytes + nbytes > kDeferredReleaseMaxPendingBytes || !r.ensure_running()) return;
+  r.pending.push_back({std::move(mine), nbytes});
+  r.pending_bytes += nbytes;
+  ++r.queued;
+  r.cv.notify_all();
+}
+
+uint64_t drain_released() {
+  BufferReaper& r = BufferReaper::get();
+  std::unique_lock<std::mutex> lock(r.mu);
+  const uint64_t target = r.queued;
+  if (r.freed < target && !r.ensure_running()) {  // a forked child's inherited queue
+    std::deque<QueuedBuffer> left = std::move(r.pending);
+    r.pending.clear();
+    r.pending_bytes = 0;
+    r.freed += left.size();
+    lock.unlock();
+    return BufferReaper::get().freed;  // `left` frees them on return
+  }
+  r.cv.wait(lock, [&] { return r.freed >= target; });
+  return r.freed;
+}
+
+}  // namespace torchpar::detail
