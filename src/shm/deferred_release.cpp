@@ -4,6 +4,7 @@
 #include <pthread.h>
 
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <new>
@@ -26,6 +27,8 @@ struct BufferReaper {
   uint64_t queued = 0;  // handed to the thread, in this process
   uint64_t freed = 0;   // freed by it
   bool running = false;
+  bool busy = false;     // the thread is freeing a buffer it took off `pending`
+  bool closing = false;  // the process is exiting: callers free their buffers
 
   BufferReaper() {
     // A fork while the thread or a caller holds `mu` would leave the child's copy locked;
@@ -37,6 +40,7 @@ struct BufferReaper {
                        r.mu.unlock();
                        new (&r.cv) std::condition_variable();
                        r.running = false;
+                       r.busy = false;
                        // A buffer the parent's thread was freeing at the fork is not in
                        // `pending`: this child never frees its copy (private pages, gone at
                        // exit).
@@ -45,7 +49,22 @@ struct BufferReaper {
                        r.freed = 0;
                        r.queued = r.pending.size();
                      });
+    // At exit, before the statics of LibTorch's allocator (made before this object) are
+    // destroyed: the thread finishes the buffer it is freeing, and the ones still queued are
+    // freed here, so that no deleter runs during static destruction.
+    std::atexit([] { get().close(); });
   }
+
+  void close() noexcept {
+    std::deque<QueuedBuffer> left;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      closing = true;
+      left.swap(pending);
+      pending_bytes = 0;
+      cv.wait(lock, [&] { return !busy; });
+    }
+  }  // `left` frees them here
 
   static BufferReaper& get() {
     static auto* r = new BufferReaper();  // never destroyed: the detached thread uses it to the end
@@ -70,9 +89,11 @@ struct BufferReaper {
       cv.wait(lock, [&] { return !pending.empty(); });
       QueuedBuffer p = std::move(pending.front());
       pending.pop_front();
+      busy = true;
       lock.unlock();
       p.ptr.clear();  // the munmap
       lock.lock();
+      busy = false;
       pending_bytes -= p.nbytes;
       ++freed;
       cv.notify_all();
@@ -92,8 +113,11 @@ void release_later(c10::DataPtr&& ptr, size_t nbytes) noexcept {
   if (nbytes < kDeferredReleaseMinBytes || !default_cpu_buffer(mine)) return;
   BufferReaper& r = BufferReaper::get();
   std::lock_guard<std::mutex> lock(r.mu);
-  // Too much waiting, or no thread: the caller frees it (on return).
-  if (r.pending_bytes + nbytes > kDeferredReleaseMaxPendingBytes || !r.ensure_running()) return;
+  // Exiting, too much waiting, or no thread: the caller frees it (on return).
+  if (r.closing || r.pending_bytes + nbytes > kDeferredReleaseMaxPendingBytes ||
+      !r.ensure_running()) {
+    return;
+  }
   r.pending.push_back({std::move(mine), nbytes});
   r.pending_bytes += nbytes;
   ++r.queued;
@@ -104,13 +128,14 @@ uint64_t drain_released() {
   BufferReaper& r = BufferReaper::get();
   std::unique_lock<std::mutex> lock(r.mu);
   const uint64_t target = r.queued;
-  if (r.freed < target && !r.ensure_running()) {  // a forked child's inherited queue
-    std::deque<QueuedBuffer> left = std::move(r.pending);
-    r.pending.clear();
+  if (r.freed < target && (r.closing || !r.ensure_running())) {  // freed here instead
+    std::deque<QueuedBuffer> left;
+    left.swap(r.pending);
     r.pending_bytes = 0;
     r.freed += left.size();
+    const uint64_t freed = r.freed;
     lock.unlock();
-    return BufferReaper::get().freed;  // `left` frees them on return
+    return freed;  // `left` frees them on return
   }
   r.cv.wait(lock, [&] { return r.freed >= target; });
   return r.freed;

@@ -470,3 +470,16 @@ TEST(ShareMemoryRelease, ForkedChildStartsItsOwnThread) {
   });
   EXPECT_EQ(wait_child(c, std::chrono::seconds(30)), 0);
 }
+
+// exit() right after large share_memory_ calls: the atexit handler lets the thread finish its
+// buffer and frees the queued ones before LibTorch's statics go; the process exits cleanly.
+TEST(ShareMemoryRelease, ExitWithBuffersQueuedIsClean) {
+  Child c = fork_child([](int) -> int {
+    for (int i = 0; i < 4; ++i) {
+      at::Tensor t = at::ones({4 << 20}, at::kFloat);  // 16 MiB each
+      tp::share_memory_(t);
+    }
+    std::exit(0);
+  });
+  EXPECT_EQ(wait_child(c, std::chrono::seconds(30)), 0);
+}
