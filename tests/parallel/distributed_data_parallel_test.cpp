@@ -84,6 +84,13 @@ Batch batch_of(int step, int rank) {
   return b;
 }
 
+/// Every rank of a run_ranks run exited with 0 (else its error).
+void expect_every_rank_ok(const std::vector<tp::testing::RankResult>& res) {
+  for (size_t r = 0; r < res.size(); ++r) {
+    EXPECT_EQ(res[r].exitcode, 0) << "rank " << r << ": " << res[r].error;
+  }
+}
+
 void expect_same_state(TestNet& got, TestNet& want, const std::string& what) {
   auto want_params = want->named_parameters();
   for (const auto& item : got->named_parameters()) {
@@ -185,9 +192,7 @@ TEST_P(DdpAverage, EveryRankGetsTheAverageGradient) {
   const auto c = GetParam();
   auto res =
       run_ranks(kWorld, 120, &average_rank, free_port(), c.backend, c.cap_mb, c.buckets, c.overlap);
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(res[r].exitcode, 0) << "rank " << r << ": " << res[r].error;
-  }
+  expect_every_rank_ok(res);
 }
 
 // 25 MiB: a float32 and a float64 bucket. 1e-4 MiB (104 bytes): the float32 parameters
@@ -338,9 +343,7 @@ class DdpOverlap : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DdpOverlap, BackwardStartsBucketsAndNoSyncAccumulates) {
   auto res = run_ranks(kWorld, 120, &overlap_rank, free_port(), GetParam());
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(res[r].exitcode, 0) << "rank " << r << ": " << res[r].error;
-  }
+  expect_every_rank_ok(res);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, DdpOverlap, ::testing::Values("shm", "gloo"));
@@ -371,9 +374,7 @@ class DdpOneBucket : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DdpOneBucket, AveragesOnTheCallingThread) {
   auto res = run_ranks(kWorld, 120, &one_bucket_rank, free_port(), GetParam());
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(res[r].exitcode, 0) << "rank " << r << ": " << res[r].error;
-  }
+  expect_every_rank_ok(res);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, DdpOneBucket, ::testing::Values("shm", "gloo"));
