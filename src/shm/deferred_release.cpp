@@ -27,8 +27,8 @@ struct BufferReaper {
   uint64_t queued = 0;  // handed to the thread, in this process
   uint64_t freed = 0;   // freed by it
   bool running = false;
-  bool busy = false;     // the thread is freeing a buffer it took off `pending`
   bool closing = false;  // the process is exiting: callers free their buffers
+  std::thread thread;    // joined at exit, so that it ends with its thread-local state freed
 
   BufferReaper() {
     // A fork while the thread or a caller holds `mu` would leave the child's copy locked;
@@ -39,8 +39,10 @@ struct BufferReaper {
                        BufferReaper& r = get();
                        r.mu.unlock();
                        new (&r.cv) std::condition_variable();
+                       // The parent's thread is not in this process: forget its handle
+                       // (destroying or joining it would fail).
+                       new (&r.thread) std::thread();
                        r.running = false;
-                       r.busy = false;
                        // A buffer the parent's thread was freeing at the fork is not in
                        // `pending`: this child never frees its copy (private pages, gone at
                        // exit).
@@ -50,24 +52,25 @@ struct BufferReaper {
                        r.queued = r.pending.size();
                      });
     // At exit, before the statics of LibTorch's allocator (made before this object) are
-    // destroyed: the thread finishes the buffer it is freeing, and the ones still queued are
-    // freed here, so that no deleter runs during static destruction.
+    // destroyed: the thread finishes the buffer it is freeing and ends, and the ones still
+    // queued are freed here, so that no deleter runs during static destruction.
     std::atexit([] { get().close(); });
   }
 
   void close() noexcept {
     std::deque<QueuedBuffer> left;
     {
-      std::unique_lock<std::mutex> lock(mu);
+      std::lock_guard<std::mutex> lock(mu);
       closing = true;
       left.swap(pending);
-      pending_bytes = 0;
-      cv.wait(lock, [&] { return !busy; });
+      for (const auto& q : left) pending_bytes -= q.nbytes;  // the thread's own buffer stays
+      cv.notify_all();
     }
+    if (thread.joinable() && thread.get_id() != std::this_thread::get_id()) thread.join();
   }  // `left` frees them here
 
   static BufferReaper& get() {
-    static auto* r = new BufferReaper();  // never destroyed: the detached thread uses it to the end
+    static auto* r = new BufferReaper();  // never destroyed: its thread is joined at exit
     return *r;
   }
 
@@ -75,7 +78,7 @@ struct BufferReaper {
   bool ensure_running() {
     if (running) return true;
     try {
-      std::thread([this] { run(); }).detach();
+      thread = std::thread([this] { run(); });
     } catch (...) {
       return false;
     }
@@ -86,14 +89,13 @@ struct BufferReaper {
   void run() {
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
-      cv.wait(lock, [&] { return !pending.empty(); });
+      cv.wait(lock, [&] { return !pending.empty() || closing; });
+      if (pending.empty()) return;  // closing
       QueuedBuffer p = std::move(pending.front());
       pending.pop_front();
-      busy = true;
       lock.unlock();
       p.ptr.clear();  // the munmap
       lock.lock();
-      busy = false;
       pending_bytes -= p.nbytes;
       ++freed;
       cv.notify_all();

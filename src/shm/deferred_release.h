@@ -22,8 +22,9 @@ constexpr size_t kDeferredReleaseMaxPendingBytes = size_t{1} << 30;
 /// kDeferredReleaseMaxPendingBytes wait or when no thread can be started.
 /// Thread-safe; fork-safe (a child starts its own thread when it first needs one; buffers a
 /// parent had queued at the fork are freed by the child's thread then, or at its exit).
-/// At exit (an atexit handler) the thread finishes its buffer and the exiting thread frees
-/// the queued ones, before LibTorch's allocator statics are destroyed.
+/// At exit (an atexit handler) the thread finishes its buffer and ends (joined, so its
+/// thread-local state is freed), and the exiting thread frees the queued ones, before
+/// LibTorch's allocator statics are destroyed.
 void release_later(c10::DataPtr&& ptr, size_t nbytes) noexcept;
 
 /// Blocks until every buffer release_later queued before the call is freed. Returns the

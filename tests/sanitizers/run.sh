@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # make check-sanitizers: builds torchpar twice more, each in its own tree, and runs
 #   build-asan (-DTORCHPAR_SANITIZE=address,undefined): the `fast` set,
-#   build-tsan (-DTORCHPAR_SANITIZE=thread):            the core, ipc, pool, shm-backend and
-#                                                       rpc-transport suites (see the filters
+#   build-tsan (-DTORCHPAR_SANITIZE=thread):            the core, ipc, pool, shm-backend,
+#                                                       rpc-transport and DDP suites and the
+#                                                       background release (see the filters
 #                                                       below),
 # both without the tests labelled `notsan` (scripts and installed-program checks that run
 # uninstrumented programs or time out under the sanitizers' slow-down).
@@ -37,7 +38,7 @@ fi
 if [[ $which == all || $which == tsan ]]; then
   build build-tsan thread core_test thread_pool_test parallel_test sync_test shm_queue_test \
         shm_backend_test ipc_test pool_test listener_test manager_test collective_test \
-        rendezvous_test rpc_transport_test
+        rendezvous_test rpc_transport_test shm_test distributed_data_parallel_test
   # LibTorch's OpenMP threads are not instrumented, so TSan cannot see their
   # synchronisation: run at:: kernels on the calling thread (OMP_NUM_THREADS=1).
   # die_after_fork=0: pool workers and forked ranks start threads after fork(); the child
@@ -73,5 +74,10 @@ if [[ $which == all || $which == tsan ]]; then
   TORCHPAR_TEST_RANKS_START_METHOD=spawn run collective_test
   TORCHPAR_TEST_RANKS_START_METHOD=spawn run rendezvous_test
   TORCHPAR_TEST_RANKS_START_METHOD=spawn run rpc_transport_test
+  # The background release of share_memory_'s old buffers (without its cases that start
+  # the thread in a forked child: "dup thread with used id", as pool_test's fork cases), and
+  # DistributedDataParallel's autograd hooks starting all_reduces on the executor thread.
+  run shm_test 'ShareMemoryRelease*-*ForkedChild*:*ExitWith*'
+  TORCHPAR_TEST_RANKS_START_METHOD=spawn run distributed_data_parallel_test
   exit $failed
 fi

@@ -32,9 +32,12 @@ struct DistributedDataParallelOptions {
   ///
   /// The gradients a started bucket averages are the ones its backward left: run exactly one
   /// backward per synchronize_gradients() on every rank, and wrap the other backwards of
-  /// gradient accumulation in no_sync(). Default false: gradients are read when
-  /// synchronize_gradients() is called, any number of backwards before it. Source: DDP's
-  /// overlap of backward and communication, always on there.
+  /// gradient accumulation in no_sync(). A bucket started during backward carries the
+  /// gradients as backward left them, so changes made to .grad() before
+  /// synchronize_gradients() are lost for it: clip or scale gradients after that call
+  /// (torch's DDP has averaged them by the time backward returns). Default false:
+  /// gradients are read when synchronize_gradients() is called, any number of backwards
+  /// before it. Source: DDP's overlap of backward and communication, always on there.
   bool overlap_with_backward = false;
 };
 
