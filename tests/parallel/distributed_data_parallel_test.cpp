@@ -302,22 +302,27 @@ void overlap_rank(int rank, int port, std::string backend) {
   ddp.synchronize_gradients();
   expect_gradients(net, want, "accumulated under no_sync()");
 
+  // synchronize_gradients throws ValueError naming `needle`; then a round is right again.
+  auto refused_then_right = [&](const std::string& what, const std::string& needle, int step) {
+    try {
+      ddp.synchronize_gradients();
+      throw std::runtime_error(what + " was not refused");
+    } catch (const tp::ValueError& e) {
+      TORCHPAR_RCHECK(std::string(e.what()).find(needle) != std::string::npos, "{}: unclear: {}",
+                      what, e.what());
+    }
+    net->zero_grad();
+    loss(step).backward();
+    const auto right = reference_gradients(net, step, false);
+    ddp.synchronize_gradients();
+    expect_gradients(net, right, "after " + what);
+  };
+
   // Two backwards without no_sync(): refused, after the round's all_reduces.
   net->zero_grad();
   loss(20).backward();
   loss(120).backward();
-  try {
-    ddp.synchronize_gradients();
-    throw std::runtime_error("a second backward outside no_sync() was not refused");
-  } catch (const tp::ValueError& e) {
-    TORCHPAR_RCHECK(std::string(e.what()).find("no_sync()") != std::string::npos, "unclear: {}",
-                    e.what());
-  }
-  net->zero_grad();
-  loss(30).backward();
-  const auto again = reference_gradients(net, 30, false);
-  ddp.synchronize_gradients();
-  expect_gradients(net, again, "after the refused round");
+  refused_then_right("a second backward outside no_sync()", "no_sync()", 30);
 
   // A sparse gradient is refused on every rank after backward started 5 buckets: they are
   // waited for (they write into the flat buffers) and the next round starts afresh.
@@ -325,18 +330,7 @@ void overlap_rank(int rank, int port, std::string backend) {
   loss(40).backward();
   at::Tensor first = net->parameters()[0];
   first.mutable_grad() = first.grad().to_sparse();
-  try {
-    ddp.synchronize_gradients();
-    throw std::runtime_error("a sparse gradient was not refused");
-  } catch (const tp::ValueError& e) {
-    TORCHPAR_RCHECK(std::string(e.what()).find("only dense gradients") != std::string::npos,
-                    "unclear: {}", e.what());
-  }
-  net->zero_grad();
-  loss(50).backward();
-  const auto after_sparse = reference_gradients(net, 50, false);
-  ddp.synchronize_gradients();
-  expect_gradients(net, after_sparse, "after the sparse gradient");
+  refused_then_right("a sparse gradient", "only dense gradients", 50);
 }
 
 class DdpOverlap : public ::testing::TestWithParam<std::string> {};
