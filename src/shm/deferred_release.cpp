@@ -3,6 +3,9 @@
 #include <c10/core/CPUAllocator.h>
 #include <pthread.h>
 
+#include <fmt/format.h>
+
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -10,6 +13,8 @@
 #include <new>
 #include <thread>
 #include <utility>
+
+#include "torchpar/core/error.h"
 
 namespace torchpar::detail {
 namespace {
@@ -126,7 +131,7 @@ void release_later(c10::DataPtr&& ptr, size_t nbytes) noexcept {
   r.cv.notify_all();
 }
 
-uint64_t drain_released() {
+uint64_t drain_released(double timeout) {
   BufferReaper& r = BufferReaper::get();
   std::unique_lock<std::mutex> lock(r.mu);
   const uint64_t target = r.queued;
@@ -139,7 +144,12 @@ uint64_t drain_released() {
     lock.unlock();
     return freed;  // `left` frees them on return
   }
-  r.cv.wait(lock, [&] { return r.freed >= target; });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+  if (!r.cv.wait_until(lock, deadline, [&] { return r.freed >= target; })) {
+    throw TimeoutError(
+        fmt::format("drain_released: {} of {} queued buffers freed after {:.3f} s (the rest go on)",
+                    r.freed, target, timeout));
+  }
   return r.freed;
 }
 

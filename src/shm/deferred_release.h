@@ -27,8 +27,9 @@ constexpr size_t kDeferredReleaseMaxPendingBytes = size_t{1} << 30;
 /// LibTorch's allocator statics are destroyed.
 void release_later(c10::DataPtr&& ptr, size_t nbytes) noexcept;
 
-/// Blocks until every buffer release_later queued before the call is freed. Returns the
-/// number of buffers the background thread has freed in this process so far.
-uint64_t drain_released();
+/// Blocks until every buffer release_later queued before the call is freed, at most
+/// `timeout` seconds (torchpar::TimeoutError then; the buffers are still freed later).
+/// Returns the number of buffers the background thread has freed in this process so far.
+uint64_t drain_released(double timeout = 60.0);
 
 }  // namespace torchpar::detail

@@ -433,6 +433,18 @@ TEST(ShareMemoryRelease, LargePrivateBufferIsFreedInTheBackground) {
   EXPECT_TRUE(at::equal(t, at::arange(0, kFloats, at::kFloat)));
 }
 
+// drain_released's timeout: four 64 MiB buffers take the thread milliseconds to free, so a
+// zero timeout right after queuing them throws TimeoutError; a real one then sees them freed.
+TEST(ShareMemoryRelease, DrainTimesOut) {
+  const uint64_t before = tp::detail::drain_released();
+  for (int i = 0; i < 4; ++i) {
+    at::Tensor t = at::ones({16 << 20}, at::kFloat);
+    tp::share_memory_(t);
+  }
+  EXPECT_THROW(tp::detail::drain_released(0.0), tp::TimeoutError);
+  EXPECT_EQ(tp::detail::drain_released(), before + 4);
+}
+
 // A buffer with a deleter of its own (at::from_blob's) is freed by the caller, at once: the
 // deleter may expect the caller's thread.
 TEST(ShareMemoryRelease, ForeignDeleterRunsOnTheCallingThread) {

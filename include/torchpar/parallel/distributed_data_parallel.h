@@ -37,7 +37,10 @@ struct DistributedDataParallelOptions {
   /// synchronize_gradients() are lost for it: clip or scale gradients after that call
   /// (torch's DDP has averaged them by the time backward returns). Default false:
   /// gradients are read when synchronize_gradients() is called, any number of backwards
-  /// before it. Source: DDP's overlap of backward and communication, always on there.
+  /// before it. The hooks run on the thread that calls backward, which takes turns with
+  /// the one calling synchronize_gradients() (the group's one-thread rule); a hook's error
+  /// (a broken group) is thrown by the next synchronize_gradients(). Source: DDP's overlap
+  /// of backward and communication, always on there.
   bool overlap_with_backward = false;
 };
 
@@ -158,7 +161,8 @@ class DistributedDataParallel {
   /// While alive, backward starts no bucket (overlap_with_backward): the gradients of the
   /// backwards run meanwhile accumulate in .grad() and are averaged with those of the next
   /// backward outside it, or by synchronize_gradients(). Without overlap_with_backward it
-  /// changes nothing. Guards nest; each restores what it found. Not thread-safe.
+  /// changes nothing. Guards nest; each restores what it found. Not thread-safe; does not
+  /// block. Errors: torchpar::Error on a moved-from DistributedDataParallel.
   /// Source: DDP.no_sync().
   ///
   /// ```cpp
@@ -182,7 +186,9 @@ class DistributedDataParallel {
   };
   [[nodiscard]] NoSync no_sync();
 
-  /// Counters and time spent so far (see DistributedDataParallelStats).
+  /// Counters and time spent so far (see DistributedDataParallelStats; seconds). A copy;
+  /// not thread-safe against a running synchronize_gradients() or backward; does not block.
+  /// Errors: torchpar::Error on a moved-from object. Source: DDP's _get_ddp_logging_data().
   DistributedDataParallelStats stats() const;
 
   /// Number of gradient buckets (one all_reduce each per synchronize_gradients call).
