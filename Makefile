@@ -6,7 +6,7 @@ JOBS ?= $(shell nproc)
 # debuggers pass CMAKE_FLAGS=-DCMAKE_BUILD_TYPE=RelWithDebInfo (and another BUILD).
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps deps-bench configure build test test-fast check-sanitizers demo bench bench-quick fuzz test-all bench-smoke format clean
+.PHONY: all deps deps-bench configure build build-cli build-bench test test-fast check-sanitizers demo bench bench-quick fuzz test-all bench-smoke format clean
 
 all: build
 
@@ -19,8 +19,17 @@ deps-bench:
 configure: deps
 	@cmake -S . -B $(BUILD) $(CMAKE_FLAGS) > $(BUILD).configure.log 2>&1 || (cat $(BUILD).configure.log; exit 1)
 
+# The default target: the library, the CLI, the examples and the tests (not the benchmarks).
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
+
+# What `make demo` needs: the library and the CLI (torchpar train), nothing else.
+build-cli: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target torchpar_cli
+
+# The benchmark programs (the CMake target `benchmarks`), built only by the bench targets.
+build-bench: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target benchmarks
 
 # Tests run side by side, one more at a time than there are cores: many of them wait on
 # timeouts, sockets and child processes more than they compute (tests/CMakeLists.txt says which
@@ -45,7 +54,7 @@ check-sanitizers: deps
 	@bash tests/sanitizers/run.sh
 
 # The main job: ddp training on Fashion-MNIST with the defaults (one epoch, every core).
-demo: build
+demo: build-cli
 	@$(BUILD)/bin/torchpar info
 	@$(BUILD)/bin/torchpar train
 
@@ -54,17 +63,17 @@ fuzz: build
 	@cd $(BUILD) && ctest -L fuzz --output-on-failure
 
 # Everything: fast, multiproc, fuzz, bench smoke.
-test-all: build
+test-all: build build-bench
 	@cd $(BUILD) && ctest --output-on-failure --timeout 1800
 
 # Every benchmark beside its peers (OpenMPI installed by deps-bench): bench/results/<date>/.
-bench: deps-bench build
+bench: deps-bench build-bench
 	@$(BUILD)/bin/torchpar bench
 
-bench-quick: deps-bench build
+bench-quick: deps-bench build-bench
 	@$(BUILD)/bin/torchpar bench --quick
 
-bench-smoke: build
+bench-smoke: build build-bench
 	@cd $(BUILD) && ctest -L bench_smoke --output-on-failure
 
 format:

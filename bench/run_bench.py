@@ -78,6 +78,11 @@ PY = "/usr/bin/python3"
 BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "pserver", "collectives", "scale-out",
               "train", "inference")
 KiB, MiB = 1 << 10, 1 << 20
+# The programs each section runs from --bin (the CMake target `benchmarks` builds them all).
+SECTION_PROGRAMS = {"limits": ("shm_bench",), "handoff": ("ipc_bench", "shm_bench"),
+                    "pools": ("pool_bench",), "manager": ("manager_bench",), "rpc": ("rpc_bench",),
+                    "pserver": ("pserver_bench",), "collectives": ("coll_bench",),
+                    "scale-out": ("scaleout_bench",), "inference": ("infer_bench",)}
 TIME_US = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
 
@@ -1870,6 +1875,13 @@ def main():
         ap.error(f"--only: unknown benchmark {','.join(unknown)} (choose from {','.join(BENCHMARKS)})")
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    # The benchmark programs are not part of a build's default target (`make test` and `make demo`
+    # skip them): say how to build them instead of failing in the middle of a run.
+    missing = sorted({p for b in only for p in SECTION_PROGRAMS.get(b, ())
+                      if not (Path(args.bin) / p).exists()})
+    if missing:
+        ap.error(f"{', '.join(missing)} not built in {args.bin}: run `make bench`, or "
+                 f"`cmake --build <build dir> --target benchmarks`")
     started = datetime.datetime.now()
     stamp = started.strftime("%Y-%m-%d_%H%M%S")
     # From an install prefix (not writable by the user) results go under the working directory.
