@@ -14,8 +14,9 @@
 namespace torchpar::detail {
 
 std::shared_ptr<FileMapping> FileMapping::map(const std::string& path, const std::string& what) {
-  UniqueFd fd(
-      check_syscall("open", path, [&] { return ::open(path.c_str(), O_RDONLY | O_CLOEXEC); }));
+  // Non-blocking: opening a FIFO would wait for a writer; the fstat below refuses it instead.
+  UniqueFd fd(check_syscall(
+      "open", path, [&] { return ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK); }));
   struct stat st {};
   check_syscall("fstat", path, [&] { return ::fstat(fd.get(), &st); });
   if (!S_ISREG(st.st_mode) || st.st_size == 0)

@@ -1,12 +1,18 @@
 // save_state_dict_file: what it writes load_state_dict_file reads back (mmap and not), and so does
 // Python's torch.load (/usr/bin/python3 with python3-torch; skipped without it); dtypes, views and
-// slices, a one-entry dict; refused entries and unwritable paths leave no file behind.
+// slices, a one-entry dict; refused entries and unwritable paths leave no file behind; hostile
+// views (sizes, strides, offset that do not fit the storage) are refused naming the key.
+#include <caffe2/serialize/inline_container.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -128,6 +134,147 @@ TEST_F(SaveStateDict, RefusedEntriesAndPathsLeaveNothing) {
     EXPECT_NE(std::string(e.what()).find("no_such_dir"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(fs::is_empty(dir_));
+}
+
+/// A view as a torch.save file states it (what a hostile file may claim).
+struct View {
+  int64_t storage_numel;  // floats in the storage, as the pickle says
+  int64_t offset;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t record_floats = -1;  // floats in the storage's record; -1: storage_numel
+};
+
+/// The bytes of a torch.save archive of {key: float tensor with view `v`}, written opcode by
+/// opcode as Python's pickler writes them (protocol 2), so that any view can be stated.
+std::vector<char> torch_save_with_view(const std::string& key, const View& v) {
+  std::string p = "\x80\x02}(";  // PROTO 2, EMPTY_DICT, MARK
+  auto unicode = [&](const std::string& s) {
+    const auto n = static_cast<uint32_t>(s.size());
+    p += 'X';
+    p.append(reinterpret_cast<const char*>(&n), 4);
+    p += s;
+  };
+  auto long1 = [&](int64_t i) {  // LONG1, 8 bytes: the only length LibTorch reads
+    p += "\x8a\x08";
+    p.append(reinterpret_cast<const char*>(&i), 8);
+  };
+  auto tuple = [&](const std::vector<int64_t>& ints) {
+    p += '(';
+    for (const int64_t i : ints) long1(i);
+    p += 't';
+  };
+  unicode(key);
+  p += "ctorch._utils\n_rebuild_tensor_v2\n(";
+  p += '(';
+  unicode("storage");
+  p += "ctorch\nFloatStorage\n";
+  unicode("0");
+  unicode("cpu");
+  long1(v.storage_numel);
+  p += "tQ";  // TUPLE, BINPERSID
+  long1(v.offset);
+  tuple(v.sizes);
+  tuple(v.strides);
+  p += "\x89";                           // NEWFALSE: requires_grad
+  p += "ccollections\nOrderedDict\n)R";  // backward hooks
+  p += "tRu.";                           // TUPLE, REDUCE, SETITEMS, STOP
+  const int64_t floats = v.record_floats >= 0 ? v.record_floats : v.storage_numel;
+  std::vector<float> storage(static_cast<size_t>(floats));
+  for (size_t i = 0; i < storage.size(); ++i) storage[i] = static_cast<float>(i);
+  std::vector<char> zip;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* b, size_t n) {
+    zip.insert(zip.end(), static_cast<const char*>(b), static_cast<const char*>(b) + n);
+    return n;
+  });
+  writer.writeRecord("data.pkl", p.data(), p.size());
+  writer.writeRecord("data/0", storage.data(), storage.size() * sizeof(float));
+  writer.writeEndOfFile();
+  return zip;
+}
+
+class HostileView : public SaveStateDict {
+ protected:
+  std::string write(const View& v) {
+    const auto bytes = torch_save_with_view("h.0.mlp.c_fc.weight", v);
+    const std::string p = path("hostile.pt");
+    std::FILE* f = std::fopen(p.c_str(), "wb");
+    EXPECT_NE(f, nullptr);
+    EXPECT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+    std::fclose(f);
+    return p;
+  }
+};
+
+TEST_F(HostileView, AFifoIsRefusedAtOnce) {
+  // open(O_RDONLY) of a FIFO waited for a writer, for ever; now fstat refuses it first.
+  ASSERT_EQ(::mkfifo(path("fifo.pt").c_str(), 0600), 0);
+  try {
+    tp::load_state_dict_file(path("fifo.pt"));
+    ADD_FAILURE() << "a FIFO was loaded";
+  } catch (const tp::SerializationError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(HostileView, AStatedViewThatFitsLoads) {
+  // The hand-written archive is one LibTorch reads: a [2, 3] view at offset 2 of 8 floats.
+  const std::string p =
+      write({.storage_numel = 8, .offset = 2, .sizes = {2, 3}, .strides = {3, 1}});
+  for (bool mmap : {true, false}) {
+    const auto sd = tp::load_state_dict_file(p, {.mmap = mmap});
+    EXPECT_TRUE(
+        at::equal(sd.at("h.0.mlp.c_fc.weight"), at::arange(2, 8).view({2, 3}).to(at::kFloat)));
+  }
+}
+
+TEST_F(HostileView, ViewsThatDoNotFitAreRefusedNamingTheKey) {
+  const struct {
+    const char* what;
+    View view;
+  } cases[] = {
+      {"huge stride",
+       {.storage_numel = 4, .offset = 0, .sizes = {2}, .strides = {int64_t{1} << 40}}},
+      {"stride overflowing int64",
+       {.storage_numel = 4, .offset = 0, .sizes = {3}, .strides = {INT64_MAX / 2 + 1}}},
+      {"size * stride beyond the storage",
+       {.storage_numel = 8, .offset = 0, .sizes = {4, 4}, .strides = {4, 1}}},
+      {"negative stride", {.storage_numel = 4, .offset = 3, .sizes = {4}, .strides = {-1}}},
+      {"negative size", {.storage_numel = 4, .offset = 0, .sizes = {-1}, .strides = {1}}},
+      {"negative offset", {.storage_numel = 4, .offset = -2, .sizes = {2}, .strides = {1}}},
+      {"offset beyond the storage",
+       {.storage_numel = 4, .offset = 100, .sizes = {2}, .strides = {1}}},
+      {"sizes and strides of different lengths",
+       {.storage_numel = 4, .offset = 0, .sizes = {2, 2}, .strides = {1}}},
+      {"elements overflowing int64",
+       {.storage_numel = 4,
+        .offset = 0,
+        .sizes = {int64_t{1} << 40, int64_t{1} << 40},
+        .strides = {0, 0}}},
+      {"storage larger than its record",
+       {.storage_numel = 1 << 20,
+        .offset = 0,
+        .sizes = {1 << 20},
+        .strides = {1},
+        .record_floats = 4}},
+      {"negative storage size",
+       {.storage_numel = -4, .offset = 0, .sizes = {2}, .strides = {1}, .record_floats = 4}},
+  };
+  for (const auto& c : cases) {
+    const std::string p = write(c.view);
+    for (bool mmap : {true, false}) {
+      SCOPED_TRACE(fmt::format("{} ({})", c.what, mmap ? "mmap" : "read"));
+      try {
+        const auto sd = tp::load_state_dict_file(p, {.mmap = mmap});
+        ADD_FAILURE() << "loaded, sizes " << sd.begin()->second.sizes() << " strides "
+                      << sd.begin()->second.strides();
+      } catch (const tp::SerializationError& e) {
+        EXPECT_NE(std::string(e.what()).find("'h.0.mlp.c_fc.weight'"), std::string::npos)
+            << e.what();
+        if (mmap) std::printf("%s: %s\n", c.what, e.what());
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -41,13 +41,20 @@ struct LoadStateDictOptions {
 ///          storage in Python share one here.
 /// Dtypes:  as saved (float32, bfloat16, int64, ...); CPU tensors whatever the saved device.
 /// Errors:  torchpar::Error naming the path when the file cannot be opened or mapped;
-///          SerializationError naming the path when it is not a torch.save zip archive, holds
-///          something other than a dict of string -> tensor, or a tensor's bytes lie outside
-///          the file.
+///          SerializationError naming the path when it is not a regular file (a FIFO is
+///          refused, not waited on), not a torch.save zip archive, holds something other than
+///          a dict of string -> tensor, or a tensor's bytes lie outside the file (or its
+///          record); SerializationError naming the path and the key when a tensor's view as
+///          the file states it does not fit its storage: a negative size, stride or storage
+///          offset, sizes and strides of different lengths, more elements than an int64
+///          counts, or an element past the storage's end (checked in 128-bit arithmetic).
 /// Safety:  thread-safe (nothing shared between calls). Reading runs LibTorch's own unpickler,
 ///          which knows only tensors, containers and a few torch globals: no Python code runs
-///          and no other class is built (unlike Python's torch.load). Still, load files you
-///          trust: the unpickler is not hardened against crafted input.
+///          and no other class is built (unlike Python's torch.load). Every view is checked
+///          before it is built (a scan of the pickle, which also sees the negative strides the
+///          unpickler would silently replace) and again after, so no tensor returned reads
+///          outside its storage. Other crafted pickles are the unpickler's to refuse: it is
+///          LibTorch's, not hardened by torchpar beyond these checks.
 /// Source:  torch.load (with mmap=True for the default), torch::pickle_load.
 ///
 ///   auto sd = torchpar::load_state_dict_file("gpt2/state_dict.pt");
