@@ -2,9 +2,16 @@
 
 namespace torchpar::detail {
 
+namespace {
+// The index of the pool thread running on this thread (CtxThreadPool's context lookup).
+thread_local size_t t_worker_index = SIZE_MAX;
+}  // namespace
+
 ThreadPoolCore::ThreadPoolCore(size_t threads) {
-  for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this, i] { run(i); });
 }
+
+size_t ThreadPoolCore::current_worker() { return t_worker_index; }
 
 ThreadPoolCore::~ThreadPoolCore() { terminate(); }
 
@@ -17,7 +24,8 @@ void ThreadPoolCore::submit(std::function<void()> task, std::function<void()> ca
   cv_.notify_one();
 }
 
-void ThreadPoolCore::run() {
+void ThreadPoolCore::run(size_t index) {
+  t_worker_index = index;
   for (;;) {
     std::function<void()> task;
     {

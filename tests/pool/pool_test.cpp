@@ -61,6 +61,7 @@ std::string ctx_name(WorkerCtx& c, int) {
 
 std::string ctx_sum(WorkerCtx& c, int a, int b) { return c.name + ":" + std::to_string(a + b); }
 size_t string_size(std::string s) { return s.size(); }
+int ctx_plus(int& ctx, int x) { return ctx * 100 + x; }
 
 bool pid_running(int pid) {
   const char state = tp::testing::proc_state(pid);
@@ -289,6 +290,23 @@ TEST_P(PoolTest, CtxPoolContextsAreDistinctPerWorker) {
   EXPECT_EQ(names, (std::set<std::string>{"a", "b"}));
   EXPECT_GE(max_calls, 10) << "a context keeps its state across that worker's tasks";
   EXPECT_EQ(pool.apply(ctx_name, std::make_tuple(0)).size() > 2, true);
+}
+
+// machin's own CtxPool test writes `CtxPool(worker_contexts=[0, 1], ...)`: in C++ `{0, 1}` with
+// options in braces (before: ambiguous with a private constructor taking a shared_ptr, whose
+// (nullptr_t, deleter) form `{0, 1}` also matched; it did not compile).
+TEST_P(PoolTest, CtxPoolOfIntsFromABracedList) {
+  TORCHPAR_SKIP_UNDER_SPAWN();
+  tp::CtxPool<int> pool({0, 1}, {.processes = 2, .start_method = options().start_method});
+  std::set<int> contexts;
+  for (int r : pool.map(ctx_plus, std::vector<int>(16, 7), 1)) {
+    EXPECT_EQ(r % 100, 7);
+    contexts.insert(r / 100);
+  }
+  EXPECT_TRUE(contexts.count(0) || contexts.count(1));
+  for (int c : contexts) EXPECT_TRUE(c == 0 || c == 1) << c;
+  pool.close();
+  EXPECT_TRUE(pool.join(30s));
 }
 
 // CtxPool has every Pool call, each passing the worker's context (before: imap, starmap and

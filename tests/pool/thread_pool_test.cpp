@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <future>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -140,4 +141,55 @@ TEST(ThreadPool, CloseJoinTerminate) {
   release.set_value();
   EXPECT_EQ(terminated.wait_for(30s), std::future_status::ready);
   EXPECT_EQ(running.get(10s), 1) << "terminate() lets a running task finish";
+}
+
+// machin's CtxThreadPool: thread i calls fn with worker_contexts[i]; a context keeps its state
+// across its thread's tasks and is never touched by another thread.
+struct Counter {
+  int id = 0;
+  int calls = 0;
+  std::thread::id owner{};
+};
+
+TEST(CtxThreadPool, EachThreadHasItsOwnContext) {
+  tp::CtxThreadPool<Counter> pool({Counter{1}, Counter{2}, Counter{3}});
+  EXPECT_EQ(pool.size(), 3u);
+  auto touch = [](Counter& c, int) {
+    if (c.owner == std::thread::id{}) c.owner = std::this_thread::get_id();
+    EXPECT_EQ(c.owner, std::this_thread::get_id()) << "a context used by a second thread";
+    return std::make_pair(c.id, ++c.calls);
+  };
+  std::vector<int> items(300, 0);
+  auto out = pool.map(touch, items, 1);
+  ASSERT_EQ(out.size(), items.size());
+  std::map<int, int> last_call;
+  for (auto [id, calls] : out) last_call[id] = std::max(last_call[id], calls);
+  int total = 0;
+  for (auto [id, calls] : last_call) {
+    EXPECT_GE(id, 1);
+    EXPECT_LE(id, 3);
+    total += calls;
+  }
+  EXPECT_EQ(total, 300) << "every task counted once, in its own thread's context";
+
+  auto sum = [](Counter& c, int a, int b) { return c.id * 1000 + a + b; };
+  EXPECT_EQ(pool.apply(sum, std::make_tuple(20, 22)) % 1000, 42);
+  auto star = pool.starmap(sum, std::vector<std::tuple<int, int>>{{1, 2}, {3, 4}});
+  EXPECT_EQ(star[0] % 1000, 3);
+  EXPECT_EQ(star[1] % 1000, 7);
+  auto it = pool.imap([](Counter& c, int x) { return c.id > 0 ? x : -1; }, std::vector<int>{5, 6});
+  EXPECT_EQ(it.next(10s), 5);
+  EXPECT_EQ(it.next(10s), 6);
+  std::set<int> seen;
+  auto un = pool.imap_unordered([](Counter&, int x) { return x; }, std::vector<int>{7, 8, 9});
+  while (auto v = un.next(10s)) seen.insert(*v);
+  EXPECT_EQ(seen, (std::set<int>{7, 8, 9}));
+  std::promise<int> got;
+  auto r = pool.apply_async([](Counter&, int x) { return x; }, std::make_tuple(11),
+                            [&](const int& v) { got.set_value(v); });
+  EXPECT_EQ(r.get(10s), 11);
+  EXPECT_EQ(got.get_future().get(), 11);
+  pool.close();
+  EXPECT_TRUE(pool.join(10s));
+  EXPECT_THROW(tp::CtxThreadPool<Counter>(std::vector<Counter>{}), tp::ValueError);
 }

@@ -476,7 +476,7 @@ class CtxPool : private Pool {
   /// Errors: c10::Error when `worker_contexts` is empty or its size differs from a non-zero
   /// `options.processes`; else as Pool's constructor.
   CtxPool(std::vector<Ctx> worker_contexts, PoolOptions options = {})
-      : CtxPool(std::make_shared<std::vector<Ctx>>(std::move(worker_contexts)),
+      : CtxPool(SharedContexts{}, std::make_shared<std::vector<Ctx>>(std::move(worker_contexts)),
                 std::move(options)) {}
 
   /// close, join, terminate, size, pids: as Pool's (machin's CtxPool has them too).
@@ -587,7 +587,10 @@ class CtxPool : private Pool {
                 o.processes, " processes");
     return o;
   }
-  CtxPool(std::shared_ptr<std::vector<Ctx>> contexts, PoolOptions options)
+  // The tag keeps `CtxPool<int> p({0, 1}, {...})` (machin's own test) unambiguous: without it
+  // `{0, 1}` also matched shared_ptr(nullptr_t, deleter) here.
+  struct SharedContexts {};
+  CtxPool(SharedContexts, std::shared_ptr<std::vector<Ctx>> contexts, PoolOptions options)
       : Pool(with_contexts(contexts->size(), std::move(options)),
              [contexts](size_t i) { return dumps((*contexts)[i], {.copy_tensor = false}); }) {}
 };

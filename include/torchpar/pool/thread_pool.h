@@ -23,12 +23,15 @@ class ThreadPoolCore {
   /// close/terminate.
   void submit(std::function<void()> task, std::function<void()> cancel);
   size_t size() const { return threads_.size(); }
+  /// The index, in [0, size()), of the pool thread calling this; SIZE_MAX on any other
+  /// thread. A thread belongs to one pool, so the index is that pool's.
+  static size_t current_worker();
   void close();
   bool join(Timeout timeout);
   void terminate();
 
  private:
-  void run();
+  void run(size_t index);
   void join_threads();
   std::mutex mu_, join_mu_;
   std::condition_variable cv_, idle_cv_;
@@ -243,6 +246,110 @@ class ThreadPool {
   }
 
   std::shared_ptr<detail::ThreadPoolCore> core_;
+};
+
+/// A ThreadPool whose thread i holds worker_contexts[i] and calls fn(context, args...):
+/// per-thread state (a model replica, an RNG, a connection) without globals or locks.
+/// One thread per context; each context is only ever used by its own thread, so `Ctx`
+/// needs no synchronization of its own. Every call passes the context: `fn` takes `Ctx&`
+/// first, then the item (or the tuple's elements). Contexts are neither copied per task
+/// nor serialized; the pool owns them until its last copy is gone.
+///
+/// Units, errors, callbacks, safety: as the ThreadPool method of the same name.
+/// Source: machin.parallel.pool.CtxThreadPool (worker_contexts).
+///
+/// ```cpp
+/// tp::CtxThreadPool<std::mt19937> pool({std::mt19937(1), std::mt19937(2)});
+/// auto draws = pool.map([](std::mt19937& rng, int) { return rng(); }, std::vector<int>(8));
+/// ```
+template <class Ctx>
+class CtxThreadPool {
+ public:
+  /// Errors: ValueError when `worker_contexts` is empty.
+  explicit CtxThreadPool(std::vector<Ctx> worker_contexts)
+      : contexts_(std::make_shared<std::vector<Ctx>>(std::move(worker_contexts))),
+        pool_(checked_size(*contexts_)) {}
+
+  /// fn(Ctx&, args...) on some thread, with that thread's context; the result comes later.
+  /// Source: machin.parallel.pool.CtxThreadPool.apply_async.
+  template <class Fn, class... Args>
+  auto apply_async(Fn fn, std::tuple<Args...> args,
+                   std::function<void(const detail::result_of_t<Fn, Ctx, Args...>&)> callback = {},
+                   std::function<void(std::exception_ptr)> error_callback = {}) {
+    auto call = [ctx = contexts_, fn](Args&... a) mutable { return fn(context(*ctx), a...); };
+    return pool_.apply_async(call, std::move(args), std::move(callback), std::move(error_callback));
+  }
+  /// apply_async(fn, args).get(). Source: machin.parallel.pool.CtxThreadPool.apply.
+  template <class Fn, class... Args>
+  auto apply(Fn fn, std::tuple<Args...> args) {
+    return apply_async(fn, std::move(args)).get();
+  }
+  /// fn(Ctx&, item) for each item; the results, in order, arrive later.
+  /// Source: machin.parallel.pool.CtxThreadPool.map_async.
+  template <class Fn, class T>
+  auto map_async(
+      Fn fn, std::vector<T> items, size_t chunksize = 0,
+      std::function<void(const std::vector<detail::result_of_t<Fn, Ctx, T>>&)> callback = {},
+      std::function<void(std::exception_ptr)> error_callback = {}) {
+    return pool_.map_async(with_context(fn), std::move(items), chunksize, std::move(callback),
+                           std::move(error_callback));
+  }
+  /// map_async(fn, items, chunksize).get(). Source: machin.parallel.pool.CtxThreadPool.map.
+  template <class Fn, class T>
+  auto map(Fn fn, std::vector<T> items, size_t chunksize = 0) {
+    return map_async(fn, std::move(items), chunksize).get();
+  }
+  /// fn(Ctx&, item) for each item, yielded in order. Source: CtxThreadPool.imap.
+  template <class Fn, class T>
+  auto imap(Fn fn, std::vector<T> items, size_t chunksize = 1) {
+    return pool_.imap(with_context(fn), std::move(items), chunksize);
+  }
+  /// fn(Ctx&, item) for each item, yielded in completion order.
+  /// Source: machin.parallel.pool.CtxThreadPool.imap_unordered.
+  template <class Fn, class T>
+  auto imap_unordered(Fn fn, std::vector<T> items, size_t chunksize = 1) {
+    return pool_.imap_unordered(with_context(fn), std::move(items), chunksize);
+  }
+  /// fn(Ctx&, a, b, ...) for each tuple; the results, in order, arrive later.
+  /// Source: machin.parallel.pool.CtxThreadPool.starmap_async.
+  template <class Fn, class... Args>
+  auto starmap_async(
+      Fn fn, std::vector<std::tuple<Args...>> items, size_t chunksize = 0,
+      std::function<void(const std::vector<detail::result_of_t<Fn, Ctx, Args...>>&)> callback = {},
+      std::function<void(std::exception_ptr)> error_callback = {}) {
+    auto call = [ctx = contexts_, fn](std::tuple<Args...>& t) mutable {
+      return std::apply([&](Args&... a) { return fn(context(*ctx), a...); }, t);
+    };
+    return pool_.map_async(call, std::move(items), chunksize, std::move(callback),
+                           std::move(error_callback));
+  }
+  /// starmap_async(fn, items, chunksize).get(). Source: CtxThreadPool.starmap.
+  template <class Fn, class... Args>
+  auto starmap(Fn fn, std::vector<std::tuple<Args...>> items, size_t chunksize = 0) {
+    return starmap_async(fn, std::move(items), chunksize).get();
+  }
+
+  /// As ThreadPool's (machin's CtxThreadPool has them too).
+  void close() { pool_.close(); }
+  bool join(Timeout timeout = std::nullopt) { return pool_.join(timeout); }
+  void terminate() { pool_.terminate(); }
+  size_t size() const { return pool_.size(); }
+
+ private:
+  static size_t checked_size(const std::vector<Ctx>& contexts) {
+    if (contexts.empty()) throw ValueError("CtxThreadPool needs one context per thread (got none)");
+    return contexts.size();
+  }
+  static Ctx& context(std::vector<Ctx>& contexts) {
+    return contexts[detail::ThreadPoolCore::current_worker()];
+  }
+  template <class Fn>
+  auto with_context(Fn fn) const {
+    return [ctx = contexts_, fn](auto& item) mutable { return fn(context(*ctx), item); };
+  }
+
+  std::shared_ptr<std::vector<Ctx>> contexts_;
+  ThreadPool pool_;
 };
 
 }  // namespace torchpar
