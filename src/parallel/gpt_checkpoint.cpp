@@ -3,10 +3,12 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <cmath>
+#include <cstdint>
 #include <filesystem>
-#include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <optional>
 #include <utility>
 
 #include "core/atomic_file.h"
@@ -16,6 +18,12 @@ namespace torchpar {
 namespace {
 
 using Json = nlohmann::ordered_json;
+
+/// The most bytes a sidecar may have: a real one is a few hundred.
+constexpr size_t kMaxSidecarBytes = size_t{1} << 20;
+/// The largest size a sidecar may give: an int32, so that products of a few sizes (4 * n_embd,
+/// n_embd * vocab_size) stay far from int64 overflow.
+constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();
 
 void check_layout(const std::string& layout, const char* what) {
   if (layout != "conv1d" && layout != "linear")
@@ -54,6 +62,28 @@ T optional_key(const Json& j, const char* key, T fallback, const std::string& pa
   return j.contains(key) && !j.at(key).is_null() ? required<T>(j, key, path) : fallback;
 }
 
+/// An integer key in [lo, kMaxSize]: a JSON integer (1e30 or 768.5 is refused, not converted).
+int64_t size_key(const Json& j, const char* key, int64_t lo, const std::string& path,
+                 std::optional<int64_t> fallback = std::nullopt) {
+  if (fallback && (!j.contains(key) || j.at(key).is_null())) return *fallback;
+  if (!j.contains(key))
+    throw SerializationError(fmt::format("'{}': the key \"{}\" is missing", path, key));
+  const Json& v = j.at(key);
+  bool ok = false;
+  int64_t x = 0;
+  if (v.is_number_unsigned()) {  // nlohmann keeps non-negative integers unsigned
+    ok = v.get<uint64_t>() <= static_cast<uint64_t>(kMaxSize);
+    x = ok ? static_cast<int64_t>(v.get<uint64_t>()) : 0;
+  } else if (v.is_number_integer()) {
+    ok = true;
+    x = v.get<int64_t>();
+  }
+  if (!ok || x < lo || x > kMaxSize)
+    throw SerializationError(fmt::format("'{}': \"{}\" is {}; it must be an integer in [{}, {}]",
+                                         path, key, v.dump(), lo, kMaxSize));
+  return x;
+}
+
 }  // namespace
 
 TensorParallelPolicy GptCheckpointInfo::policy() const {
@@ -71,30 +101,35 @@ std::string gpt_checkpoint_info_path(const std::string& model_path) {
 
 GptCheckpointInfo load_gpt_checkpoint_info(const std::string& model_path) {
   const std::string path = gpt_checkpoint_info_path(model_path);
-  std::ifstream in(path);
-  if (!in)
+  std::string text;
+  try {
+    text = detail::read_small_file(path, kMaxSidecarBytes, "load_gpt_checkpoint_info");
+  } catch (const SystemError& e) {
     throw Error(fmt::format(
         "load_gpt_checkpoint_info: cannot read '{}', the sidecar of '{}' (a GPT checkpoint is "
-        "model.pt with model.json beside it, as `torchpar train --model gpt` writes)",
-        path, model_path));
-  std::stringstream text;
-  text << in.rdbuf();
+        "model.pt with model.json beside it, as `torchpar train --model gpt` writes): {}",
+        path, model_path, e.what()));
+  }
   Json j;
   try {
-    j = Json::parse(text.str());
+    j = Json::parse(text);
   } catch (const Json::exception& e) {
     throw SerializationError(fmt::format("'{}' is not valid JSON: {}", path, e.what()));
   }
   if (!j.is_object()) throw SerializationError(fmt::format("'{}' is not a JSON object", path));
   GptCheckpointInfo info;
   GptConfig& c = info.config;
-  c.vocab_size = required<int64_t>(j, "vocab_size", path);
-  c.n_positions = required<int64_t>(j, "n_positions", path);
-  c.n_embd = required<int64_t>(j, "n_embd", path);
-  c.n_layer = required<int64_t>(j, "n_layer", path);
-  c.n_head = required<int64_t>(j, "n_head", path);
-  c.n_inner = optional_key<int64_t>(j, "n_inner", 0, path);
+  c.vocab_size = size_key(j, "vocab_size", 1, path);
+  c.n_positions = size_key(j, "n_positions", 1, path);
+  c.n_embd = size_key(j, "n_embd", 1, path);
+  c.n_layer = size_key(j, "n_layer", 1, path);
+  c.n_head = size_key(j, "n_head", 1, path);
+  c.n_inner = size_key(j, "n_inner", 0, path, 0);
   c.layer_norm_epsilon = optional_key<double>(j, "layer_norm_epsilon", 1e-5, path);
+  if (!std::isfinite(c.layer_norm_epsilon) || !(c.layer_norm_epsilon > 0))
+    throw SerializationError(
+        fmt::format("'{}': \"layer_norm_epsilon\" is {}; it must be finite and > 0", path,
+                    c.layer_norm_epsilon));
   const auto dtype = optional_key<std::string>(j, "dtype", "float32", path);
   try {
     c.dtype = dtype_from_string(dtype);

@@ -39,8 +39,21 @@ constexpr auto kSlice = std::chrono::milliseconds(20);
 /// own error or death to show, so that the cause is named rather than the consequence.
 constexpr auto kSecondaryGrace = std::chrono::seconds(1);
 
+/// The longest timeout (about 115 days): steady_clock counts int64 nanoseconds, so a deadline
+/// now + 1e10 s would wrap into the past.
+constexpr Seconds kMaxTimeout{1e7};
+
+/// Refuses a timeout that is NaN, infinite, <= 0 or above kMaxTimeout (naming `where`).
+void check_timeout(Seconds s, const std::string& where) {
+  if (!std::isfinite(s.count()) || !(s > Seconds(0)) || s > kMaxTimeout)
+    throw ValueError(fmt::format("{}: timeout {} s must be finite, > 0 and at most {:g} s", where,
+                                 s.count(), kMaxTimeout.count()));
+}
+
+/// Now + s, with s clamped to [0, kMaxTimeout] (NaN: 0), so that the deadline never wraps.
 Clock::time_point deadline_in(Seconds s) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(s);
+  const Seconds t = std::isnan(s.count()) ? Seconds(0) : std::clamp(s, Seconds(0), kMaxTimeout);
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(t);
 }
 
 Seconds left_until(Clock::time_point deadline) {
@@ -144,9 +157,7 @@ void TensorParallel::Impl::start(const TensorParallelFactory* factory) {
   const int n = options.world_size;
   if (n < 1)
     throw ValueError(fmt::format("TensorParallel: world_size {} must be >= 1", options.world_size));
-  if (options.timeout.count() <= 0)
-    throw ValueError(
-        fmt::format("TensorParallel: timeout {} s must be > 0", options.timeout.count()));
+  check_timeout(options.timeout, "TensorParallel");
   const StartMethod method = options.start_method.value_or(
       factory != nullptr ? StartMethod::kFork : current_start_method());
   if (factory != nullptr && method != StartMethod::kFork)
@@ -329,8 +340,7 @@ TpResponse TensorParallel::Impl::await(uint64_t id, Clock::time_point deadline, 
 
 TpResponse TensorParallel::Impl::call(TpRequest req, Timeout timeout, const std::string& where) {
   const Seconds limit = timeout.value_or(options.timeout);
-  if (!(limit.count() > 0))
-    throw ValueError(fmt::format("{}: timeout {} s must be > 0", where, limit.count()));
+  check_timeout(limit, where);
   req.id = next_id++;
   const auto deadline = deadline_in(limit);
   for (auto& q : in) {

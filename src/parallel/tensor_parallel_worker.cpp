@@ -104,7 +104,11 @@ uint64_t agree_seed(const TpWorkerSpec& spec, int rank, CollectiveGroup* group) 
 at::Tensor sample_next(const at::Tensor& last, const TpRequest& r, at::Generator& gen) {
   at::Tensor l = last.to(at::kFloat);
   if (r.greedy || r.temperature == 0) return l.argmax(-1, /*keepdim=*/true);
-  l = l / r.temperature;
+  // In float64, as a float32 division would round a temperature below 1e-45 to 0 (and 0 / 0 is
+  // NaN); and the largest logit becomes 0 first, so that no positive temperature (1e-300, the
+  // smallest denormal) makes a NaN: the others become -inf at worst, greedy in effect.
+  l = l.to(at::kDouble);
+  l = (l - std::get<0>(l.max(-1, /*keepdim=*/true))) / r.temperature;
   const int64_t vocab = l.size(-1);
   if (r.top_k > 0 && r.top_k < vocab) {
     const at::Tensor kth = std::get<0>(l.topk(r.top_k, -1)).narrow(-1, r.top_k - 1, 1);  // [B, 1]

@@ -4,7 +4,10 @@
 model.json. Greedy text at --tensor-parallel 1 and 2 equals Python's own greedy continuation
 (decoded with errors="replace"); seeded sampling repeats and agrees across TP sizes; bfloat16
 runs; float16, a prompt that does not fit and a missing model.json end with exit code 1 and a
-message naming the cause. Exit 77 (skipped) without python3-torch.
+message naming the cause. Without python3-torch too: a model.json that is a FIFO, /dev/zero or
+too large, or holds sizes no int64 holds (1e30), and options that are NaN, infinite, too large
+for a deadline (--timeout 1e10) or out of range (--seed) are refused within seconds; then exit
+77 (skipped) when python3-torch is missing.
 usage: infer_test.py BIN_DIR"""
 import json
 import os
@@ -12,15 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-
-try:
-    import torch
-except ImportError:
-    print("skip: /usr/bin/python3 has no torch (Debian: python3-torch)")
-    sys.exit(77)
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "parallel"))
-import gpt_reference  # noqa: E402
 
 BIN = sys.argv[1]
 TORCHPAR = os.path.join(BIN, "torchpar")
@@ -40,6 +34,58 @@ def infer(model, *args, timeout=180):
                        capture_output=True, timeout=timeout)
     return p.returncode, p.stdout, p.stderr.decode("utf-8", "replace")
 
+
+def refused(model, args, says, what):
+    """`torchpar infer` exits non-zero within 30 s, its stderr naming `says`."""
+    try:
+        code, _, err = infer(model, *args, timeout=30)
+    except subprocess.TimeoutExpired:
+        check(False, f"{what}: refused within 30 s (still running: killed)")
+        return
+    check(code != 0 and says in err, f"{what}: exit {code}, stderr says {says!r} ({err.strip()[-300:]})")
+
+
+# ---- refused before any worker starts (no python3-torch needed)
+tmp = tempfile.mkdtemp(prefix="torchpar_infer_refused_")
+try:
+    fake = os.path.join(tmp, "model.pt")  # never read: each case is refused first
+    with open(fake, "wb") as f:
+        f.write(b"not a checkpoint")
+    sidecar = os.path.join(tmp, "model.json")
+    good = {"vocab_size": 256, "n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 4}
+    for key, value in (("n_embd", "1e30"), ("n_head", "4.5"), ("vocab_size", "-1"),
+                       ("n_positions", "18446744073709551616")):
+        with open(sidecar, "w") as f:
+            f.write(json.dumps(good).replace(f'"{key}": {good[key]}', f'"{key}": {value}'))
+        refused(fake, [], f'"{key}"', f"model.json with {key} {value}")
+    os.remove(sidecar)
+    os.mkfifo(sidecar)
+    refused(fake, ["--timeout", "5"], "not a regular file", "model.json a FIFO")
+    os.remove(sidecar)
+    os.symlink("/dev/zero", sidecar)
+    refused(fake, ["--timeout", "5"], "not a regular file", "model.json -> /dev/zero")
+    os.remove(sidecar)
+    with open(sidecar, "w") as f:
+        f.write(" " * (2 << 20) + json.dumps(good))
+    refused(fake, [], "more than the", "a 2 MiB model.json")
+    with open(sidecar, "w") as f:
+        json.dump(good, f)
+    for args, says in ((["--timeout", "nan"], "--timeout"), (["--timeout", "inf"], "--timeout"),
+                       (["--timeout", "1e10"], "--timeout"), (["--temperature", "nan"], "--temperature"),
+                       (["--seed", "18446744073709551616"], "--seed"), (["--seed", "-1"], "--seed")):
+        refused(fake, args, says, " ".join(args))
+finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+try:
+    import torch
+except ImportError:
+    print(f"{len(failures)} failure(s) in the refusals")
+    print("skip: /usr/bin/python3 has no torch (Debian: python3-torch)")
+    sys.exit(1 if failures else 77)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "parallel"))
+import gpt_reference  # noqa: E402
 
 tmp = tempfile.mkdtemp(prefix="torchpar_infer_")
 try:

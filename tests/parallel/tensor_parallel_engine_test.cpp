@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -242,6 +243,59 @@ TEST(GptCheckpoint, BadSidecarsAreRefusedNamingTheKey) {
       "{\"vocab_size\": 97, \"n_positions\": 96, \"n_embd\": 32, \"n_layer\": 2, \"n_head\": 4, "
       "\"dtype\": \"int8\"}");
   EXPECT_THROW(tp::load_gpt_checkpoint_info(model), tp::SerializationError);
+  // Integers that JSON states but an int64 does not hold (1e30 became INT64_MIN), fractions,
+  // and sizes out of range are refused naming the key.
+  const std::pair<std::string, std::string> bad_sizes[] = {{"n_embd", "1e30"},
+                                                           {"n_embd", "32.5"},
+                                                           {"n_layer", "0"},
+                                                           {"n_head", "-4"},
+                                                           {"vocab_size", "18446744073709551615"},
+                                                           {"n_positions", "1e3"},
+                                                           {"n_inner", "-1"},
+                                                           {"n_embd", "4294967296"},
+                                                           {"n_layer", "true"}};
+  for (const auto& [key, value] : bad_sizes) {
+    std::string text =
+        "{\"vocab_size\": 97, \"n_positions\": 96, \"n_embd\": 32, \"n_layer\": 2, "
+        "\"n_head\": 4, \"n_inner\": 0}";
+    const auto at = text.find("\"" + key + "\": ") + key.size() + 4;
+    text.replace(at, text.find_first_of(",}", at) - at, value);
+    write(text);
+    try {
+      const auto info = tp::load_gpt_checkpoint_info(model);
+      ADD_FAILURE() << key << " = " << value << " was read as " << info.config.n_embd << ", "
+                    << info.config.vocab_size;
+    } catch (const tp::SerializationError& e) {
+      EXPECT_TRUE(has(e.what(), "\"" + key + "\"")) << e.what();
+    }
+  }
+  write(
+      "{\"vocab_size\": 97, \"n_positions\": 96, \"n_embd\": 32, \"n_layer\": 2, \"n_head\": 4, "
+      "\"layer_norm_epsilon\": -1}");
+  EXPECT_THROW(tp::load_gpt_checkpoint_info(model), tp::SerializationError);
+  // Sidecars that are no regular file, or too large, are refused before they are read: a FIFO
+  // (opening it blocked for a writer), /dev/zero (read until memory ran out), 2 MiB of spaces.
+  std::filesystem::remove(dir + "/bad.json");
+  ASSERT_EQ(::mkfifo((dir + "/bad.json").c_str(), 0600), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    tp::load_gpt_checkpoint_info(model);
+    ADD_FAILURE() << "a FIFO sidecar was read";
+  } catch (const tp::SerializationError& e) {
+    EXPECT_TRUE(has(e.what(), "not a regular file") && has(e.what(), "bad.json")) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  std::filesystem::remove(dir + "/bad.json");
+  std::filesystem::create_symlink("/dev/zero", dir + "/bad.json");
+  EXPECT_THROW(tp::load_gpt_checkpoint_info(model), tp::SerializationError);
+  std::filesystem::remove(dir + "/bad.json");
+  write(std::string(2 << 20, ' ') + "{}");
+  try {
+    tp::load_gpt_checkpoint_info(model);
+    ADD_FAILURE() << "a 2 MiB sidecar was read";
+  } catch (const tp::SerializationError& e) {
+    EXPECT_TRUE(has(e.what(), "more than the 1048576")) << e.what();
+  }
   EXPECT_THROW(tp::load_gpt_checkpoint_info(dir + "/none.pt"), tp::Error);
   // No sidecar: the path constructor refuses before any worker starts.
   EXPECT_THROW(tp::TensorParallel(dir + "/none.pt", tp_options(2)), tp::Error);
@@ -294,6 +348,21 @@ TEST(TensorParallelEngine, GreedyGenerateEqualsTheReferenceAtTp1AndTp2) {
     EXPECT_TRUE(at::equal(engine.generate(prompt, {.max_new_tokens = n, .temperature = 0}), want));
     EXPECT_TRUE(at::equal(engine.generate(prompt, {.max_new_tokens = 0}), prompt));
   }
+}
+
+TEST(TensorParallelEngine, ATinyTemperatureSamplesTheLikeliestToken) {
+  // logits / 1e-300 overflow to inf and the softmax to NaN, which multinomial refused in every
+  // worker (the engine broke); the largest logit is now subtracted first: greedy in effect.
+  auto& c = Checkpoint::get();
+  tp::TensorParallel engine(c.path(), tp_options(2));
+  const auto prompt = random_ids(2, 5, 9);
+  const at::Tensor greedy = engine.generate(prompt, {.max_new_tokens = 12, .greedy = true});
+  for (const double t : {1e-300, 1e-30, 4.9e-324}) {
+    SCOPED_TRACE(t);
+    EXPECT_TRUE(
+        at::equal(engine.generate(prompt, {.max_new_tokens = 12, .temperature = t}), greedy));
+  }
+  EXPECT_TRUE(engine.is_alive());
 }
 
 TEST(TensorParallelEngine, SeededSamplingRepeatsAndAgreesAcrossWorldSizes) {
@@ -380,7 +449,26 @@ TEST(TensorParallelEngine, ArgumentErrorsLeaveTheEngineUsable) {
   EXPECT_THROW(engine.generate(ids, {.temperature = -1}), tp::ValueError);
   EXPECT_THROW(engine.generate(ids, {.top_k = -2}), tp::ValueError);
   EXPECT_THROW(engine.forward(ids, {.timeout = 0s}), tp::ValueError);
+  // Timeouts that are NaN, infinite or would overflow a deadline (now + 1e10 s wraps
+  // steady_clock) are refused, not turned into an immediate TimeoutError that breaks the engine.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const double s : {nan, inf, 1e10}) {
+    SCOPED_TRACE(s);
+    EXPECT_TRUE(has(
+        value_error([&] { engine.forward(ids, {.timeout = std::chrono::duration<double>(s)}); }),
+        "finite"));
+    EXPECT_TRUE(has(
+        value_error([&] { engine.generate(ids, {.timeout = std::chrono::duration<double>(s)}); }),
+        "finite"));
+    auto bad = tp_options(1);
+    bad.timeout = std::chrono::duration<double>(s);
+    EXPECT_TRUE(has(value_error([&] { tp::TensorParallel(c.path(), bad); }), "finite"));
+  }
+  EXPECT_THROW(engine.generate(ids, {.temperature = nan}), tp::ValueError);
+  EXPECT_THROW(engine.generate(ids, {.temperature = inf}), tp::ValueError);
   EXPECT_TRUE(engine.is_alive());
+  EXPECT_EQ(engine.forward(ids, {.timeout = 1e7s}).sizes().vec(), Shape({1, 4, 97}));
   EXPECT_EQ(engine.forward(ids).sizes().vec(), Shape({1, 4, 97}));
   // Sizes that do not split are refused before any worker starts (6 heads... here 4 heads, 3
   // ranks).

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -153,15 +154,16 @@ Command add_infer(CLI::App& app) {
   cmd->add_option("--max-new-tokens", c->max_new_tokens, "tokens (bytes) to generate")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
       ->capture_default_str();
-  cmd->add_option("--temperature", c->temperature, "softmax temperature; 0: greedy")
-      ->check(CLI::NonNegativeNumber)
+  cmd->add_option("--temperature", c->temperature, "softmax temperature (finite); 0: greedy")
+      ->check(finite_number(0, std::numeric_limits<double>::max()))
       ->capture_default_str();
   cmd->add_option("--top-k", c->top_k, "sample among the k likeliest tokens; 0: all")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_flag("--greedy", c->greedy, "always the likeliest token");
   auto* seed =
-      cmd->add_option("--seed", c->seed, "sampling seed (default: random, printed on stderr)");
+      cmd->add_option("--seed", c->seed, "sampling seed (default: random, printed on stderr)")
+          ->check(decimal_integer<uint64_t>());
   cmd->add_option("--dtype", c->dtype, "weights in the workers: float32 | bfloat16 | float16")
       ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))
       ->capture_default_str();
@@ -173,7 +175,7 @@ Command add_infer(CLI::App& app) {
       ->check(CLI::Range(0, 256))
       ->capture_default_str();
   cmd->add_option("--timeout", c->timeout, "seconds: starting, and the whole generation")
-      ->check(CLI::PositiveNumber)
+      ->check(finite_number(0, kMaxTimeoutSeconds, /*lo_open=*/true))
       ->capture_default_str();
   return [c, seed] {
     c->has_seed = seed->count() > 0;

@@ -48,10 +48,14 @@ std::string gpt_checkpoint_info_path(const std::string& model_path);
 /// (1e-5), dtype ("float32"), tokenizer ("bytes"), weight_layout ("conv1d"). Other keys are
 /// ignored, so a writer may add its own (training step, loss, ...).
 ///
-/// Errors:  torchpar::Error naming the file when it cannot be read; SerializationError naming
-///          the file and the key for malformed JSON, a missing key, a value of the wrong type
-///          or an unknown dtype; ValueError (from the Gpt's checks) is not raised here: the
-///          sizes are checked when a Gpt is built.
+/// Errors:  torchpar::Error naming the file when it cannot be opened; SerializationError
+///          naming the file when it is not a regular file (a FIFO or device such as /dev/zero:
+///          refused before a byte is read, so this never blocks) or is larger than 1 MiB;
+///          SerializationError naming the file and the key for malformed JSON, a missing key,
+///          a value of the wrong type, a size that is not a JSON integer in [1, 2^31 - 1]
+///          (n_inner: from 0; 1e30 and 768.5 are refused, not converted), a
+///          layer_norm_epsilon that is not finite and > 0, or an unknown dtype. Whether the
+///          sizes fit together (n_embd divisible by n_head) is checked when a Gpt is built.
 /// Safety:  thread-safe.
 GptCheckpointInfo load_gpt_checkpoint_info(const std::string& model_path);
 

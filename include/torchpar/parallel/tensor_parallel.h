@@ -110,7 +110,9 @@ struct TensorParallelOptions {
   /// torchpar::init(argc, argv) first thing in main.
   std::optional<StartMethod> start_method{};
   /// Seconds. The limit of starting (rendezvous and loading the shards), the default limit of
-  /// each call, and the workers' collective timeout (a rank that stops answering).
+  /// each call, and the workers' collective timeout (a rank that stops answering). Finite,
+  /// > 0 and at most 1e7 s (about 115 days; a later deadline would overflow steady_clock):
+  /// ValueError otherwise, also for a call's own timeout.
   std::chrono::duration<double> timeout = std::chrono::seconds(300);
   /// The group's backend: kAuto (shm, as every worker is on this host), kShm, kGloo (TCP on
   /// loopback; it reduces no bfloat16).
@@ -139,7 +141,9 @@ struct ForwardOptions {
 struct GenerateOptions {
   /// Tokens appended to every row.
   int64_t max_new_tokens = 32;
-  /// Divides the logits before the softmax; > 0. 0 means greedy.
+  /// Divides the logits before the softmax: finite and >= 0; 0 means greedy. Any positive
+  /// value is safe: the largest logit is subtracted first, so a tiny temperature (1e-300)
+  /// samples the likeliest token (greedy in effect) instead of overflowing to inf / NaN.
   double temperature = 1.0;
   /// Sample among the top_k likeliest tokens only; 0: among all.
   int64_t top_k = 0;
@@ -237,14 +241,16 @@ class TensorParallel {
   ///          must not exceed the model's n_positions (Gpt; custom models check their own).
   /// Units:   options.timeout: seconds for the whole call. Tokens per second are the caller's
   ///          to measure: batch * max_new_tokens / the call's wall time.
-  /// Errors:  ValueError for max_new_tokens < 0, temperature < 0, top_k < 0; see the class.
+  /// Errors:  ValueError for max_new_tokens < 0, a temperature < 0 or not finite (NaN, inf),
+  ///          top_k < 0, a timeout that is not finite, <= 0 or above 1e7 s; see the class.
   /// Source:  Hugging Face generate() (max_new_tokens, temperature, top_k, do_sample = !greedy)
   ///          on a parallelformers model.
   at::Tensor generate(const at::Tensor& prompt_ids, const GenerateOptions& options = {});
 
   /// Stops the workers (parallelformers' deparallelize): a stop request to each, up to
   /// `timeout` for all to exit, then SIGTERM, then SIGKILL to the rest; all are reaped. Always
-  /// returns (within timeout + about 6 s, after a call running on another thread ended) and
+  /// returns (within timeout + about 6 s, after a call running on another thread ended; a
+  /// timeout above 1e7 s counts as 1e7 s, NaN or negative as 0) and
   /// leaves no worker process. A second call does nothing; later calls raise ClosedError.
   /// Never throws.
   void shutdown(std::chrono::duration<double> timeout = std::chrono::seconds(10)) noexcept;
