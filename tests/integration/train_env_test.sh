@@ -2,8 +2,9 @@
 # `torchpar train` under a launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 # as torchrun and `torchpar run` set them), on one host and without namespaces: what cannot
 # run as one rank of a job is refused with exit 2 and a message naming the variables, before
-# anything is trained or written; then a 1-rank job (RANK=0 WORLD_SIZE=1) trains a slice
-# and writes its outputs as rank 0.
+# anything is trained or written; so are (without a launcher) a data set smaller than the
+# trainers and options that are NaN, infinite or out of range; then a 1-rank job (RANK=0
+# WORLD_SIZE=1) trains a slice and writes its outputs as rank 0.
 # usage: train_env_test.sh BIN_DIR
 set -u
 BIN=$1
@@ -12,8 +13,9 @@ trap 'rm -rf "$TMP"' EXIT
 failures=0
 n=0
 
-# refused WANT ENV... -- ARGS...: `env ENV... torchpar train ARGS...` exits 2 within 30 s,
-# its stderr holds WANT, and it neither prints on stdout nor creates --out.
+# refused WANT ENV... -- ARGS...: `env ENV... torchpar train --limit $LIMIT ARGS...` (LIMIT:
+# 600) exits $CODE (2; CLI11 exits 105 for an option its check refuses) within 30 s, its
+# stderr holds WANT, and it neither prints on stdout nor creates --out.
 refused() {
   local want=$1
   shift
@@ -25,13 +27,13 @@ refused() {
   # -u: nothing of the caller's own launcher environment leaks in. OMP_WAIT_POLICY saves
   # each refusal the re-exec of tools/torchpar/main.cpp; the 1-rank job below takes it.
   env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT OMP_WAIT_POLICY=passive "${envs[@]}" \
-    timeout 30 "$BIN/torchpar" train --limit 600 --out "$out" "$@" >"$TMP/so" 2>"$TMP/se"
+    timeout 30 "$BIN/torchpar" train --limit "${LIMIT:-600}" --out "$out" "$@" >"$TMP/so" 2>"$TMP/se"
   local code=$?
-  local what="${envs[*]} train $*"
-  if [ $code -eq 2 ] && grep -q -- "$want" "$TMP/se" && [ ! -s "$TMP/so" ] && [ ! -e "$out" ]; then
-    echo "ok   $what: exit 2: $(head -c 200 "$TMP/se")"
+  local what="${envs[*]} train --limit ${LIMIT:-600} $*"
+  if [ $code -eq "${CODE:-2}" ] && grep -q -- "$want" "$TMP/se" && [ ! -s "$TMP/so" ] && [ ! -e "$out" ]; then
+    echo "ok   $what: exit $code: $(head -c 200 "$TMP/se")"
   else
-    echo "FAIL $what: exit $code (want 2), stderr: $(head -c 300 "$TMP/se"), stdout: $(head -c 200 "$TMP/so"), --out created: $([ -e "$out" ] && echo yes || echo no)"
+    echo "FAIL $what: exit $code (want ${CODE:-2}), stderr: $(head -c 300 "$TMP/se"), stdout: $(head -c 200 "$TMP/so"), --out created: $([ -e "$out" ] && echo yes || echo no)"
     failures=$((failures + 1))
   fi
 }
@@ -50,6 +52,20 @@ refused "RANK and WORLD_SIZE are set" RANK=0 WORLD_SIZE=2 "${MASTER[@]}" -- --mo
   --strategy single
 refused "does not match WORLD_SIZE=2" RANK=0 WORLD_SIZE=2 "${MASTER[@]}" -- --strategy ddp \
   --workers 3
+
+# Fewer training samples than trainers: some trainer would get none, and the run waited for
+# its first report until --timeout (120 s), then blamed "no word from any worker".
+LIMIT=1 refused "every trainer needs at least one" -- --strategy ddp --workers 2
+LIMIT=1 refused "every trainer needs at least one" -- --strategy hogwild --workers 2
+LIMIT=2 refused "every trainer needs at least one" -- --strategy pserver --workers 4
+LIMIT=1 refused "every trainer needs at least one" RANK=0 WORLD_SIZE=2 "${MASTER[@]}" -- \
+  --strategy ddp
+# NaN passed CLI::PositiveNumber; --timeout 1e10 overflowed the deadlines; --seed saturated.
+for bad in "--lr nan" "--lr inf" "--momentum nan" "--timeout nan" "--timeout 1e10" \
+           "--seed 99999999999999999999"; do
+  # shellcheck disable=SC2086
+  CODE=105 refused "${bad%% *}: ${bad#* }" -- $bad
+done
 
 # A job of one rank: this process is rank 0 (no workers spawned), trains and writes.
 # The key as `torchpar run` would give it (in the environment, never on a command line).

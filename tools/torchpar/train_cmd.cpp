@@ -47,12 +47,14 @@ Command add_train(CLI::App& app) {
                          ->capture_default_str();
   auto* lr = cmd->add_option("--lr", c->lr,
                              "learning rate: SGD's (mnist), AdamW's peak (gpt, default 0.001)")
-                 ->check(CLI::PositiveNumber)
+                 ->check(finite_number(0, 1e6, /*lo_open=*/true))
                  ->capture_default_str();
   mnist_only.push_back(cmd->add_option("--momentum", c->momentum, "mnist: SGD momentum")
-                           ->check(CLI::Range(0.0, 1.0))
+                           ->check(finite_number(0.0, 1.0))
                            ->capture_default_str());
   cmd->add_option("--seed", c->seed, "seed of the initial weights and the shuffles")
+      ->check(decimal_integer<int64_t>())
+      ->check(CLI::Range(-(int64_t{1} << 62), int64_t{1} << 62))  // seed + rank must not wrap
       ->capture_default_str();
   cmd->add_option("--data", c->data,
                   "directory of the Fashion-MNIST idx .gz files (mnist) or of the fortune files "
@@ -114,7 +116,7 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--timeout", c->timeout,
                   "seconds: collective and RPC timeout, and how long workers may stay silent; "
                   "as one rank of a job also how long to wait for every rank to join")
-      ->check(CLI::PositiveNumber)
+      ->check(finite_number(0, kMaxTimeoutSeconds, /*lo_open=*/true))
       ->capture_default_str();
   return [c, mnist_only, gpt_only, batch_size, lr] {
     const bool gpt = c->model == "gpt";

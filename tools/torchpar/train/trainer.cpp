@@ -414,6 +414,16 @@ int load_data(Session& s) {
     train.images = train.images.slice(0, 0, cfg.limit).contiguous();
     train.labels = train.labels.slice(0, 0, cfg.limit).contiguous();
   }
+  // Each trainer takes an equal shard: fewer samples than trainers leaves some with none,
+  // and the run would wait for their first report until --timeout.
+  if (train.size() < trainers(cfg)) {
+    std::fprintf(stderr,
+                 "torchpar train: %lld training sample%s (--limit %lld) for %d trainer%s: every "
+                 "trainer needs at least one; raise --limit or lower --workers\n",
+                 static_cast<long long>(train.size()), train.size() == 1 ? "" : "s",
+                 static_cast<long long>(cfg.limit), trainers(cfg), trainers(cfg) == 1 ? "" : "s");
+    return 2;
+  }
   s.per_epoch = train.size() / trainers(cfg) * trainers(cfg);
   return 0;
 }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <charconv>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -164,6 +165,16 @@ int complete_common_config(TrainConfig& cfg) {
                  "torchpar train: pserver needs --workers 2 or more: 1 parameter server and at "
                  "least 1 trainer (got %d)\n",
                  cfg.workers);
+    return 2;
+  }
+  // NaN passes every comparison-based check; a timeout past kMaxTimeout overflows a deadline.
+  if (!std::isfinite(cfg.lr) || !(cfg.lr > 0) || !std::isfinite(cfg.momentum) ||
+      !(cfg.momentum >= 0 && cfg.momentum <= 1) || !std::isfinite(cfg.timeout) ||
+      !(cfg.timeout > 0 && cfg.timeout <= kMaxTimeout)) {
+    std::fprintf(stderr,
+                 "torchpar train: need a finite --lr > 0 (got %g), --momentum in [0, 1] (got %g) "
+                 "and --timeout in (0, %g] seconds (got %g)\n",
+                 cfg.lr, cfg.momentum, kMaxTimeout, cfg.timeout);
     return 2;
   }
   if (cfg.out.empty()) cfg.out = "runs/" + now_stamp();

@@ -57,9 +57,13 @@ void install_stop_handlers();
 /// The SIGINT / SIGTERM that arrived since install_stop_handlers(), or 0.
 int stop_signal();
 
+/// The longest --timeout, in seconds (about 115 days; a deadline now + 1e10 s overflows).
+inline constexpr double kMaxTimeout = 1e7;
+
 /// Fills in what both models default alike: workers (the number of cores; single: 1), --out
-/// (runs/<timestamp>), and checks the strategy, the worker count and the backend. Returns 2
-/// (after a message on stderr) for a bad value, else 0.
+/// (runs/<timestamp>), and checks the strategy, the worker count, the backend, and that lr,
+/// momentum and timeout are finite and in range (NaN refused). Returns 2 (after a message on
+/// stderr) for a bad value, else 0.
 int complete_common_config(TrainConfig& cfg);
 
 /// The workers that train: all of them, but for pserver's rank 0 (the server).
