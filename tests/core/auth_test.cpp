@@ -21,6 +21,8 @@
 
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
+#include "torchpar/ipc/listener.h"
+#include "torchpar/manager/manager.h"
 
 extern char** environ;
 
@@ -49,6 +51,28 @@ TEST(Auth, SameKeyIsAcceptedBothWays) {
   // The connection is usable afterwards: one more frame each way.
   tp::send_frame(b.get(), "after", in(5s));
   EXPECT_EQ(tp::recv_frame(a.get(), 256, in(5s)), "after");
+}
+
+// Python users write authkey=b"secret-key": an AuthKey is built from text too, byte for byte
+// (before: a std::vector<uint8_t> alias, which a string did not convert to), wherever an
+// AuthKey is taken (here the handshake, a Listener's and a Manager's options).
+TEST(Auth, KeyFromTextIsTheSameBytes) {
+  const std::string text = "secret-key";
+  EXPECT_EQ(tp::AuthKey("secret-key"), kKey);
+  EXPECT_EQ(tp::AuthKey(text), kKey);
+  EXPECT_EQ(tp::AuthKey(std::string_view(text)), kKey);
+  EXPECT_EQ(tp::AuthKey("").size(), 0u);
+  auto [a, b] = socket_pair();
+  auto server = std::async(std::launch::async,
+                           [&, fd = a.get()] { tp::auth_accept(fd, "secret-key", in(10s)); });
+  tp::auth_connect(b.get(), kKey, in(10s));
+  server.get();
+  tp::ListenerOptions listener;
+  listener.authkey = "secret-key";
+  tp::ManagerOptions manager;
+  manager.authkey = text;
+  EXPECT_EQ(*listener.authkey, *manager.authkey);
+  EXPECT_EQ(tp::to_hex(*listener.authkey), "7365637265742d6b6579");
 }
 
 TEST(Auth, WrongKeyIsRefusedOnBothSides) {

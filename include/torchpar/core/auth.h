@@ -25,8 +25,19 @@
 
 namespace torchpar {
 
-/// Bytes of the shared secret of a job (Python: multiprocessing's authkey).
-using AuthKey = std::vector<uint8_t>;
+/// Bytes of the shared secret of a job (Python: multiprocessing's authkey, a bytes object).
+/// A byte vector that is also built from text, as Python users write `authkey=b"secret"`:
+/// `AuthKey k = "secret";` or `AuthKey(std::string(...))` holds the string's bytes (no
+/// terminating NUL). Every API taking an AuthKey takes a string the same way.
+struct AuthKey : std::vector<uint8_t> {
+  using std::vector<uint8_t>::vector;
+  AuthKey() = default;
+  AuthKey(std::vector<uint8_t> bytes) : std::vector<uint8_t>(std::move(bytes)) {}  // NOLINT
+  AuthKey(std::string_view text)                                                   // NOLINT
+      : std::vector<uint8_t>(text.begin(), text.end()) {}
+  AuthKey(const std::string& text) : AuthKey(std::string_view(text)) {}  // NOLINT
+  AuthKey(const char* text) : AuthKey(std::string_view(text)) {}         // NOLINT
+};
 
 /// Absolute deadline of a handshake or socket read/write.
 using AuthDeadline = std::chrono::steady_clock::time_point;
