@@ -322,8 +322,9 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
       o.authkey = std::move(key);
       const char* addr = std::getenv("TORCHPAR_RPC_ADDR");
       o.bind_host = addr && *addr ? addr : "127.0.0.1";
-      // pytorch/tensorpipe#397: more than ~18 processes fail on shm. TORCHPAR_RPC_SHM=0 turns
-      // it off (TensorPipe's shm socket dies on local garbage: docs/distributed.md).
+      // TensorPipe's shm transport only with TORCHPAR_RPC_SHM=1: its abstract socket dies on
+      // any local user's garbage, its reactor busy-polls (docs/distributed.md); and never
+      // above 16 members (pytorch/tensorpipe#397: more than ~18 processes fail on shm).
       const char* shm_env = std::getenv("TORCHPAR_RPC_SHM");
       if (shm_env && *shm_env && std::string_view(shm_env) != "0" &&
           std::string_view(shm_env) != "1") {
@@ -331,7 +332,7 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
         throw ValueError(fmt::format(
             "World::create_rpc_group('{}'): TORCHPAR_RPC_SHM must be 0 or 1", group_name));
       }
-      o.shm = w.rdv.world_size <= 16 && !(shm_env && std::string_view(shm_env) == "0");
+      o.shm = w.rdv.world_size <= 16 && shm_env && std::string_view(shm_env) == "1";
       o.store_timeout = w.rdv.opts.timeout;
       try {
         w.rpc_agent = detail::RpcAgent::create(std::move(o));

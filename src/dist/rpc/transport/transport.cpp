@@ -4,9 +4,11 @@
 #include "dist/rpc/transport/transport.h"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <exception>
 #include <fstream>
 #include <utility>
@@ -26,6 +28,13 @@ constexpr std::string_view kShmField = ";shm=";
 constexpr std::string_view kHostField = ";host=";
 /// Longest host identity accepted: a 36-byte boot id and two 64-bit numbers in hex.
 constexpr size_t kMaxHostIdentity = 128;
+
+/// The soft RLIMIT_NOFILE (RLIM_INFINITY as the largest value; 0 if unreadable).
+uint64_t open_files_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
+  return limit.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(limit.rlim_cur);
+}
 
 /// Whether `id` may be a host identity: 1 to kMaxHostIdentity bytes of [0-9a-f_-].
 bool is_host_identity(std::string_view id) {
@@ -51,6 +60,14 @@ class CompositeTransport final : public Transport {
             "rpc transport {}: cannot read this host's boot id or network namespace; shared "
             "memory is off, every peer goes over TCP",
             printable(name)));
+      } else if (const uint64_t files = open_files_limit(); files < kMinFilesForShm) {
+        // TensorPipe throws on its loop thread (std::terminate) when a memfd_create fails.
+        log_line(fmt::format(
+            "rpc transport {}: the open-files limit (RLIMIT_NOFILE, ulimit -n) is {}, under the "
+            "{} TensorPipe's shm transport needs (it aborts the process when it runs out); "
+            "shared memory is off, every peer goes over TCP",
+            printable(name), files, kMinFilesForShm));
+        host.clear();
       }
     }
     tcp_ = create_tcp_transport(options, handlers);

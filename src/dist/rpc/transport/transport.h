@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -47,9 +48,13 @@ struct TransportOptions {
   AuthOptions auth{};
   /// Use TensorPipe's shm transport between members of one host and network namespace
   /// (create_transport: chosen by the peer's address; create_tensorpipe_transport: negotiated
-  /// per connection), TCP otherwise. create_tcp_transport ignores it. Off above ~16 members:
-  /// pytorch/tensorpipe#397.
-  bool shm = true;
+  /// per connection), TCP otherwise. create_tcp_transport ignores it. Off by default: its
+  /// listener is an abstract Unix socket that any local user can end the process through,
+  /// its reactor polls without sleeping (about a third of a core per idle member), and it
+  /// aborts the process when it runs out of file descriptors (docs/wire_format.md, "RPC
+  /// transport"). Opt in only on a host without untrusted local users; the World does with
+  /// TORCHPAR_RPC_SHM=1. Unusable above ~16 members: pytorch/tensorpipe#397.
+  bool shm = false;
   /// Bound of one connect + handshake (seconds).
   std::chrono::duration<double> handshake_timeout = std::chrono::seconds(10);
   /// Largest message accepted (header + body + storages, bytes). A larger descriptor
@@ -122,19 +127,29 @@ class Transport {
 /// address: TensorPipe shm when both addresses carry shm and the same host identity, TCP
 /// otherwise; both ends compute the same choice, so a pair of members uses one transport.
 /// When shm is on but unusable here (no boot id or network namespace to read, TensorPipe's
-/// shm transport not viable), it logs one line and uses TCP alone.
+/// shm transport not viable, or a soft RLIMIT_NOFILE under kMinFilesForShm, since TensorPipe
+/// aborts the process when a memfd_create fails), it logs one line and uses TCP alone.
 ///
 /// Errors:  as create_tcp_transport (ValueError for an empty key or name or a bad bind_host;
 ///          SystemError when it cannot listen); send() also ValueError for an address that
 ///          parse_transport_address refuses.
-/// Security: the TCP port survives garbage (it is our code, which authenticates every
-///          connection before reading anything else). TensorPipe's shm listener is an
-///          abstract Unix socket that anyone in this network namespace can connect to, and
-///          eight bytes of garbage there end the process (docs/wire_format.md, "RPC
-///          transport"): only local users in the same network namespace can reach it.
+/// Security: with shm off (the default) a member listens only on its TCP port, which
+///          survives garbage (our code, which authenticates every connection before reading
+///          anything else). With shm on, TensorPipe's shm listener is an abstract Unix socket
+///          that any local user in this network namespace can connect to (whatever its uid),
+///          and eight bytes of garbage there end the process (docs/wire_format.md, "RPC
+///          transport"); TensorPipe reads them before any hook could authenticate the peer.
+/// CPU:     with shm off an idle transport blocks (no polling); with shm on, TensorPipe's
+///          reactor busy-polls (about a third of a core) for as long as the transport lives.
 /// Process: sets SIGPIPE to "ignore" when it is at its default and shm is on (TensorPipe's
 ///          shm setup writes without MSG_NOSIGNAL), as World does.
 std::unique_ptr<Transport> create_transport(TransportOptions options, TransportHandlers handlers);
+
+/// The soft RLIMIT_NOFILE below which create_transport leaves TensorPipe's shm off: each shm
+/// pipe holds about 14 descriptors on each side (its socket, ring buffers and the peer's
+/// reactor, twice: the pipe's own connection and the cma channel's), and TensorPipe aborts
+/// the process when it cannot create one.
+inline constexpr uint64_t kMinFilesForShm = 1024;
 
 /// The parts of an address of create_transport (docs/wire_format.md, "RPC transport"):
 ///   tcp://<ip>:<port>                                          shm off (or unusable)
