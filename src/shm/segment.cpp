@@ -87,6 +87,17 @@ void raise_nofile_limit() {
   });
 }
 
+// A named object must belong to this process's user: its owner could truncate it under our
+// mapping, and the next access there would be a SIGBUS (a memfd is sealed instead).
+void check_owner(const struct stat& st, const std::string& name) {
+  const uid_t self = ::geteuid();
+  if (st.st_uid != self)
+    throw_shm("fstat", EPERM, name,
+              fmt::format("owned by uid {}, not by this process's user (uid {}): refused, as its "
+                          "owner could truncate it under the mapping",
+                          st.st_uid, self));
+}
+
 // posix_fallocate, retried on EINTR; returns its error (0: reserved).
 int reserve(int fd, uint64_t bytes) {
   int e;
@@ -221,6 +232,7 @@ std::shared_ptr<Segment> Segment::open_name(const std::string& name) {
   UniqueFd fd(raw);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw_shm("fstat", errno, name);
+  check_owner(st, name);
   seg->fd_ = std::move(fd);
   seg->map(static_cast<uint64_t>(st.st_size), name);
   seg->fd_.reset();
@@ -387,6 +399,7 @@ ShmRegion ShmRegion::open_named(const std::string& name, bool writable, uint64_t
   UniqueFd fd(raw);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw_shm("fstat", errno, name);
+  check_owner(st, name);
   const uint64_t size = checked_size(st, min_bytes, name);
   ShmRegion r;
   r.map(fd.get(), size, writable, name);

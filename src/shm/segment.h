@@ -57,7 +57,9 @@ class Segment {
                                          uint32_t num_blocks);
   /// Maps a segment received as an fd (file_descriptor strategy); takes the fd.
   static std::shared_ptr<Segment> open_fd(UniqueFd fd);
-  /// Maps a named segment (file_system strategy).
+  /// Maps a named segment (file_system strategy). Errors: ShmError (EPERM, syscall fstat)
+  /// when the object is not owned by this process's effective user: its owner could
+  /// truncate it under the mapping (a SIGBUS at the next access).
   static std::shared_ptr<Segment> open_name(const std::string& name);
 
   ~Segment();
@@ -121,7 +123,8 @@ class Segment {
 /// /dev/shm (or memory) is a ShmError naming the bytes asked and free, never a SIGBUS later.
 /// memfds are sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL): no holder of the fd can
 /// truncate them under the others; open_fd refuses fds without those seals, and any object
-/// smaller than asked. Named objects are mode 0600 (they cannot be sealed).
+/// smaller than asked. Named objects are mode 0600 (they cannot be sealed), and open_named
+/// maps only objects of this process's effective user.
 /// Safety: a ShmRegion is not shared between threads while moved; data() is.
 class ShmRegion {
  public:
@@ -142,7 +145,8 @@ class ShmRegion {
   /// file, lacks the seals, or is smaller than `min_bytes`.
   static ShmRegion open_fd(UniqueFd fd, uint64_t min_bytes, const char* what);
   /// Maps the named object `name` (read-only unless `writable`), whole. Errors: ShmError
-  /// (ENOENT when gone; EINVAL when smaller than `min_bytes`).
+  /// (ENOENT when gone; EINVAL when smaller than `min_bytes`; EPERM when another user owns
+  /// it, who could truncate it under the mapping).
   static ShmRegion open_named(const std::string& name, bool writable, uint64_t min_bytes = 1);
 
   char* data() const { return base_; }

@@ -92,6 +92,27 @@ TEST(ShmRegion, NamedCreateOpenExclusiveAndGone) {
   EXPECT_THROW(ShmRegion::open_named("/etc_passwd", false), tp::ShmError);
 }
 
+// A named object of another user is refused (EPERM, naming it and its owner): that user
+// could truncate it under our mapping (a SIGBUS at the next access).
+TEST(ShmRegion, OpenNamedRefusesAnotherUsersObject) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give an object to another user";
+  const std::string name = test_name("foreign");
+  ::shm_unlink(name.c_str());
+  ShmRegion w = ShmRegion::create_named(name, 8192);
+  ASSERT_EQ(::chown(("/dev/shm" + name).c_str(), 65534, 65534), 0);
+  try {
+    ShmRegion::open_named(name, /*writable=*/false);
+    ADD_FAILURE() << "another user's object was mapped";
+  } catch (const tp::ShmError& e) {
+    EXPECT_EQ(e.error_code(), EPERM);
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("owned by uid 65534"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(::chown(("/dev/shm" + name).c_str(), ::geteuid(), ::getegid()), 0);
+  EXPECT_EQ(ShmRegion::open_named(name, /*writable=*/false).size(), 8192u);
+  ::shm_unlink(name.c_str());
+}
+
 TEST(ShmRegion, OutOfSpaceIsAnErrorNotASigbus) {
   auto c = tp::testing::fork_child([](int) -> int {
     ::signal(SIGXFSZ, SIG_IGN);

@@ -10,6 +10,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -363,6 +364,40 @@ TEST(ShmFileSystem, NormalExitUnlinksNames) {
   ASSERT_EQ(recv_line(c.sock), "ready");
   EXPECT_EQ(wait_child(c), 0);
   EXPECT_TRUE(tp::testing::shm_entries("torchpar_" + std::to_string(c.pid) + "_").empty());
+}
+
+// Before: a handle naming a file of another user was mapped; when that user truncated the
+// file, the next access to the tensor killed the loader with SIGBUS. Now the load is refused
+// with a ShmError naming the file and its owner; a file of our own user still loads.
+TEST(ShmFileSystem, HandleOfAnotherUsersFileIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a file to another user";
+  constexpr uid_t kNobody = 65534;
+  Child c = fork_child([](int sock) {
+    tp::set_sharing_strategy("file_system");
+    at::Tensor t = at::arange(1 << 20, at::kFloat);  // 4 MiB: a segment of its own
+    tp::send_payload(sock, tp::dumps(t, {.copy_tensor = false}));
+    return recv_line(sock) == "done" ? 0 : 1;  // keeps the name until the parent is done
+  });
+  const tp::Payload payload = tp::recv_payload(c.sock, std::chrono::seconds(30));
+  const auto names = tp::testing::shm_entries("torchpar_" + std::to_string(c.pid) + "_");
+  ASSERT_EQ(names.size(), 1u);
+  const std::string path = "/dev/shm/" + names[0];
+  ASSERT_EQ(::chown(path.c_str(), kNobody, kNobody), 0) << std::strerror(errno);
+  try {
+    (void)tp::loads<at::Tensor>(payload);
+    ADD_FAILURE() << "a file owned by uid 65534 was mapped";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(names[0]), std::string::npos) << what;
+    EXPECT_NE(what.find("owned by uid 65534"), std::string::npos) << what;
+  }
+  ASSERT_EQ(::chown(path.c_str(), ::geteuid(), ::getegid()), 0) << std::strerror(errno);
+  {
+    at::Tensor t = tp::loads<at::Tensor>(payload);
+    EXPECT_TRUE(at::equal(t, at::arange(1 << 20, at::kFloat)));
+  }
+  send_line(c.sock, "done");
+  EXPECT_EQ(wait_child(c), 0);
 }
 
 TEST(ShmFileDescriptor, SigkillReturnsMemory) {
