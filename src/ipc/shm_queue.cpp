@@ -1,10 +1,13 @@
 #include "torchpar/ipc/shm_queue.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -117,19 +120,29 @@ class Lock : public RobustLock {
 const char* const kLockHeld =
     "its internal lock is held by a process that did not release it in time (stopped?)";
 
-// Unique per process: the sender's pid and a process-wide counter (a per-queue counter
-// collided between two queues of one process). The creator's prefix keeps the name under
-// its cleaner, which unlinks messages nobody got.
-std::string spill_name(int creator) {
+// A spill file's name under `owner`'s prefix, unique per process: the sender's pid and a
+// process-wide counter (a per-queue counter collided between two queues of one process).
+// While its put runs the owner is the sender, whose cleaner unlinks it if the sender dies
+// before the message is in the ring; put renames it under the creator's prefix as it
+// commits the message, and the creator's cleaner unlinks messages nobody got.
+std::string spill_name(int owner) {
   static std::atomic<uint64_t> counter{0};
-  return fmt::format("/{}q{:x}_{:x}", segment_prefix(creator), ::getpid(),
+  return fmt::format("/{}q{:x}_{:x}", segment_prefix(owner), ::getpid(),
                      counter.fetch_add(1, std::memory_order_relaxed));
 }
 
-// Writes `bytes` to a new named segment under the creator's prefix; returns its name.
-std::string write_spill(int creator, const std::string& bytes) {
+// Renames the spill file `from` to `to`, never over an existing name; returns the errno
+// (0: renamed).
+int rename_spill(const std::string& from, const std::string& to) {
+  const std::string a = "/dev/shm" + from, b = "/dev/shm" + to;
+  return ::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_NOREPLACE) == 0 ? 0 : errno;
+}
+
+// Writes `bytes` to a new named segment under this process's prefix; returns its name.
+std::string write_spill(const std::string& bytes) {
+  ensure_cleaner();  // ours unlinks the file if we die before the put commits it
   for (int attempt = 0;; ++attempt) {
-    std::string name = spill_name(creator);
+    std::string name = spill_name(::getpid());
     try {
       ShmRegion r = ShmRegion::create_named(name, bytes.size());
       std::memcpy(r.data(), bytes.data(), bytes.size());
@@ -191,18 +204,23 @@ int ShmQueue::fd() const { return region_->fd(); }
 
 void ShmQueue::put(const std::string& bytes, Timeout timeout) {
   // A message too large for the ring travels in a named shared-memory file and the ring
-  // carries the name. The name is under the queue creator's prefix, so the message outlives
-  // its sender (put, then exit, is common) and is unlinked by the getter, or by the
-  // creator's cleaner if nobody gets it.
-  std::string spilled;
+  // carries the name. The file is written under the sender's prefix and renamed under the
+  // queue creator's as the message is committed (under the lock): a sender killed inside
+  // put leaves it to its own cleaner, and a committed message outlives its sender (put,
+  // then exit, is common) until the getter unlinks it, or the creator's cleaner if nobody
+  // gets it.
+  std::string spilled;    // the file's current name
+  std::string committed;  // its name in the ring
   const std::string* msg = &bytes;
   uint8_t kind = kInline;
+  const int creator = ctl_->creator_pid;
   if (bytes.size() + 9 > ctl_->capacity / 4) {
-    spilled = write_spill(ctl_->creator_pid, bytes);
-    msg = &spilled;
+    spilled = write_spill(bytes);
+    committed = creator == ::getpid() ? spilled : spill_name(creator);
+    msg = &committed;
     kind = kSpilled;
   }
-  const uint64_t need = 8 + 1 + msg->size();
+  uint64_t need = 8 + 1 + msg->size();
   const Deadline deadline = deadline_after(timeout);
   const Deadline lock_deadline = lock_deadline_of(timeout, deadline);
   // If the put fails, nobody will read the spill file: remove it.
@@ -226,6 +244,16 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
       const bool full_items = ctl_->maxsize != 0 && ctl_->count >= ctl_->maxsize;
       const bool full_bytes = ctl_->capacity - (ctl_->tail - ctl_->head) < need;
       if (!full_items && !full_bytes) {
+        if (committed != spilled) {
+          const int err = rename_spill(spilled, committed);
+          if (err == EEXIST) {  // a leftover of a dead process with our pid: another name
+            committed = spill_name(creator);
+            need = 8 + 1 + committed.size();
+            continue;
+          }
+          if (err != 0) throw ShmError("rename", err, spilled, "moving a large queue message");
+          spilled = committed;
+        }
         const uint64_t len = msg->size() + 1;
         ring_write(ring_, ctl_->capacity, ctl_->tail, &len, 8);
         ring_write(ring_, ctl_->capacity, ctl_->tail + 8, &kind, 1);

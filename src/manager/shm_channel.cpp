@@ -12,6 +12,7 @@
 
 #include "core/cpu_relax.h"
 #include "core/liveness.h"
+#include "shm/cleaner.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar::detail {
@@ -25,9 +26,11 @@ static_assert(sizeof(ShmChannelHeader) <= ShmChannel::kDataOffset);
 std::atomic_ref<uint32_t> word(uint32_t& w) { return std::atomic_ref<uint32_t>(w); }
 std::atomic_ref<uint64_t> word64(uint64_t& w) { return std::atomic_ref<uint64_t>(w); }
 
+// Under this process's segment prefix: its cleaner (the one of file_system segments)
+// unlinks the name if the process dies before unlink(), SIGKILL included.
 std::string channel_name() {
   std::random_device rd;
-  return fmt::format("/torchpar_mgr_{}_{:08x}{:08x}{:08x}{:08x}", ::getpid(), rd(), rd(), rd(),
+  return fmt::format("/{}mgr{:08x}{:08x}{:08x}{:08x}", segment_prefix(::getpid()), rd(), rd(), rd(),
                      rd());
 }
 
@@ -49,6 +52,7 @@ ShmChannel::ShmChannel(ShmRegion region, std::string name, bool creator)
 ShmChannel::~ShmChannel() { unlink(); }
 
 std::unique_ptr<ShmChannel> ShmChannel::create() {
+  ensure_cleaner();
   for (int attempt = 0;; ++attempt) {
     std::string name = channel_name();
     ShmRegion region;
@@ -66,7 +70,7 @@ std::unique_ptr<ShmChannel> ShmChannel::create() {
 }
 
 std::unique_ptr<ShmChannel> ShmChannel::open(const std::string& name) {
-  if (name.rfind("/torchpar_mgr_", 0) != 0) {
+  if (name.rfind("/torchpar_", 0) != 0 || name.find("_mgr") == std::string::npos) {
     throw ProtocolError(fmt::format("'{}' is no manager call channel name", name));
   }
   ShmRegion region = ShmRegion::open_named(name, /*writable=*/true, kTotalBytes);

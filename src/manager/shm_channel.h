@@ -49,10 +49,12 @@ struct ShmChannelHeader {
 /// Guarantees: a message of any size arrives whole and in order; a length in the shared
 ///           header larger than the data area (a corrupt or hostile peer) is a
 ///           ProtocolError, never a read out of bounds.
-/// Lifetime: create() makes the object ("/torchpar_mgr_<pid>_<32 random hex>", mode 0600);
+/// Lifetime: create() makes the object ("/torchpar_<pid>_<pid-ns>_mgr<32 random hex>", mode
+///           0600: under the creator's file_system segment prefix, shm/cleaner.h);
 ///           the creator unlinks the name once the peer has opened it (unlink(), or its
 ///           destructor at the latest), and both keep their mapping until destroyed.
-///           A creator SIGKILLed between create() and unlink() leaves the name behind.
+///           A creator SIGKILLed between create() and unlink() leaves the name to its
+///           cleaner, which unlinks it when the creator is gone (create() starts it).
 /// Safety:   not thread-safe beyond the Requires above.
 class ShmChannel {
  public:

@@ -12,7 +12,8 @@
 //     its connection threads end, others go on); the server SIGKILLed while a call waits on
 //     the channel (ClosedError naming the address within 2 s); the server SIGSTOPped (a
 //     call with a 0.5 s timeout raises TimeoutError in about that time);
-//   - no /dev/shm/torchpar_mgr_<pid>_* name is left, during use or after shutdown.
+//   - no /dev/shm/torchpar_<pid>_<ns>_mgr* name is left, during use or after shutdown, nor
+//     after its creator was SIGKILLed before unlinking it (its cleaner unlinks it).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "manager/shm_channel.h"
+#include "shm/cleaner.h"
 #include "support/child.h"
 #include "support/manager.h"
 #include "support/start_methods.h"
@@ -107,9 +109,9 @@ bool name_exists(const std::string& name) {
   return std::find(names.begin(), names.end(), name.substr(1)) != names.end();
 }
 
-/// Channel names (in /dev/shm) made by process `pid`.
+/// Channel names (in /dev/shm) made by process `pid`: under its file_system prefix.
 std::vector<std::string> channel_names_of(int pid) {
-  return tp::testing::shm_entries("torchpar_mgr_" + std::to_string(pid) + "_");
+  return tp::testing::shm_entries(tp::detail::segment_prefix(pid) + "mgr");
 }
 
 /// True when process `pid` maps a call channel (its name is unlinked, the mapping stays).
@@ -117,7 +119,8 @@ bool maps_channel(int pid) {
   std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
   std::string line;
   while (std::getline(maps, line)) {
-    if (line.find("/torchpar_mgr_") != std::string::npos) return true;
+    if (line.find("/torchpar_") != std::string::npos && line.find("_mgr") != std::string::npos)
+      return true;
   }
   return false;
 }
@@ -169,7 +172,7 @@ TEST(ShmChannel, PingPongBetweenThreads) {
   auto [a, b] = tp::Pipe();
   auto creator = ShmChannel::create();
   const std::string name = creator->name();
-  EXPECT_EQ(name.rfind("/torchpar_mgr_" + std::to_string(::getpid()) + "_", 0), 0u) << name;
+  EXPECT_EQ(name.rfind("/" + tp::detail::segment_prefix(::getpid()) + "mgr", 0), 0u) << name;
   EXPECT_TRUE(name_exists(name));
   auto peer =
       std::async(std::launch::async, [name, b = b]() mutable { echo_peer(name, b, kMessages); });
@@ -237,6 +240,25 @@ TEST(ShmChannel, ALengthOverTheDataAreaIsAProtocolError) {
   // A channel name that is not one, and an object that is no channel, are refused.
   EXPECT_THROW(ShmChannel::open("/torchpar_x"), tp::ProtocolError);
   EXPECT_THROW(ShmChannel::open("/torchpar_mgr_0_doesnotexist"), tp::ShmError);
+}
+
+// Before: a client SIGKILLed between making its channel and unlinking the name (the server
+// had not answered kAttachChannel yet) left /dev/shm/torchpar_mgr_<pid>_* (132 KiB) for
+// good. Now the name is under the client's file_system prefix and the client's cleaner
+// unlinks it once the client is gone.
+TEST(ShmChannel, TheNameOfAKilledCreatorIsSwept) {
+  tp::testing::Child c = tp::testing::fork_child([](int sock) {
+    auto channel = ShmChannel::create();
+    tp::testing::send_line(sock, channel->name());
+    ::pause();
+    return 0;
+  });
+  const std::string name = tp::testing::recv_line(c.sock);
+  ASSERT_TRUE(name_exists(name)) << name;
+  ::kill(c.pid, SIGKILL);
+  EXPECT_EQ(tp::testing::wait_child(c), -SIGKILL);
+  // The cleaner sees the death at once; 30 s allows for a loaded machine.
+  EXPECT_TRUE(eventually([&] { return !name_exists(name); }, 30s)) << name << " left behind";
 }
 
 class ShmChannelProcesses : public ::testing::TestWithParam<std::string> {};

@@ -1,6 +1,7 @@
 // Shared memory is given back: blocks whose importer was SIGKILLed are reused, fully free
 // slabs go with empty_shm_cache(), and a file_system tensor sent by a child that then exits
-// can still be loaded by its receiver (the name is kept for it, then unlinked).
+// can still be loaded by its receiver (the name is kept for it, then unlinked); a queue
+// producer SIGKILLed inside put leaves no spill file.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -8,6 +9,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdio>
+#include <optional>
+#include <string>
 #include <thread>
 
 #include "support/child.h"
@@ -132,4 +136,45 @@ TEST(ShmFileSystemHandoff, TensorSentByAnExitedChildCanBeLoaded) {
     EXPECT_TRUE(tp::testing::shm_entries(prefix).empty())
         << tp::testing::shm_entries(prefix).size() << " names of the exited child left";
   }
+}
+
+// Before: a producer SIGKILLed inside put, after writing a large message's spill file and
+// before the message was in the ring (here: waiting for room), left the file under the
+// queue creator's prefix until the creator exited. Now the file is under the producer's
+// own prefix until put commits it, and the producer's cleaner unlinks it once it is gone.
+TEST(ShmQueueSpill, AProducerKilledInsidePutLeavesNoSpillFile) {
+  tp::detail::ShmQueue q(/*maxsize=*/1, /*capacity_bytes=*/4096);
+  q.put("first", std::nullopt);  // full in items: the next put waits for room
+  Child c = fork_child([&q](int sock) {
+    send_line(sock, "putting");
+    q.put(std::string(50000, 'x'), std::nullopt);  // spilled, then waits: killed there
+    return 0;
+  });
+  ASSERT_EQ(recv_line(c.sock), "putting");
+  // The child's spill file: under its own prefix (now) or under ours with its pid (before).
+  char sender[32];
+  std::snprintf(sender, sizeof sender, "_q%x_", static_cast<unsigned>(c.pid));
+  auto child_spills = [&] {
+    auto names = tp::testing::shm_entries("torchpar_" + std::to_string(c.pid) + "_");
+    for (auto& n : tp::testing::shm_entries("torchpar_" + std::to_string(::getpid()) + "_"))
+      if (n.find(sender) != std::string::npos) names.push_back(n);
+    return names;
+  };
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (child_spills().empty() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(child_spills().size(), 1u) << "the producer wrote no spill file";
+  ::kill(c.pid, SIGKILL);
+  ASSERT_EQ(wait_child(c), -SIGKILL);
+  // Its cleaner sees the death at once; 30 s allows for a loaded machine.
+  const auto gone_by = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  auto left = child_spills();
+  for (; !left.empty() && std::chrono::steady_clock::now() < gone_by; left = child_spills())
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_TRUE(left.empty()) << left.size() << " spill file(s) left, e.g. " << left[0];
+  // The queue goes on: the dead producer's message never was in it.
+  EXPECT_EQ(q.get(std::chrono::seconds(1)), "first");
+  EXPECT_EQ(q.qsize(), 0u);
+  q.put(std::string(60000, 'y'), std::nullopt);
+  EXPECT_EQ(q.get(std::chrono::seconds(1)), std::string(60000, 'y'));
 }
