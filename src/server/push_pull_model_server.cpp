@@ -101,10 +101,9 @@ bool PushPullModelServer::push(VersionedModule& module, ModelPushOptions options
 bool PushPullModelServer::pull(VersionedModule& module, Timeout timeout) {
   auto newest = o_server_->pull(model_name_, std::nullopt, timeout);
   if (!newest) return false;
-  if (!module.pp_version() || *module.pp_version() < newest->second) {
-    load_state_dict(module.module(), newest->first);
-    module.set_pp_version(newest->second);
-  }
+  if (module.pp_version() && *module.pp_version() >= newest->second) return false;
+  load_state_dict(module.module(), newest->first);
+  module.set_pp_version(newest->second);
   return true;
 }
 

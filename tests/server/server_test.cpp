@@ -323,6 +323,8 @@ void model_rank(int rank, int port) {
     TORCHPAR_RCHECK(server.pull(vf), "pull");
     TORCHPAR_RCHECK(vf.pp_version() == 10 && weights_are(*fresh, {11, 12, 13}),
                     "pulled version {}: {}", vf.pp_version().value_or(-1), show(*fresh));
+    // Nothing newer: the return says the module did not change (before: true, as machin's).
+    TORCHPAR_RCHECK(!server.pull(vf) && vf.pp_version() == 10, "a pull with nothing new");
     // A stale module without pull_on_fail: the push fails and the module stays as it was.
     tp::VersionedModule stale(std::make_shared<ChainImpl>(), 3);
     TORCHPAR_RCHECK(!server.push(stale, {.pull_on_fail = false}), "a stale push succeeded");
@@ -427,6 +429,9 @@ void flush_rank(int rank, int port) {
     tp::VersionedModule vm(net);
     if (rank == 1) {
       server.emplace(tp::PushPullGradServer::connect(g, "server"));
+      // Version 0 is the primary's initial model (manage_model); nothing newer before start().
+      TORCHPAR_RCHECK(server->pull(vm) && vm.pp_version() == 0, "a fresh module's first pull");
+      TORCHPAR_RCHECK(!server->pull(vm), "a second pull with nothing new said it loaded");
       for (int i = 0; i < 10; ++i) {
         backward_once(*net);
         server->push(vm);

@@ -174,7 +174,11 @@ class PushPullGradServer {
   bool push(VersionedModule& module, Timeout timeout = kDefaultRpcTimeout);
 
   /// Zeroes the module's gradients and loads the newest parameters when they are newer than
-  /// module.pp_version() (or that is unset). Returns false when nothing is published yet.
+  /// module.pp_version() (or that is unset). Returns true when it loaded something new; false
+  /// when nothing is published yet or the module already holds the newest version. Version 0
+  /// is the primary's initial model, published by manage_model (machin publishes nothing
+  /// before the first reduction): a fresh module's first pull returns true with version 0,
+  /// so every trainer starts from the primary's weights.
   bool pull(VersionedModule& module, Timeout timeout = kDefaultRpcTimeout);
 
   const std::string& server_name() const { return server_name_; }

@@ -105,8 +105,10 @@ class PushPullModelServer {
   bool push(VersionedModule& module, ModelPushOptions options = {});
 
   /// Loads the newest version into `module` when it is newer than module.pp_version() (or
-  /// that is unset). Returns false when the server has no model yet. Gradients are not
-  /// touched.
+  /// that is unset). Returns true when it loaded something new; false when the server has
+  /// no model yet or the module already holds the newest version (machin returns True in
+  /// that second case too: here the return says whether the module changed). Gradients are
+  /// not touched.
   bool pull(VersionedModule& module, Timeout timeout = kDefaultRpcTimeout);
 
   const std::string& model_name() const { return model_name_; }
