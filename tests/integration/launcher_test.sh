@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `torchpar run`: 3 ranks all_reduce and print with rank prefixes; a rank exiting 3 makes the
 # launcher exit 3 and stops the others; SIGINT is forwarded; killing the launcher with
-# SIGKILL leaves no rank behind; the ranks get the job's key. usage: launcher_test.sh BIN_DIR
+# SIGKILL leaves no rank behind; the ranks get the job's key; a 50 MB line without a newline
+# is forwarded in 64 KiB pieces with bounded launcher memory. usage: launcher_test.sh BIN_DIR
 set -u
 BIN=$1
 fail() {
@@ -87,4 +88,29 @@ code=$?
 [ $code -eq 2 ] || fail "a malformed TORCHPAR_AUTHKEY made the launcher exit $code, expected 2"
 grep -q "TORCHPAR_AUTHKEY" "$out" || fail "no message naming TORCHPAR_AUTHKEY: $(cat "$out")"
 grep -q "notakey" "$out" && fail "the malformed key was echoed"
+# 7. a rank writing 50 MB without a newline: the launcher forwards it in lines of at most
+# 64 KiB, each with the rank's prefix, and its peak RSS stays near that of a job that prints
+# nothing (before, it held the whole line, twice: +100 MB here, 598 MiB for a 300 MB line)
+big=$(mktemp)
+rss=$(mktemp)
+trap 'rm -f $out $big $rss' EXIT
+writer='head -c 50000000 /dev/zero | tr "\0" x'
+timeout 120 /usr/bin/time -f %M -o "$rss" "$BIN/torchpar" run -n 1 -- true >/dev/null 2>&1 ||
+  fail "run -n 1 -- true failed"
+base_kb=$(tail -1 "$rss")
+timeout 120 /usr/bin/time -f %M -o "$rss" "$BIN/torchpar" run -n 1 -- bash -c "$writer" >"$big" 2>&1 ||
+  fail "run of a 50 MB line failed"
+peak_kb=$(tail -1 "$rss")
+echo "launcher peak RSS: ${base_kb} kB for an empty job, ${peak_kb} kB for a 50 MB line"
+[ "$peak_kb" -le $((base_kb + 32768)) ] || fail "a 50 MB line took the launcher from ${base_kb} to ${peak_kb} kB"
+[ "$(tr -cd x <"$big" | wc -c)" -eq 50000000 ] || fail "bytes of the 50 MB line were lost"
+[ "$(grep -vc '^\[0\]: ' "$big")" -eq 0 ] || fail "a piece of the long line lacks the rank prefix"
+longest=$(LC_ALL=C awk '{ if (length($0) > m) m = length($0) } END { print m }' "$big")
+[ "$longest" -le $((65536 + 5)) ] || fail "an output line of $longest bytes: not split at 64 KiB"
+# without a prefix the bytes pass unchanged (and the unterminated end gets its newline)
+timeout 120 "$BIN/torchpar" run --no-prefix -n 1 -- bash -c "$writer" >"$big" 2>&1 ||
+  fail "run --no-prefix of a 50 MB line failed"
+[ "$(wc -c <"$big")" -eq 50000001 ] && [ "$(tr -d x <"$big" | wc -c)" -eq 1 ] ||
+  fail "run --no-prefix changed the 50 MB line ($(wc -c <"$big") bytes)"
+
 echo "PASSED: torchpar run"
