@@ -1,5 +1,5 @@
 // The core primitives on their own: deadlines and futex wait/wake, the robust
-// process-shared mutex (timed lock, owner-death recovery), pid_alive, cpu_relax, the
+// process-shared mutex (timed lock, owner-death recovery), pid_alive, the
 // SIGPIPE disposition the library sets, and /proc/meminfo parsing.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -11,7 +11,6 @@
 #include <fstream>
 #include <thread>
 
-#include "core/cpu_relax.h"
 #include "core/futex.h"
 #include "core/liveness.h"
 #include "core/meminfo.h"
@@ -141,11 +140,6 @@ TEST(PidAlive, RunningStoppedExitedAndZombie) {
   const int pid = c.pid;
   EXPECT_EQ(tp::testing::wait_child(c, 30s), -SIGKILL);
   EXPECT_FALSE(pid_alive(pid));
-}
-
-TEST(CpuRelax, IsAHint) {
-  for (int i = 0; i < 1000; ++i) cpu_relax();
-  SUCCEED();
 }
 
 TEST(Signals, SigpipeIsIgnoredOnlyWhenAtItsDefault) {

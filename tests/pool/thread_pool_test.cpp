@@ -37,30 +37,32 @@ TEST(ThreadPool, MapImapStarmapInOrder) {
 TEST(ThreadPool, ApplyAsyncCallbacksAndErrors) {
   tp::ThreadPool pool(2);
   int base = 40;  // a capture: ThreadPool takes any callable
-  std::atomic<int> called{0};
+  std::promise<int> called;
   auto r = pool.apply_async([base](int x) { return base + x; }, std::make_tuple(2),
-                            [&](const int& v) { called = v; });
+                            [&](const int& v) { called.set_value(v); });
   EXPECT_EQ(r.get(10s), 42);
   EXPECT_TRUE(r.ready());
   EXPECT_TRUE(r.successful());
-  // The callback runs on the pool thread, maybe just after get() returned: up to 30 s.
-  for (int i = 0; i < 30000 && called == 0; ++i) std::this_thread::sleep_for(1ms);
-  EXPECT_EQ(called, 42);
-  std::atomic<bool> errored{false};
-  auto bad = pool.apply_async([](int) -> int { throw std::out_of_range("no such item"); },
-                              std::make_tuple(1), {}, [&](std::exception_ptr) { errored = true; });
+  // The callback runs on the pool thread, maybe just after get() returned.
+  auto called_f = called.get_future();
+  ASSERT_EQ(called_f.wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(called_f.get(), 42);
+  std::promise<void> errored;
+  auto bad =
+      pool.apply_async([](int) -> int { throw std::out_of_range("no such item"); },
+                       std::make_tuple(1), {}, [&](std::exception_ptr) { errored.set_value(); });
   EXPECT_THROW(bad.get(10s), std::out_of_range);
   EXPECT_FALSE(bad.successful());
-  for (int i = 0; i < 30000 && !errored; ++i) std::this_thread::sleep_for(1ms);
-  EXPECT_TRUE(errored);
+  EXPECT_EQ(errored.get_future().wait_for(30s), std::future_status::ready);
+  // A task held until released: get() and wait() time out while it runs, then succeed.
+  std::promise<void> release;
+  auto released = release.get_future().share();
   auto slow = pool.apply_async(
-      [](int ms) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-        return 0;
-      },
-      std::make_tuple(300));
+      [released](int) { return released.wait_for(30s) == std::future_status::ready ? 0 : 1; },
+      std::make_tuple(0));
   EXPECT_THROW(slow.get(0.01s), tp::TimeoutError);
   EXPECT_FALSE(slow.wait(0.01s));
+  release.set_value();
   EXPECT_EQ(slow.get(10s), 0);
   // An exception in one chunk of imap surfaces at that item; the rest go on.
   auto it = pool.imap(
