@@ -108,6 +108,24 @@ Clock::time_point after(std::chrono::milliseconds ms) {
   return Clock::now() + ms;
 }
 
+/// The calling thread's StoreDeadline (kForever: none).
+thread_local Clock::time_point t_store_deadline = kForever;
+
+/// Replies a StoreDeadline left unread past this many: the connection counts as broken.
+constexpr int kMaxUnread = 64;
+
+/// Waits until `fd` is readable (or closed) or `deadline` passed; false at the deadline.
+bool readable_by(int fd, Clock::time_point deadline) {
+  for (;;) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+    pollfd p{fd, POLLIN, 0};
+    const int r = ::poll(&p, 1, static_cast<int>(std::clamp<int64_t>(left.count(), 0, 1000)));
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) return true;  // the read reports it
+    if (Clock::now() >= deadline) return false;
+  }
+}
+
 }  // namespace
 
 // ---- server -------------------------------------------------------------------------------
@@ -464,6 +482,12 @@ StoreClient::StoreClient(const std::string& addr, int port, const AuthKey& key,
 
 StoreClient::~StoreClient() = default;
 
+StoreDeadline::StoreDeadline(Clock::time_point deadline) : previous_(t_store_deadline) {
+  t_store_deadline = std::min(previous_, deadline);
+}
+
+StoreDeadline::~StoreDeadline() { t_store_deadline = previous_; }
+
 std::string StoreClient::call(const std::string& req, std::chrono::milliseconds wait_ms,
                               const char* what) {
   std::lock_guard<std::mutex> g(mu_);
@@ -473,11 +497,26 @@ std::string StoreClient::call(const std::string& req, std::chrono::milliseconds 
   const auto deadline = wait_ms.count() > 0 ? Clock::now() + wait_ms + std::chrono::seconds(5)
                         : op.count() > 0    ? Clock::now() + op + std::chrono::seconds(5)
                                             : kForever;
+  // The caller's StoreDeadline: waited for with poll before any byte of a reply is read, so
+  // that giving up there leaves the stream in step (the reply is dropped by a later call).
+  const Clock::time_point cap = t_store_deadline;
+  const bool capped = cap < deadline;
+  bool cap_hit = false;
   std::string reply;
   try {
     const std::string f = frame(req);
-    send_all(fd_.get(), f.data(), f.size(), deadline, where_);
-    reply = read_message(fd_.get(), deadline, where_);
+    send_all(fd_.get(), f.data(), f.size(), std::min(deadline, cap), where_);
+    int pending = unread_ + 1;  // the replies still to come, ours last
+    unread_ = 0;
+    for (;;) {
+      if (capped && !readable_by(fd_.get(), cap)) {
+        unread_ = pending;
+        cap_hit = true;
+        break;
+      }
+      reply = read_message(fd_.get(), deadline, where_);
+      if (--pending == 0) break;
+    }
   } catch (const TimeoutError&) {
     broken_ = fmt::format("{} stopped answering (a {} timed out)", where_, what);
     throw TimeoutError(broken_);
@@ -487,6 +526,13 @@ std::string StoreClient::call(const std::string& req, std::chrono::milliseconds 
                     where_, what, e.what_without_backtrace());
     fd_.reset();
     throw RankLostError(0, broken_);
+  }
+  if (cap_hit) {
+    const std::string msg =
+        fmt::format("{} did not answer a {} within the caller's limit (rank 0 is stopped or busy)",
+                    where_, what);
+    if (unread_ > kMaxUnread) broken_ = msg;
+    throw TimeoutError(msg);
   }
   if (reply.empty()) throw Error(fmt::format("{}: empty reply to {}", where_, what));
   const auto st = static_cast<uint8_t>(reply[0]);

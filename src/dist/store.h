@@ -82,9 +82,12 @@ class StoreServer {
 };
 
 /// One connection to a StoreServer, as a c10d::Store. Every call is bounded: operations by
-/// the store's timeout, wait() by its argument. Errors: TimeoutError; RankLostError(0, ...)
-/// once the server is gone (then every later call fails fast); torchpar::Error for keys or
-/// values over the caps; AuthenticationError (constructor) when the server has another key.
+/// the store's timeout, wait() by its argument, and both by a StoreDeadline of the calling
+/// thread. Errors: TimeoutError; RankLostError(0, ...) once the server is gone (then every
+/// later call fails fast); torchpar::Error for keys or values over the caps;
+/// AuthenticationError (constructor) when the server has another key.
+/// A call that a StoreDeadline ends before its reply came leaves the connection usable: the
+/// late reply is read and dropped by the next call (a stopped rank 0 that resumes serves on).
 /// Safety: thread-safe (calls are serialised on the one connection).
 class StoreClient final : public c10d::Store {
  public:
@@ -114,6 +117,24 @@ class StoreClient final : public c10d::Store {
   std::mutex mu_;
   UniqueFd fd_;
   std::string broken_;  // why the connection is unusable, once it is
+  int unread_ = 0;      // replies of calls a StoreDeadline ended: the next call drops them
+};
+
+/// Bounds every StoreClient call the constructing thread starts while this object lives:
+/// each gives up at `deadline` at the latest (TimeoutError; the connection stays usable).
+/// Nested ones take the earliest deadline. For error paths that must not wait on rank 0's
+/// store past their own limit (a SIGSTOPped rank 0 answers nothing and closes nothing).
+/// Other c10d stores (TCPStore in python_compatible mode, FileStore) ignore it.
+/// Safety: thread-local; construct and destroy on one thread, in LIFO order.
+class StoreDeadline {
+ public:
+  explicit StoreDeadline(std::chrono::steady_clock::time_point deadline);
+  ~StoreDeadline();
+  StoreDeadline(const StoreDeadline&) = delete;
+  StoreDeadline& operator=(const StoreDeadline&) = delete;
+
+ private:
+  std::chrono::steady_clock::time_point previous_;
 };
 
 /// The store barrier: waits until the counter `key` (store.add(key, 0)) reaches `count`.

@@ -1,17 +1,23 @@
 // CollectiveGroup on gloo and shm with 2, 3 and 4 ranks: every operation, several dtypes and
 // sizes (1 element to 16 MiB), contiguous and strided tensors, async handles, point-to-point
-// with any-source receives; ranks that disagree, a rank SIGKILLed before an all_reduce, a
-// per-call timeout shorter than the group's, bad World configurations. Each rank checks its
-// results against values it computes locally.
+// with any-source receives; ranks that disagree (shm and gloo), a rank SIGKILLed before an
+// all_reduce, a rank SIGSTOPped (shm, gloo, and hierarchical across two "hosts" made with a
+// private /dev/shm), a per-call timeout shorter than the group's, bad World configurations.
+// Each rank checks its results against values it computes locally.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <thread>
+#include <typeinfo>
 
 #include "support/collective_checks.h"
 #include "support/ranks.h"
@@ -243,6 +249,44 @@ TEST(Collective, MismatchedInlineOperationsRaiseOnEveryRank) {
   for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
 }
 
+// ---- ranks that disagree, on gloo -----------------------------------------------------------
+
+void gloo_mismatch_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port, 20);
+  auto g = w.create_collective_group({}, tp::Backend::kGloo, 10.0s);
+  {  // different sizes: Gloo's transport thread ended the process (gloo::EnforceNotMet)
+    auto t = at::ones({rank == 0 ? 10 : 20});
+    expect_disagree([&] { g.all_reduce(t); }, "numel 10,", "numel 20,");
+  }
+  {  // different dtypes, the same number of elements
+    auto t = at::ones({10}, rank == 0 ? at::kFloat : at::kDouble);
+    expect_disagree([&] { g.all_reduce(t); }, "dtype Float", "dtype Double");
+  }
+  {  // different operations
+    auto t = at::ones({4});
+    expect_disagree(
+        [&] {
+          if (rank == 0) {
+            g.all_reduce(t);
+          } else {
+            g.broadcast(t, 0);
+          }
+        },
+        "all_reduce(", "broadcast(");
+  }
+  // Nothing was sent: the group goes on.
+  auto t = at::ones({8});
+  g.all_reduce(t);
+  TORCHPAR_RCHECK(at::equal(t, at::full({8}, world)), "all_reduce after the disagreements");
+}
+
+// Every gloo collective first compares the ranks' calls (a fixed-size all_gather): a
+// mismatch is an Error on every rank instead of std::terminate on Gloo's transport thread.
+TEST(Collective, GlooMismatchedSizesAndDtypesRaiseOnEveryRank) {
+  auto res = run_ranks(2, 60, &gloo_mismatch_rank, 2, free_port());
+  for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
 // ---- a broadcast's root runs ahead (shm)
 // ---------------------------------------------------------
 
@@ -405,6 +449,9 @@ void killed_rank(int rank, int world, int port, std::string backend) {
     const std::string msg = e.what();
     TORCHPAR_RCHECK(msg.find("rank 1") != std::string::npos, "the error does not name rank 1: {}",
                     msg);
+    // One error per event: a dead rank is RankLostError naming it on every survivor.
+    const auto* lost = dynamic_cast<const tp::RankLostError*>(&e);
+    TORCHPAR_RCHECK(lost && lost->rank() == 1, "not RankLostError(rank 1): {}", msg);
     return;
   }
   throw std::runtime_error("all_reduce with a dead rank did not throw");
@@ -416,6 +463,133 @@ TEST(Collective, KilledRankMakesOthersRaiseNamingIt) {
     EXPECT_EQ(res[0].exitcode, 0) << backend << ": " << res[0].error;
     EXPECT_EQ(res[1].exitcode, -SIGKILL) << backend;
     EXPECT_EQ(res[2].exitcode, 0) << backend << ": " << res[2].error;
+  }
+}
+
+// ---- a stopped rank: TimeoutError on every survivor, within the timeout -------------------------
+
+/// The elapsed seconds since `t0`.
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Learns every rank's pid through `g` (all ranks call it).
+std::vector<pid_t> pids_of(tp::CollectiveGroup& g, int rank, int world) {
+  auto t = at::zeros({world}, at::kLong);
+  t[rank] = static_cast<int64_t>(::getpid());
+  g.all_reduce(t);
+  std::vector<pid_t> out;
+  for (int q = 0; q < world; ++q) out.push_back(static_cast<pid_t>(t[q].item<int64_t>()));
+  return out;
+}
+
+/// The survivors' side of a stopped `victim`: all_reduce on `g` must raise TimeoutError (a
+/// stopped process is alive) within `bound` seconds; then the survivors meet on `survivors`
+/// (so that no survivor's exit is what another one sees) and SIGKILL the victim.
+void expect_timeout_then_kill(tp::CollectiveGroup& g, tp::CollectiveGroup& survivors, pid_t victim,
+                              double bound, const std::string& what) {
+  auto t = at::ones({1000});
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string got;
+  double s = 0;
+  try {
+    g.all_reduce(t);
+    got = "no error";
+  } catch (const tp::TimeoutError&) {
+    s = since(t0);
+  } catch (const std::exception& e) {
+    got = fmt::format("{} ({})", e.what(), typeid(e).name());
+  }
+  survivors.barrier();
+  ::kill(victim, SIGKILL);
+  TORCHPAR_RCHECK(got.empty(), "{}: a stopped rank gave, instead of TimeoutError: {}", what, got);
+  TORCHPAR_RCHECK(s < bound, "{}: TimeoutError after {:.1f} s, beyond {:.1f} s", what, s, bound);
+}
+
+void stopped_rank(int rank, int world, int port, std::string backend) {
+  auto w = make_world(rank, world, port, 30);
+  auto g = w.create_collective_group({}, tp::backend_from_string(backend), 2.0s);
+  std::optional<tp::CollectiveGroup> survivors;
+  if (rank != 1) survivors = w.create_collective_group({0, 2}, tp::Backend::kGloo, 30.0s);
+  const auto pids = pids_of(g, rank, world);  // everyone is past the groups' creation
+  if (rank == 1) {
+    ::raise(SIGSTOP);  // a survivor SIGKILLs it
+    return;
+  }
+  expect_timeout_then_kill(g, *survivors, pids[1], 2.0 + 4.0, backend);
+}
+
+// One paused rank is one event: TimeoutError on every survivor (shm: the first survivor's
+// timeout aborts the segment as a timeout; gloo: a survivor whose peer timed out and closed
+// its connections first, every member's process alive, times out too).
+TEST(Collective, StoppedRankIsATimeoutOnEverySurvivor) {
+  for (std::string backend : {"shm", "gloo"}) {
+    auto res = run_ranks(3, 60, &stopped_rank, 3, free_port(), backend);
+    EXPECT_EQ(res[0].exitcode, 0) << backend << ": " << res[0].error;
+    EXPECT_EQ(res[1].exitcode, -SIGKILL) << backend;
+    EXPECT_EQ(res[2].exitcode, 0) << backend << ": " << res[2].error;
+  }
+}
+
+// ---- hierarchical across two "hosts" of one machine, a stopped rank
+// ------------------------------
+
+/// Makes this process a host of its own for the rendezvous, whose host key includes
+/// /dev/shm's device: a private mount namespace with a fresh tmpfs on /dev/shm. False
+/// without the rights (CAP_SYS_ADMIN).
+bool become_another_host() {
+  if (::unshare(CLONE_NEWNS) != 0) return false;
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return false;
+  return ::mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777") == 0;
+}
+
+bool can_become_another_host() {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(become_another_host() ? 0 : 1);
+  int status = 0;
+  return pid > 0 && ::waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+         WEXITSTATUS(status) == 0;
+}
+
+/// Hosts A = {0, 1} (0 leads; 0 also hosts the store) and B = {2}; `victim` stops itself
+/// before an all_reduce on a hierarchical group with a 2 s timeout.
+void hier_stopped_rank(int rank, int world, int port, int victim) {
+  if (rank == 2 && !become_another_host()) throw std::runtime_error("cannot make host B");
+  auto w = make_world(rank, world, port, 30);  // the store's own timeout: 30 s
+  auto g = w.create_collective_group({}, tp::Backend::kHierarchical, 2.0s);
+  std::vector<int> others;
+  for (int q = 0; q < world; ++q) {
+    if (q != victim) others.push_back(q);
+  }
+  std::optional<tp::CollectiveGroup> survivors;
+  if (rank != victim) survivors = w.create_collective_group(others, tp::Backend::kGloo, 30.0s);
+  const auto pids = pids_of(g, rank, world);
+  if (rank == victim) {
+    ::raise(SIGSTOP);  // a survivor SIGKILLs it
+    return;
+  }
+  // The member that timed out reads and writes the group's failure record in rank 0's
+  // store, each call bounded by min(timeout, 2 s): 2 x 2 s, and slack for a loaded machine.
+  expect_timeout_then_kill(g, *survivors, pids[static_cast<size_t>(victim)], 2 * 2.0 + 3.0,
+                           fmt::format("hierarchical, rank {} stopped", victim));
+}
+
+// The store's host (rank 0) SIGSTOPped: the survivors raised after 17-47 s against a 2 s
+// timeout (the store's 30 s here), waiting on rank 0's store for the failure record. A stopped
+// non-leader (rank 1): its leader times out, the other host's leader sees its gloo group
+// close, and both raise TimeoutError (the record says timeout).
+TEST(Collective, HierarchicalStoppedRankIsATimeoutWithinTheGroupTimeout) {
+  if (!can_become_another_host()) GTEST_SKIP() << "needs CAP_SYS_ADMIN for a private /dev/shm";
+  for (int victim : {0, 1}) {
+    auto res = run_ranks(3, 60, &hier_stopped_rank, 3, free_port(), victim);
+    for (int r = 0; r < 3; ++r) {
+      if (r == victim) {
+        EXPECT_EQ(res[r].exitcode, -SIGKILL) << "victim " << victim;
+      } else {
+        EXPECT_EQ(res[r].exitcode, 0)
+            << "victim " << victim << ", rank " << r << ": " << res[r].error;
+      }
+    }
   }
 }
 

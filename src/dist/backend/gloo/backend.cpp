@@ -1,8 +1,10 @@
 #include "dist/backend/gloo/backend.h"
 
 #include <fmt/format.h>
-#include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <algorithm>
+#include <thread>
 
 #include "core/liveness.h"
 #include "dist/work.h"
@@ -27,6 +29,52 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 }
 
 using C10dWorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+/// The collectives, as a rank announces them to the others before Gloo moves any data.
+enum class Op : int64_t {
+  kAllReduce,
+  kAllGather,
+  kBroadcast,
+  kReduce,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAllToAll,
+  kBarrier
+};
+
+const char* op_name(int64_t op) {
+  static constexpr const char* kNames[] = {"all_reduce",     "all_gather", "broadcast",
+                                           "reduce",         "gather",     "scatter",
+                                           "reduce_scatter", "all_to_all", "barrier"};
+  return op >= 0 && op < 9 ? kNames[op] : "?";
+}
+
+/// What one rank calls: every rank must call the same for Gloo to run it (Gloo's transport
+/// thread terminates the process on a message of another size than the one it expects).
+struct Signature {
+  Op op = Op::kBarrier;
+  at::ScalarType dtype = at::kByte;
+  int64_t numel = 0;  // per tensor (per list element for list operations)
+  int root = -1;      // src/dst, -1 when none
+  ReduceOp reduce = ReduceOp::kSum;
+};
+
+/// The signature's row in the exchange: op, dtype, numel, root, reduce op, call number.
+constexpr int64_t kSigFields = 6;
+
+std::string describe(const int64_t* row) {
+  if (row[0] == static_cast<int64_t>(Op::kBarrier)) return "barrier()";
+  return fmt::format("{}(dtype {}, numel {}, root {}, op {})", op_name(row[0]),
+                     c10::toString(static_cast<at::ScalarType>(row[1])), row[2], row[3],
+                     to_string(static_cast<ReduceOp>(row[4])));
+}
+
+/// Gloo's own timeout error ("Timed out waiting 2000ms for recv operation to complete"), or
+/// c10d's ("Operation timed out!").
+bool gloo_timed_out(const std::string& msg) {
+  return msg.find("Timed out") != std::string::npos || msg.find("timed out") != std::string::npos;
+}
 
 class GlooBackend;
 
@@ -75,8 +123,13 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
 
   Backend kind() const override { return Backend::kGloo; }
   void destroy() override { pg_.reset(); }
-  /// As torch.distributed does once a group exists: rank 0 sets, the others read it.
-  void set_sequence_number() { pg().setSequenceNumberForGroup(); }
+  /// As torch.distributed does once a group exists: rank 0 sets, the others read it. The
+  /// group then talks Gloo's protocol only, as Python ranks do: no exchange of the calls
+  /// before each collective (a disagreement is Gloo's to find, as in torch.distributed).
+  void set_sequence_number() {
+    pg().setSequenceNumberForGroup();
+    python_compatible_ = true;
+  }
 
   // Each collective hands the work to ProcessGroupGloo (its own threads run it) and waits
   // for it with the call's timeout. Gloo's own limit (the group's timeout) still applies.
@@ -85,21 +138,24 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     std::vector<at::Tensor> v{t};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(o.op);
-    run("all_reduce", o.timeout, [&] { return pg().allreduce(v, opts); });
+    run({Op::kAllReduce, t.scalar_type(), t.numel(), -1, o.op}, o.timeout,
+        [&] { return pg().allreduce(v, opts); });
   }
 
   void all_gather(const std::vector<at::Tensor>& out, const at::Tensor& in,
                   const CallOptions& o) override {
     std::vector<std::vector<at::Tensor>> outs{out};
     std::vector<at::Tensor> ins{in};
-    run("all_gather", o.timeout, [&] { return pg().allgather(outs, ins); });
+    run({Op::kAllGather, in.scalar_type(), in.numel()}, o.timeout,
+        [&] { return pg().allgather(outs, ins); });
   }
 
   void broadcast(const at::Tensor& t, int src, const CallOptions& o) override {
     std::vector<at::Tensor> v{t};
     c10d::BroadcastOptions opts;
     opts.rootRank = src;
-    run("broadcast", o.timeout, [&] { return pg().broadcast(v, opts); });
+    run({Op::kBroadcast, t.scalar_type(), t.numel(), src}, o.timeout,
+        [&] { return pg().broadcast(v, opts); });
   }
 
   void reduce(const at::Tensor& t, int dst, const ReduceCallOptions& o) override {
@@ -107,7 +163,8 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     c10d::ReduceOptions opts;
     opts.reduceOp = to_c10d(o.op);
     opts.rootRank = dst;
-    run("reduce", o.timeout, [&] { return pg().reduce(v, opts); });
+    run({Op::kReduce, t.scalar_type(), t.numel(), dst, o.op}, o.timeout,
+        [&] { return pg().reduce(v, opts); });
   }
 
   void gather(const at::Tensor& in, const std::vector<at::Tensor>& out, int dst,
@@ -117,7 +174,8 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     std::vector<at::Tensor> ins{in};
     c10d::GatherOptions opts;
     opts.rootRank = dst;
-    run("gather", o.timeout, [&] { return pg().gather(outs, ins, opts); });
+    run({Op::kGather, in.scalar_type(), in.numel(), dst}, o.timeout,
+        [&] { return pg().gather(outs, ins, opts); });
   }
 
   void scatter(const at::Tensor& out, const std::vector<at::Tensor>& in, int src,
@@ -127,7 +185,8 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     if (rank() == src) ins.push_back(in);
     c10d::ScatterOptions opts;
     opts.rootRank = src;
-    run("scatter", o.timeout, [&] { return pg().scatter(outs, ins, opts); });
+    run({Op::kScatter, out.scalar_type(), out.numel(), src}, o.timeout,
+        [&] { return pg().scatter(outs, ins, opts); });
   }
 
   // Gloo (LibTorch 1.13) has no reduce_scatter: all_reduce the concatenation, keep our part.
@@ -138,7 +197,8 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     std::vector<at::Tensor> v{at::cat(flat)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(o.op);
-    run("reduce_scatter", o.timeout, [&] { return pg().allreduce(v, opts); });
+    run({Op::kReduceScatter, out.scalar_type(), out.numel(), -1, o.op}, o.timeout,
+        [&] { return pg().allreduce(v, opts); });
     const int64_t n = out.numel();
     out.view({-1}).copy_(v[0].narrow(0, rank() * n, n));
   }
@@ -158,7 +218,7 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     }
     at::Tensor src = at::cat(flat);
     at::Tensor dst = at::empty({total}, src.options());
-    run("all_to_all", o.timeout,
+    run({Op::kAllToAll, src.scalar_type(), in.front().numel()}, o.timeout,
         [&] { return pg().alltoall_base(dst, src, out_splits, in_splits); });
     int64_t off = 0;
     for (const auto& t : out) {
@@ -167,8 +227,17 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     }
   }
 
+  // The signatures' exchange waits for every rank: it is the barrier.
   void barrier(const CallOptions& o) override {
-    run("barrier", o.timeout, [&] { return pg().barrier(); });
+    const Deadline deadline = deadline_after(o.timeout);
+    ++calls_;
+    if (!python_compatible_) {
+      agree({}, deadline, o.timeout);
+      return;
+    }
+    if (!wait(call("barrier", [&] { return pg().barrier(); }), deadline, "barrier")) {
+      timed_out("barrier", o.timeout);
+    }
   }
 
   Work isend(const at::Tensor& t, int dst, int tag) override {
@@ -198,13 +267,40 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
       w->wait(ms);
       return true;
     } catch (const std::exception& e) {
-      if (deadline && !w->isCompleted() && SteadyClock::now() >= *deadline) return false;
+      // c10d's own wait ended ("Operation timed out!", which may come a little before our
+      // clock says the deadline passed): the work itself has not failed.
+      if (deadline && !w->isCompleted()) return false;
       // Give a dying peer's process a moment to be reaped, then name it.
       int first = -1;
-      std::string lost = lost_ranks_after_grace(&first);
-      throw RankLostError(first, fmt::format("{}: gloo {} failed{}: {}", name(), what,
-                                             lost.empty() ? "" : " (" + lost + ")", message_of(e)));
+      const std::string lost = lost_ranks_after_grace(&first);
+      const std::string msg = message_of(e);
+      if (!lost.empty()) {
+        throw RankLostError(first,
+                            fmt::format("{}: gloo {} failed ({}): {}", name(), what, lost, msg));
+      }
+      // One error per event: a member that is alive but stopped answering makes every other
+      // member time out, whether its own Gloo timer fired first or a peer's, which then
+      // closed its connections. A closed connection is a lost rank only when its process
+      // may be gone (a member on another host: no pid to look at).
+      if (gloo_timed_out(msg)) {
+        throw TimeoutError(fmt::format("{}: gloo {} timed out: {}", name(), what, msg));
+      }
+      if (every_member_here()) {
+        throw TimeoutError(
+            fmt::format("{}: gloo {} failed while every member's process is alive (a member "
+                        "timed out or left the group): {}",
+                        name(), what, msg));
+      }
+      throw RankLostError(-1, fmt::format("{}: gloo {} failed: {}", name(), what, msg));
     }
+  }
+
+  /// True when every member is on this host with a known pid (lost_ranks sees them all).
+  bool every_member_here() const {
+    for (const auto& m : members_) {
+      if (m.host != host_ || m.pid <= 0) return false;
+    }
+    return !members_.empty();
   }
 
   /// "rank 1 (pid 123) is gone" for members on this host whose process ended.
@@ -238,13 +334,55 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
     }
   }
 
-  /// Runs one collective synchronously: TimeoutError after `timeout` (RankLostError when a
-  /// member of this host is gone by then). The timed-out work goes on inside Gloo until
-  /// Gloo's own limit; the group is not usable after it.
+  /// Runs one collective synchronously: first every rank's signature against the others'
+  /// (agree), then the operation; TimeoutError after `timeout` (RankLostError when a member
+  /// of this host is gone by then). The timed-out work goes on inside Gloo until Gloo's own
+  /// limit; the group is not usable after it.
   template <class F>
-  void run(const char* what, std::chrono::duration<double> timeout, F&& f) {
+  void run(const Signature& sig, std::chrono::duration<double> timeout, F&& f) {
     const Deadline deadline = deadline_after(timeout);
-    if (wait(call(what, std::forward<F>(f)), deadline, what)) return;
+    ++calls_;
+    if (!python_compatible_) agree(sig, deadline, timeout);
+    const char* what = op_name(static_cast<int64_t>(sig.op));
+    if (!wait(call(what, std::forward<F>(f)), deadline, what)) timed_out(what, timeout);
+  }
+
+  /// Exchanges this rank's signature with every rank's (a Gloo all_gather of fixed size,
+  /// which cannot itself disagree) and throws torchpar::Error naming two ranks' calls when
+  /// they differ: every rank sees the same table, so every rank raises, and no data moved
+  /// (the group stays usable). Gloo has no such check: a size mismatch ended the process
+  /// (gloo::EnforceNotMet on its transport thread).
+  void agree(const Signature& sig, const Deadline& deadline,
+             std::chrono::duration<double> timeout) {
+    const char* what = op_name(static_cast<int64_t>(sig.op));
+    at::Tensor mine = at::empty({kSigFields}, at::kLong);
+    int64_t* m = mine.data_ptr<int64_t>();
+    m[0] = static_cast<int64_t>(sig.op);
+    m[1] = static_cast<int64_t>(sig.dtype);
+    m[2] = sig.numel;
+    m[3] = sig.root;
+    m[4] = static_cast<int64_t>(sig.reduce);
+    m[5] = calls_;
+    at::Tensor all = at::empty({size(), kSigFields}, at::kLong);
+    std::vector<std::vector<at::Tensor>> outs(1);
+    for (int q = 0; q < size(); ++q) outs[0].push_back(all[q]);
+    std::vector<at::Tensor> ins{mine};
+    if (!wait(call(what, [&] { return pg().allgather(outs, ins); }), deadline, what)) {
+      timed_out(what, timeout);
+    }
+    const int64_t* rows = all.data_ptr<int64_t>();
+    for (int q = 0; q < size(); ++q) {
+      const int64_t* r = rows + q * kSigFields;
+      if (std::equal(r, r + kSigFields - 1, m)) continue;
+      throw Error(fmt::format(
+          "{}: ranks disagree on call #{}: rank {} called {}, rank {} called {} (nothing was "
+          "sent; the group stays usable)",
+          name(), calls_, rank(), describe(m), q, describe(r)));
+    }
+  }
+
+  /// The error of a call that did not finish by its deadline.
+  [[noreturn]] void timed_out(const char* what, std::chrono::duration<double> timeout) const {
     int first = -1;
     const std::string lost = lost_ranks(&first);
     if (!lost.empty()) {
@@ -266,6 +404,8 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
   }
 
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  int64_t calls_ = 0;  // collectives issued on this group (one thread at a time: the executor)
+  bool python_compatible_ = false;  // set_sequence_number: Python ranks in the group
   std::vector<MemberInfo> members_;
   std::string host_;
 };

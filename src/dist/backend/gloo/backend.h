@@ -46,7 +46,8 @@ struct GlooBackendOptions {
 std::shared_ptr<GroupBackend> create_gloo_backend(const GlooBackendOptions& options);
 
 /// torch.distributed's sequence number of a new group (Python ranks wait for rank 0's);
-/// `backend` must come from create_gloo_backend. Collective.
+/// `backend` must come from create_gloo_backend. Collective. The group then skips the
+/// exchange of the ranks' calls before each collective, which Python ranks do not make.
 void set_gloo_sequence_number(GroupBackend& backend);
 
 }  // namespace torchpar::detail

@@ -31,7 +31,7 @@ std::vector<std::vector<int>> hosts_of(const std::vector<MemberInfo>& members) {
 
 namespace {
 
-/// The failure record: "<group rank or -1>|<message>", set once per group.
+/// The failure record: "<group rank or -1>|<kind: L, T or E>|<message>", set once per group.
 constexpr const char* kAbortKey = "hier/abort";
 /// Counts the members that tried to set the record: the first one sets it.
 constexpr const char* kAbortCount = "hier/abort/count";
@@ -41,11 +41,19 @@ constexpr std::chrono::milliseconds kRecordGrace{2000};
 
 enum class Level { kLocal, kLeaders };
 
-/// What failed, in group ranks.
+using shm_backend::AbortKind;
+
+/// What failed, in group ranks, and so what every member raises: RankLostError (kLost),
+/// TimeoutError (kTimeout: a member is alive but did not come) or torchpar::Error (kError).
 struct Failure {
   int lost = -1;  // group rank, -1 unknown
+  AbortKind kind = AbortKind::kLost;
   std::string message;
 };
+
+char kind_letter(AbortKind k) {
+  return k == AbortKind::kTimeout ? 'T' : k == AbortKind::kError ? 'E' : 'L';
+}
 
 std::string join(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
 
@@ -317,8 +325,9 @@ class HierarchicalBackend final : public GroupBackend {
   void throw_if_broken(const char* what) const {
     if (!flat_) throw ClosedError(fmt::format("{}: the group was destroyed", name()));
     if (broken_) {
-      throw RankLostError(broken_->lost, fmt::format("{}: {}: the group is broken: {}", name(),
-                                                     what, broken_->message));
+      const std::string msg =
+          fmt::format("{}: {}: the group is broken: {}", name(), what, broken_->message);
+      raise(*broken_, msg);
     }
   }
 
@@ -334,13 +343,13 @@ class HierarchicalBackend final : public GroupBackend {
     } catch (const ClosedError&) {
       throw;
     } catch (const TimeoutError& e) {
-      fail(e, /*timeout=*/true, -1);
+      fail(e, AbortKind::kTimeout, -1);
     } catch (const RankLostError& e) {
-      fail(e, /*timeout=*/false, e.rank());
+      fail(e, AbortKind::kLost, e.rank());
     } catch (const Error& e) {
-      fail(e, /*timeout=*/false, -1);
+      fail(e, AbortKind::kError, -1);
     } catch (const std::exception& e) {
-      fail(Error(message_of(e)), /*timeout=*/false, -1);
+      fail(Error(message_of(e)), AbortKind::kError, -1);
     }
   }
 
@@ -351,8 +360,16 @@ class HierarchicalBackend final : public GroupBackend {
                        world_ranks()[static_cast<size_t>(q)], host_of(q), m.pid);
   }
 
+  /// Throws `msg` as the error `f` stands for.
+  [[noreturn]] static void raise(const Failure& f, const std::string& msg) {
+    if (f.kind == AbortKind::kTimeout) throw TimeoutError(msg);
+    if (f.kind == AbortKind::kError) throw Error(msg);
+    throw RankLostError(f.lost, msg);
+  }
+
   /// The first failure of the group, as some member published it (nullopt: none within
-  /// `grace`, or the store is gone).
+  /// `grace`, or the store did not answer: every store call here is bounded by fail's
+  /// StoreDeadline).
   std::optional<Failure> read_record(std::chrono::milliseconds grace) const {
     const auto until = SteadyClock::now() + grace;
     for (;;) {
@@ -360,10 +377,17 @@ class HierarchicalBackend final : public GroupBackend {
         if (store_->check({kAbortKey})) {
           const std::string v = store_string(store_->get(kAbortKey));
           const auto bar = v.find('|');
-          if (bar == std::string::npos) return Failure{-1, v};
-          return Failure{std::stoi(v.substr(0, bar)), v.substr(bar + 1)};
+          if (bar == std::string::npos || bar + 2 >= v.size() || v[bar + 2] != '|') {
+            return Failure{-1, AbortKind::kLost, v};
+          }
+          const char k = v[bar + 1];
+          return Failure{std::stoi(v.substr(0, bar)),
+                         k == 'T'   ? AbortKind::kTimeout
+                         : k == 'E' ? AbortKind::kError
+                                    : AbortKind::kLost,
+                         v.substr(bar + 3)};
         }
-      } catch (...) {  // the store's host may be the rank that was lost
+      } catch (...) {  // the store's host may be the rank that was lost, or stopped
         return std::nullopt;
       }
       if (SteadyClock::now() >= until) return std::nullopt;
@@ -375,10 +399,11 @@ class HierarchicalBackend final : public GroupBackend {
   Failure publish(const Failure& f) const {
     try {
       if (store_->add(kAbortCount, 1) == 1) {
-        store_->set(kAbortKey, store_bytes(fmt::format("{}|{}", f.lost, f.message)));
+        store_->set(kAbortKey,
+                    store_bytes(fmt::format("{}|{}|{}", f.lost, kind_letter(f.kind), f.message)));
         return f;
       }
-    } catch (...) {  // the store is gone: this member reports what it saw
+    } catch (...) {  // the store is gone or stopped: this member reports what it saw
       return f;
     }
     return read_record(kRecordGrace).value_or(f);
@@ -386,11 +411,20 @@ class HierarchicalBackend final : public GroupBackend {
 
   /// Turns a level's failure into the group's: names the lost rank by its group rank (from
   /// this member's view, or from the record of the member that saw it), breaks the levels
-  /// this member belongs to so their other members fail at once, and throws RankLostError
-  /// (TimeoutError when the operation only ran out of time and nobody lost a rank).
-  [[noreturn]] void fail(const Error& e, bool timeout, int level_rank) {
+  /// this member belongs to so their other members fail at once, and throws the record's
+  /// error: RankLostError, TimeoutError (a member is alive but did not come) or
+  /// torchpar::Error (the members disagree). The first failure published holds, so every
+  /// member raises the same error for one event.
+  /// Bounded: the record lives in rank 0's store, and a stopped rank 0 answers nothing and
+  /// closes nothing; every store call here ends within min(the operation's timeout,
+  /// kRecordGrace), after which this member reports what it saw itself.
+  [[noreturn]] void fail(const Error& e, AbortKind kind, int level_rank) {
     const Level level = level_;
     const std::string inner = e.what_without_backtrace();
+    const StoreDeadline bounded(
+        SteadyClock::now() +
+        std::chrono::duration_cast<SteadyClock::duration>(std::min(
+            op_timeout_, std::chrono::duration_cast<std::chrono::duration<double>>(kRecordGrace))));
     int lost = -1;
     if (level_rank >= 0) {
       lost = level == Level::kLocal
@@ -400,22 +434,20 @@ class HierarchicalBackend final : public GroupBackend {
     Failure f;
     if (lost >= 0) {
       // This member saw the loss itself.
-      f = publish({lost, fmt::format("{} is lost: {}", describe(lost), inner)});
-    } else if (auto r = read_record(timeout ? std::chrono::milliseconds(0) : kRecordGrace)) {
+      f = publish({lost, AbortKind::kLost, fmt::format("{} is lost: {}", describe(lost), inner)});
+    } else if (auto r = read_record(kind == AbortKind::kTimeout ? std::chrono::milliseconds(0)
+                                                                : kRecordGrace)) {
       // Broken from elsewhere (a local abort, a leader's gloo group closed): its cause.
       f = *r;
     } else {
-      f = timeout ? Failure{-1, inner} : publish({-1, inner});
+      f = publish({-1, kind, inner});
     }
-    const bool timed_out = timeout && f.lost < 0;
     broken_ = f;
-    if (local_) local_->abort(-1, f.message);
+    if (local_) local_->abort(-1, f.message, f.kind);
     // A leader's gloo group with no operation pending is closed, so the other leaders' gloo
     // operations fail now (their peer's connections close) rather than at their timeout.
     if (leaders_ && level != Level::kLeaders) leaders_->destroy();
-    const std::string msg = fmt::format("{}: {} failed: {}", name(), op_, f.message);
-    if (timed_out) throw TimeoutError(msg);
-    throw RankLostError(f.lost, msg);
+    raise(f, fmt::format("{}: {} failed: {}", name(), op_, f.message));
   }
 
   c10::intrusive_ptr<c10d::Store> store_;

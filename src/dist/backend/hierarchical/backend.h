@@ -23,12 +23,17 @@
 // host sends 2(P-1)/P x S from each host; the gain is fewer network steps (2(H-1) instead
 // of 2(P-1)) and no loopback TCP inside a host (docs/distributed.md, "Across hosts").
 //
-// Failure: the first member that sees a rank lost publishes "<group rank>|<message>" under
-// the group's store key "hier/abort", then breaks the levels it belongs to (aborts its
-// host's shm segment; a leader destroys its leaders' gloo group, so the other leaders' gloo
+// Failure: the first member that sees a failure publishes "<group rank>|<kind>|<message>"
+// under the group's store key "hier/abort" (kind: a rank lost, a timeout, or the members
+// disagree), then breaks the levels it belongs to (aborts its host's shm segment with the
+// same kind; a leader destroys its leaders' gloo group, so the other leaders' gloo
 // operations fail at once instead of at their timeout). A member failing for that reason
-// reads the record and raises RankLostError naming the lost rank by its group rank, on
-// every host. A backend that failed stays broken: later calls raise the same error.
+// reads the record and raises its error on every host: RankLostError naming the lost rank
+// by its group rank, TimeoutError for a member that is alive but did not come (stopped),
+// torchpar::Error for a disagreement. The store is rank 0's: every store call of this path
+// ends within min(the operation's timeout, 2 s) (StoreDeadline), so a stopped rank 0 delays
+// the others' error by at most that. A backend that failed stays broken: later calls raise
+// the same error.
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

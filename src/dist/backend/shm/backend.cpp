@@ -258,7 +258,7 @@ void ShmBackend::ring_read(int src, void* data, size_t bytes) {
     const std::string msg =
         fmt::format("{}: rank {} reached {} call #{} without publishing its data", name(), src,
                     op_name(OpCode::kBroadcast), cur_.call);
-    barrier_.abort(src, msg);
+    barrier_.abort(src, msg, AbortKind::kError);
     throw Error(msg);
   }
   if (e.sig != cur_sig_) meta_mismatch(src, step_, cur_);
@@ -321,7 +321,7 @@ void ShmBackend::meta_mismatch(int q, uint32_t step, const OpMeta& mine) {
   const std::string msg =
       fmt::format("{}: ranks disagree on call #{}: rank {} called {}, rank {} called {}", name(),
                   mine.call, rank(), describe(mine), q, describe(m));
-  barrier_.abort(q, msg);
+  barrier_.abort(q, msg, AbortKind::kError);
   throw Error(msg);
 }
 

@@ -13,7 +13,9 @@
 //
 // Failure: waits spin, then yield, then futex-sleep in slices of 100 ms, checking the
 // deadline and that the awaited rank's pid lives. The first rank to see a failure marks
-// the segment aborted with a message; every rank then throws RankLostError / TimeoutError.
+// the segment aborted with a message and its kind; every rank then throws the same error
+// for it: RankLostError (a process is gone), TimeoutError (a rank is alive but did not
+// arrive: stopped or slow) or torchpar::Error (the ranks disagree on the operation).
 // Point-to-point operations go through a Gloo group made beside the segment.
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -93,12 +95,13 @@ class ShmBackend final : public GroupBackend {
   Work irecv(const at::Tensor& t, std::optional<int> src, int tag) override;
 
   /// Breaks the group for every member, as a failed wait does (StepBarrier::abort): their
-  /// current and later operations throw RankLostError(failed_rank, "<name>: the group is
-  /// broken: <message>"); failed_rank is a rank of this group or -1. For a backend composed
-  /// of this one (the hierarchical backend) that saw a failure elsewhere. No-op once
-  /// destroyed; never throws; any thread.
-  void abort(int failed_rank, const std::string& message) noexcept {
-    if (data_) barrier_.abort(failed_rank, message);
+  /// current and later operations throw "<name>: the group is broken: <message>" as
+  /// `kind` says (RankLostError(failed_rank), TimeoutError or torchpar::Error); failed_rank
+  /// is a rank of this group or -1. For a backend composed of this one (the hierarchical
+  /// backend) that saw a failure elsewhere. No-op once destroyed; never throws; any thread.
+  void abort(int failed_rank, const std::string& message,
+             AbortKind kind = AbortKind::kLost) noexcept {
+    if (data_) barrier_.abort(failed_rank, message, kind);
   }
 
  private:

@@ -170,6 +170,13 @@ inline uint64_t op_signature(const OpMeta& m) {
 }
 
 /// The header page. Rank 0 writes the geometry before it publishes the segment's name.
+/// Why a segment was aborted: what every rank raises for it (one error per event).
+enum class AbortKind : int32_t {
+  kLost = 0,     // a rank's process is gone: RankLostError naming it
+  kTimeout = 1,  // a rank did not arrive in time (alive, stopped or slow): TimeoutError
+  kError = 2,    // the ranks disagree on the operation: torchpar::Error
+};
+
 struct Header {
   uint64_t magic;
   uint32_t nranks;
@@ -180,6 +187,7 @@ struct Header {
   alignas(64) std::atomic<uint32_t> waiters;  // ranks asleep on some counter's futex
   alignas(64) std::atomic<uint32_t> aborted;  // 0 ok; 1 being written; 2 aborted
   int32_t failed_rank;                        // valid once aborted == 2
+  int32_t abort_kind;                         // AbortKind; valid once aborted == 2
   char abort_msg[kAbortMessageBytes];         // valid once aborted == 2
 };
 static_assert(sizeof(Header) <= kHeaderBytes);

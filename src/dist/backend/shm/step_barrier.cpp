@@ -130,11 +130,12 @@ void StepBarrier::wait_for(int q, uint32_t step, const StepWait& limit, int paus
   }
 }
 
-bool StepBarrier::abort(int failed_rank, const std::string& message) noexcept {
+bool StepBarrier::abort(int failed_rank, const std::string& message, AbortKind kind) noexcept {
   uint32_t expected = 0;
   const bool first = header_->aborted.compare_exchange_strong(expected, 1);
   if (first) {
     header_->failed_rank = failed_rank;
+    header_->abort_kind = static_cast<int32_t>(kind);
     std::snprintf(header_->abort_msg, sizeof(header_->abort_msg), "%s", message.c_str());
     header_->aborted.store(2);
   }
@@ -147,12 +148,20 @@ void StepBarrier::throw_if_aborted() const {
   if (header_->aborted.load(std::memory_order_acquire) == 0) return;
   // 1: the aborting rank is writing the message; it takes no lock and cannot block.
   while (header_->aborted.load(std::memory_order_acquire) == 1) ::sched_yield();
-  throw RankLostError(header_->failed_rank,
-                      fmt::format("{}: the group is broken: {}", name_, header_->abort_msg));
+  const std::string msg = fmt::format("{}: the group is broken: {}", name_, header_->abort_msg);
+  switch (static_cast<AbortKind>(header_->abort_kind)) {
+    case AbortKind::kTimeout:
+      throw TimeoutError(msg);
+    case AbortKind::kError:
+      throw Error(msg);
+    case AbortKind::kLost:
+      break;
+  }
+  throw RankLostError(header_->failed_rank, msg);
 }
 
 void StepBarrier::fail(int q, const std::string& msg, bool timeout) {
-  abort(q, msg);
+  abort(q, msg, timeout ? AbortKind::kTimeout : AbortKind::kLost);
   if (timeout) throw TimeoutError(msg);
   throw RankLostError(q, msg);
 }

@@ -69,12 +69,14 @@ class StepBarrier {
     }
   }
 
-  /// Marks the segment aborted, naming `failed_rank` (-1: none) with `message` (truncated to
-  /// 511 bytes), and wakes every waiter of every rank. The first abort wins; returns whether
-  /// this call was it. Never throws.
-  bool abort(int failed_rank, const std::string& message) noexcept;
-  /// Throws RankLostError(failed rank, "<name>: the group is broken: <message>") once the
-  /// segment is aborted; returns otherwise.
+  /// Marks the segment aborted for `kind`, naming `failed_rank` (-1: none) with `message`
+  /// (truncated to 511 bytes), and wakes every waiter of every rank. The first abort wins;
+  /// returns whether this call was it. Never throws.
+  bool abort(int failed_rank, const std::string& message,
+             AbortKind kind = AbortKind::kLost) noexcept;
+  /// Once the segment is aborted, throws "<name>: the group is broken: <message>" as the
+  /// first abort's kind says: RankLostError(failed rank), TimeoutError or torchpar::Error
+  /// (so every rank raises the same error for one event); returns otherwise.
   void throw_if_aborted() const;
 
  private:
