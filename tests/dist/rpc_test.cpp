@@ -74,6 +74,15 @@ void machin_rank(int rank, int port) {
   TORCHPAR_RCHECK(rref.to_here() == 3, "remote to_here");
   auto own = g.remote<int>(g.get_cur_name(), "add", std::tuple{2, 2});
   TORCHPAR_RCHECK(own.is_owner() && own.to_here() == 4, "remote to self");
+  // The arguments one by one, as machin's args=(1, 2), and none (before: only one std::tuple).
+  TORCHPAR_RCHECK(g.rpc_sync<int>(next, "add", 1, 2) == 3, "variadic rpc_sync");
+  TORCHPAR_RCHECK(g.rpc_async<int>(next, "add", 2, 3).wait() == 5, "variadic rpc_async");
+  TORCHPAR_RCHECK(g.remote<int>(next, "add", 3, 4).to_here() == 7, "variadic remote");
+  TORCHPAR_RCHECK(g.rpc_sync<int>(next, "pid") > 0, "rpc_sync without arguments");
+  TORCHPAR_RCHECK(g.rpc_async<int>(next, "pid").wait() == g.remote<int>(next, "pid").to_here(),
+                  "rpc_async and remote without arguments");
+  expect_throw<tp::RpcRemoteError>([&] { g.rpc_sync<int>(next, "throw", "a literal"); },
+                                   "a string literal argument reaches a std::string parameter");
 
   // test_pair: each member pairs its own value; ownership errors; get_paired from others.
   g.pair("value_" + std::to_string(rank), std::string("from ") + std::to_string(rank));
@@ -119,11 +128,14 @@ void machin_rank(int rank, int port) {
                     "registered_async");
     TORCHPAR_RCHECK(g.registered_remote<int>("counter", std::tuple{}).to_here() == 23,
                     "registered_remote");
+    TORCHPAR_RCHECK(g.registered_sync<int>("counter") == 24, "registered_sync, no arguments");
+    TORCHPAR_RCHECK(g.registered_async<int>("counter").wait() == 25, "registered_async, none");
+    TORCHPAR_RCHECK(g.registered_remote<int>("counter").to_here() == 26, "registered_remote");
   }
   g.barrier();
   if (rank == 0) {
     std::lock_guard<std::mutex> lk(mu);
-    TORCHPAR_RCHECK(counter == 23, "the owner sees {} after three calls, want 23", counter);
+    TORCHPAR_RCHECK(counter == 26, "the owner sees {} after six calls, want 26", counter);
     g.deregister_service("counter");
   }
   g.barrier();

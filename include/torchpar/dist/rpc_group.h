@@ -193,6 +193,23 @@ RpcValue rpc_encode_args(const std::tuple<A...>& args, bool same_host) {
       args);
 }
 
+template <class T>
+inline constexpr bool is_std_tuple_v = false;
+template <class... A>
+inline constexpr bool is_std_tuple_v<std::tuple<A...>> = true;
+template <class T>
+inline constexpr bool is_duration_v = false;
+template <class Rep, class Period>
+inline constexpr bool is_duration_v<std::chrono::duration<Rep, Period>> = true;
+template <class Rep, class Period>
+inline constexpr bool is_duration_v<std::optional<std::chrono::duration<Rep, Period>>> = true;
+/// The arguments of a variadic call (rpc_sync<R>(to, fn, a, b)): the first is not a tuple
+/// (that is the tuple form) and none is a duration (a timeout would travel as an argument).
+template <class A0, class... A>
+concept RpcVariadicArgs =
+    !is_std_tuple_v<std::decay_t<A0>> &&
+    !(is_duration_v<std::decay_t<A0>> || ... || is_duration_v<std::decay_t<A>>);
+
 template <class R>
 R rpc_result(const RpcValue& v) {
   if constexpr (std::is_void_v<R>) {
@@ -386,6 +403,39 @@ class RpcGroup {
     return RRef<R>(
         remote_service(key, owner, detail::rpc_encode_args(args, same_host(owner)), timeout));
   }
+  /// The same three calls with the arguments one by one (machin's `args=(a, b)`), with the
+  /// default timeout: `registered_sync<int>("add", 2, 3)`; none: `registered_sync<int>("f")`.
+  /// A first argument that is a std::tuple selects the tuple form (its elements are the
+  /// arguments); a duration among them does not compile (use the tuple form for a timeout).
+  template <class R, class A0, class... A>
+  requires detail::RpcVariadicArgs<A0, A...> R registered_sync(const std::string& key, const A0& a0,
+                                                               const A&... rest) {
+    return registered_sync<R>(key, std::forward_as_tuple(a0, rest...));
+  }
+  template <class R>
+  R registered_sync(const std::string& key) {
+    return registered_sync<R>(key, std::tuple<>{});
+  }
+  template <class R, class A0, class... A>
+  requires detail::RpcVariadicArgs<A0, A...> RpcFuture<R> registered_async(const std::string& key,
+                                                                           const A0& a0,
+                                                                           const A&... rest) {
+    return registered_async<R>(key, std::forward_as_tuple(a0, rest...));
+  }
+  template <class R>
+  RpcFuture<R> registered_async(const std::string& key) {
+    return registered_async<R>(key, std::tuple<>{});
+  }
+  template <class R, class A0, class... A>
+  requires detail::RpcVariadicArgs<A0, A...> RRef<R> registered_remote(const std::string& key,
+                                                                       const A0& a0,
+                                                                       const A&... rest) {
+    return registered_remote<R>(key, std::forward_as_tuple(a0, rest...));
+  }
+  template <class R>
+  RRef<R> registered_remote(const std::string& key) {
+    return registered_remote<R>(key, std::tuple<>{});
+  }
 
   // ---- pairs (machin: pair / unpair / is_paired / get_paired) ----------------------------
   /// Pairs `value` with `key`, owned by this member; get_paired returns RRefs to it.
@@ -433,6 +483,42 @@ class RpcGroup {
   RRef<R> remote(const std::string& to, const std::string& fn, const std::tuple<A...>& args,
                  Timeout timeout = kDefaultRpcTimeout) {
     return RRef<R>(remote_function(to, fn, detail::rpc_encode_args(args, same_host(to)), timeout));
+  }
+  /// rpc_sync, rpc_async and remote with the arguments one by one, with the default timeout:
+  /// `rpc_sync<int>("1", "add", 2, 3)`; none: `rpc_sync<int>("1", "f")` (machin's and
+  /// torch.distributed.rpc's `args=(2, 3)`). A first argument that is a std::tuple selects
+  /// the tuple form; a duration among them does not compile (use the tuple form for a
+  /// timeout). String literals travel as std::string.
+  template <class R, class A0, class... A>
+  requires detail::RpcVariadicArgs<A0, A...> R rpc_sync(const std::string& to,
+                                                        const std::string& fn, const A0& a0,
+                                                        const A&... rest) {
+    return rpc_sync<R>(to, fn, std::forward_as_tuple(a0, rest...));
+  }
+  template <class R>
+  R rpc_sync(const std::string& to, const std::string& fn) {
+    return rpc_sync<R>(to, fn, std::tuple<>{});
+  }
+  template <class R, class A0, class... A>
+  requires detail::RpcVariadicArgs<A0, A...> RpcFuture<R> rpc_async(const std::string& to,
+                                                                    const std::string& fn,
+                                                                    const A0& a0,
+                                                                    const A&... rest) {
+    return rpc_async<R>(to, fn, std::forward_as_tuple(a0, rest...));
+  }
+  template <class R>
+  RpcFuture<R> rpc_async(const std::string& to, const std::string& fn) {
+    return rpc_async<R>(to, fn, std::tuple<>{});
+  }
+  template <class R, class A0, class... A>
+  requires detail::RpcVariadicArgs<A0, A...> RRef<R> remote(const std::string& to,
+                                                            const std::string& fn, const A0& a0,
+                                                            const A&... rest) {
+    return remote<R>(to, fn, std::forward_as_tuple(a0, rest...));
+  }
+  template <class R>
+  RRef<R> remote(const std::string& to, const std::string& fn) {
+    return remote<R>(to, fn, std::tuple<>{});
   }
 
   /// Counters for tests and monitoring: RRef values this process owns (remote() results
