@@ -1,7 +1,8 @@
 // RpcGroup across real processes: machin's test_world.py cases in C++ (3 members named
 // "0", "1", "2"), tensors by value and by shared-memory handle, remote errors, timeouts,
-// RRef reference counting, a member killed mid-call, a group destroyed with calls in
-// flight, and the job's key (none, malformed, one member without it, another key).
+// RRef reference counting, a member killed mid-call, a stopped
+// (SIGSTOP) callee that blocks no caller, a group destroyed with calls in flight, and the
+// job's key (none, malformed, one member without it, another key).
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -54,6 +56,8 @@ const bool kDie = tp::register_function(
       ::kill(::getpid(), SIGKILL);
       return 0;
     });
+const bool kPid = tp::register_function(
+    "pid", +[]() { return static_cast<int>(::getpid()); });
 
 // ---- machin's test_world.py --------------------------------------------------------------
 
@@ -268,6 +272,93 @@ TEST(RpcGroup, AMemberKilledMidCallFailsItsCallsAtOnce) {
   auto res = run_ranks(2, 120, &killed_rank, free_port());
   EXPECT_EQ(res[0].exitcode, 0) << res[0].error;
   EXPECT_EQ(res[1].exitcode, -SIGKILL) << "rank 1 should have killed itself: " << res[1].error;
+}
+
+/// The state letter of process `pid` in /proc/<pid>/stat ('T' stopped, 'Z' a zombie), or 0
+/// when it has no entry (reaped).
+char process_state(int pid) {
+  std::ifstream f(fmt::format("/proc/{}/stat", pid));
+  std::string stat;
+  if (!std::getline(f, stat)) return 0;
+  const auto paren = stat.rfind(") ");
+  return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
+}
+
+/// Waits (polling, at most 10 s) until process_state(pid) is one of `states`.
+bool wait_state(int pid, std::string_view states) {
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (states.find(process_state(pid)) == std::string_view::npos) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+// Issue 36: with the callee stopped (SIGSTOP), sends used to run on the caller's thread: once
+// the socket buffers were full, each rpc_async() blocked until its deadline and each RRef drop
+// for 5 s. Now both return at once, the calls fail with TimeoutError at their deadline (not
+// RpcPeerLostError: the member is not gone), and once the callee runs again the same
+// connection carries the next call and the RRef deletes.
+void stopped_callee_rank(int rank, int port) {
+  auto w = make_world(rank, 2, port);
+  auto g = w.create_rpc_group("stopped", {"0", "1"});
+  if (rank == 0) {
+    const int pid = g.rpc_sync<int>("1", "pid", std::tuple{});
+    std::vector<tp::RRef<int>> rrefs;
+    for (int i = 0; i < 8; ++i) rrefs.push_back(g.remote<int>("1", "add", std::tuple{i, 0}));
+    for (auto& r : rrefs) (void)r.to_here();  // the owner holds all 8
+    {
+      struct Resume {  // however this block ends, member 1 runs again
+        int pid;
+        ~Resume() { ::kill(pid, SIGCONT); }
+      } resume{pid};
+      TORCHPAR_RCHECK(::kill(pid, SIGSTOP) == 0, "SIGSTOP");
+      TORCHPAR_RCHECK(wait_state(pid, "T"), "member 1 did not stop");
+      using Clock = std::chrono::steady_clock;
+      auto since = [](Clock::time_point t0) {
+        return std::chrono::duration<double>(Clock::now() - t0).count();
+      };
+      // 16 calls with 4 MiB each: the socket buffers (a few MiB) fill after a few.
+      const auto arg = at::ones({1 << 20});
+      std::vector<std::pair<tp::RpcFuture<at::Tensor>, Clock::time_point>> calls;
+      for (int i = 0; i < 16; ++i) {
+        const auto t0 = Clock::now();
+        calls.emplace_back(g.rpc_async<at::Tensor>("1", "scale", std::tuple{arg, 2.0}, 2s), t0);
+        TORCHPAR_RCHECK(since(t0) < 0.5, "rpc_async {} to a stopped member took {} s", i,
+                        since(t0));
+      }
+      for (int i = 0; i < 8; ++i) {
+        const auto t0 = Clock::now();
+        rrefs.pop_back();  // sends the owner a delete
+        TORCHPAR_RCHECK(since(t0) < 0.5, "dropping RRef {} took {} s", i, since(t0));
+      }
+      for (size_t i = 0; i < calls.size(); ++i) {
+        expect_throw<tp::TimeoutError>([&] { (void)calls[i].first.wait(); },
+                                       "a call to a stopped member");
+        const double took = since(calls[i].second);
+        TORCHPAR_RCHECK(took > 1.9 && took < 4, "call {} failed after {} s, its timeout is 2 s", i,
+                        took);
+      }
+    }
+    // Running again: the connection was kept, and carries the next call.
+    TORCHPAR_RCHECK(g.rpc_sync<int>("1", "add", std::tuple{1, 2}, 30s) == 3,
+                    "a call after SIGCONT");
+  }
+  g.barrier();
+  if (rank == 1) {
+    // The deletes waited in the queue and arrived once this member ran again.
+    const auto until = std::chrono::steady_clock::now() + 20s;
+    while (g.debug_info().owned_rrefs > 0 && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(10ms);
+    TORCHPAR_RCHECK(g.debug_info().owned_rrefs == 0, "the owner still holds {} RRef values",
+                    g.debug_info().owned_rrefs);
+  }
+  g.barrier();
+  g.destroy();
+}
+
+TEST(RpcGroup, AStoppedCalleeBlocksNoCaller) {
+  expect_ok(run_ranks(2, 120, &stopped_callee_rank, free_port()));
 }
 
 int thread_count() {

@@ -22,6 +22,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -103,41 +104,83 @@ TEST(RpcTransportTcp, FrameViolationsAfterTheHandshakeCloseTheConnection) {
   EXPECT_EQ(std::string(static_cast<const char*>(got->second.storages[0].data()), 4), "data");
 }
 
-TEST(RpcTransportTcp, MoreThan64PendingHandshakesAreClosedUnheard) {
+// Issue 36: 64 connections that never answer their challenge used to fill the member's pending
+// handshakes, and every member's first contact failed at once (ClosedError, which RPC reports as
+// RpcPeerLostError) until the stranger left. Now a newcomer evicts the oldest stranger, a member
+// whose handshake was closed tries again, and a silent stranger is closed after at most 5 s.
+TEST(RpcTransportTcp, StalledStrangersKeepNoMemberOut) {
   Inbox b_in;
-  auto o = transport_options("b");
-  o.handshake_timeout = 20s;
-  auto b = rpc::create_tcp_transport(o, b_in.handlers());
-  // 64 silent connections, each in its handshake once its challenge arrived.
+  auto b = rpc::create_tcp_transport(transport_options("b"), b_in.handlers());  // 10 s handshakes
+  // 100 silent connections, each challenged (or already evicted by a later one).
   std::vector<tp::UniqueFd> silent;
-  for (int i = 0; i < 64; ++i) {
+  for (int i = 0; i < 100; ++i) {
     silent.push_back(tp::testing::raw_connect(b->address()));
-    char c = 0;
     pollfd p{silent.back().get(), POLLIN, 0};
-    ASSERT_EQ(::poll(&p, 1, 10000), 1) << "no challenge on connection " << i;
-    ASSERT_EQ(::recv(silent.back().get(), &c, 1, MSG_PEEK), 1);
+    ASSERT_EQ(::poll(&p, 1, 10000), 1) << "neither a challenge nor EOF on connection " << i;
   }
-  // The 65th is closed without a word.
-  auto extra = tp::testing::raw_connect(b->address());
-  pollfd p{extra.get(), POLLIN, 0};
-  ASSERT_EQ(::poll(&p, 1, 10000), 1);
+  // The last one holds a slot: it has its challenge and is still open.
   char c = 0;
-  EXPECT_LE(::recv(extra.get(), &c, 1, 0), 0) << "the 65th connection was challenged";
-  // Once they are gone, members get through again.
-  silent.clear();
+  ASSERT_EQ(::recv(silent.back().get(), &c, 1, MSG_PEEK), 1) << "the newest stranger was refused";
+  const auto challenged = std::chrono::steady_clock::now();
+
+  // With the strangers still connected, a member's first send gets through at once.
   Inbox a_in;
   auto a = rpc::create_tcp_transport(transport_options("a"), a_in.handlers());
-  const auto give_up = in(10s);
-  bool delivered = false;
-  while (!delivered && std::chrono::steady_clock::now() < give_up) {
-    try {
-      a->send("b", b->address(), message("after", ""), in(2s));
-      delivered = b_in.next(5s).has_value();
-    } catch (const tp::ClosedError&) {  // b has not seen the 64 go yet
-      std::this_thread::sleep_for(50ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_NO_THROW(a->send("b", b->address(), message("first", ""), in(10s)));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(took, 2.0) << "the first contact waited";
+  auto got = b_in.next(10s);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->first, "a");
+  EXPECT_EQ(got->second.header, "first");
+
+  // A stranger that stays silent is closed within 5 s of its challenge, though the member's
+  // handshake_timeout is 10 s.
+  ASSERT_TRUE(closed_within(silent.back().get(), 10s));
+  const double held =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - challenged).count();
+  EXPECT_LT(held, 6.5) << "a silent stranger held its slot for " << held << " s";
+}
+
+// A stranger flood that keeps 64 silent connections open and opens a new one whenever one is
+// closed: members still get through (they evict the oldest stranger, or try again).
+TEST(RpcTransportTcp, AReconnectingStrangerKeepsNoMemberOut) {
+  Inbox b_in;
+  auto b = rpc::create_tcp_transport(transport_options("b"), b_in.handlers());
+  std::vector<tp::UniqueFd> strangers;
+  for (int i = 0; i < 80; ++i) strangers.push_back(tp::testing::raw_connect(b->address()));
+  std::atomic<bool> stop{false};
+  std::thread stranger([&, fds = std::move(strangers)]() mutable {
+    std::vector<pollfd> ps(fds.size());
+    while (!stop) {
+      for (size_t i = 0; i < fds.size(); ++i) ps[i] = pollfd{fds[i].get(), POLLRDHUP, 0};
+      if (::poll(ps.data(), ps.size(), 50) <= 0) continue;
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (ps[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+          fds[i] = tp::testing::raw_connect(b->address());
+        }
+      }
     }
+  });
+  struct Join {  // the stranger leaves however this test ends
+    std::atomic<bool>& stop;
+    std::thread& thread;
+    ~Join() {
+      stop = true;
+      thread.join();
+    }
+  } join{stop, stranger};
+  Inbox a_in;
+  for (int i = 0; i < 5; ++i) {
+    // A fresh connection each time: `b` sees the previous one end, so every send is a first
+    // contact.
+    auto member = rpc::create_tcp_transport(transport_options(fmt::format("m{}", i)), a_in.handlers());
+    EXPECT_NO_THROW(member->send("b", b->address(), message("hello", ""), in(10s))) << i;
+    auto got = b_in.next(10s);
+    ASSERT_TRUE(got) << i;
+    EXPECT_EQ(got->first, fmt::format("m{}", i));
   }
-  EXPECT_TRUE(delivered);
 }
 
 TEST(RpcTransportTcp, AnotherMemberAtTheAddressIsRefused) {

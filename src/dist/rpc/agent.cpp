@@ -273,7 +273,9 @@ void RpcAgent::send(const std::string& to, const Header& h, RpcValue body,
     on_message(to, std::move(msg));
     return;
   }
-  // Connecting (first contact) is bounded by the call's deadline and at most 30 s.
+  // Connecting (first contact) is bounded by the call's deadline and at most 30 s; then the
+  // transport queues the message (a stopped peer never blocks the caller), dropping it if its
+  // write has not begun by then: the timer fails the call at its own deadline.
   deadline = std::min(deadline, Clock::now() + std::chrono::seconds(30));
   transport_->send(to, address_of(to), std::move(msg), deadline);
 }

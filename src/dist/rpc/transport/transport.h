@@ -99,14 +99,16 @@ class Transport {
 
   /// Sends `msg` to the member `peer`. Uses the open connection to `peer` (one this side
   /// made, or one `peer` made to this side); without one, connects to `address` and runs
-  /// the handshake first, blocking at most until `deadline`. TensorPipe queues the write:
-  /// send returns once the message is queued. TCP writes on the calling thread: send
-  /// returns once the kernel took the whole message, waiting at most until `deadline`; a
-  /// write cut off by the deadline closes the connection. Either way a failure after send
-  /// returned is reported through on_peer_lost, and only a reply proves delivery. Messages
-  /// sent to one peer arrive in the order their send calls returned.
+  /// the handshake first, blocking at most until `deadline`. Then the write is queued:
+  /// send returns once the message is queued (TCP: after writing what the socket takes at
+  /// once), never waiting for the peer to read it; its storages are read until it is
+  /// written, so do not modify them meanwhile. TCP drops a queued message whose write has
+  /// not begun by `deadline`. A failure after send returned is reported through
+  /// on_peer_lost, and only a reply proves delivery. Messages sent to one peer arrive in the
+  /// order their send calls returned.
   ///
-  /// Errors: TimeoutError past `deadline` (connecting, handshaking, or a TCP write);
+  /// Errors: TimeoutError past `deadline` (connecting, handshaking, or waiting for an earlier
+  /// send to the same peer that is connecting);
   /// AuthenticationError when the peer proves another key or refuses ours; ClosedError
   /// after close(), when the peer is gone before the message is queued or written, or (TCP)
   /// when another member answers at `address`; ValueError for a non-CPU storage or an

@@ -15,16 +15,26 @@ namespace torchpar::rpc {
 /// options.shm is ignored (create_transport adds shared memory beside this transport).
 ///
 /// Every accepted connection runs the mutual handshake (multiprocessing.connection's
-/// `{sha256}` challenge, frames capped at 256 bytes) within options.handshake_timeout on its
-/// own thread, at most 64 at a time (more are closed unheard); garbage, a wrong key or silence
-/// closes that connection and logs one line naming the peer's address, and the transport goes
-/// on. Message frames are checked against max_header_bytes, max_storages and
-/// max_message_bytes before anything is allocated for them.
+/// `{sha256}` challenge, frames capped at 256 bytes) on its own thread, within
+/// options.handshake_timeout and at most 5 s; garbage, a wrong key or silence closes that
+/// connection and logs one line naming the peer's address, and the transport goes on. At most
+/// 64 accepted connections wait for their peer to prove the key (a member does within a round
+/// trip of its challenge): a newcomer beyond that closes the oldest of them (or, while 128
+/// handshake threads still run, is itself closed unheard); a sender whose handshake the
+/// member closed so tries again until its deadline (a TimeoutError then, not a ClosedError).
+/// So strangers that connect and stall cost members nothing; only a flood of new connections
+/// (64 within one member's handshake round trip) can delay members.
+/// Message frames are checked against max_header_bytes, max_storages and max_message_bytes
+/// before anything is allocated for them.
 ///
-/// send() connects, handshakes and writes on the calling thread: it returns once the kernel
-/// took the whole message. A write that passes `deadline` part-way closes the connection
-/// (on_peer_lost) and throws TimeoutError; one that has not begun throws TimeoutError and keeps
-/// the connection.
+/// send() connects and handshakes on the calling thread (first contact, bounded by
+/// `deadline`), then writes what the socket takes at once and queues the rest for the
+/// connection's writer thread: it never waits for the peer to read, so a stopped peer does not
+/// block its senders. The writer writes queued messages in order; one that has not begun by
+/// its `deadline` is dropped (the caller's timeout reports it). A socket that takes no byte
+/// for 30 s while messages wait (a stopped or unreachable peer) ends the connection
+/// (on_peer_lost); a message cut off part-way can only end with its connection. The
+/// storages of a queued message are read until it is written: do not modify them meanwhile.
 ///
 /// Errors:  ValueError for an empty key or name (or one over 256 bytes) or a bind_host that is
 ///          no host; SystemError when it cannot listen; std::system_error when no thread can
