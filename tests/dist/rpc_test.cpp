@@ -1,6 +1,6 @@
 // RpcGroup across real processes: machin's test_world.py cases in C++ (3 members named
 // "0", "1", "2"), tensors by value and by shared-memory handle, remote errors, timeouts,
-// RRef reference counting, a member killed mid-call, a stopped
+// RRef reference counting, a member killed mid-call, calls to a dead member, a stopped
 // (SIGSTOP) callee that blocks no caller, a group destroyed with calls in flight, and the
 // job's key (none, malformed, one member without it, another key).
 
@@ -292,6 +292,42 @@ bool wait_state(int pid, std::string_view states) {
     std::this_thread::sleep_for(1ms);
   }
   return true;
+}
+
+// Issue 36: the first call to a member that died used to fail with the transport's word alone
+// ("... failed: eof" over TensorPipe, "the peer closed the connection" over TCP) while later
+// calls named a refused connect: every call names the member and says it is gone.
+void dead_member_rank(int rank, int port, bool shm) {
+  ::setenv("TORCHPAR_RPC_SHM", shm ? "1" : "0", 1);
+  auto w = make_world(rank, 2, port);
+  auto g = w.create_rpc_group("dead", {"0", "1"});
+  if (rank == 1) {
+    std::this_thread::sleep_for(60s);  // killed by rank 0 long before
+    return;
+  }
+  const int pid = g.rpc_sync<int>("1", "pid", std::tuple{});  // connected to it
+  TORCHPAR_RCHECK(::kill(pid, SIGKILL) == 0, "kill");
+  TORCHPAR_RCHECK(wait_state(pid, std::string_view("Z\0", 2)), "member 1 did not die");
+  for (const char* which : {"the first call", "a later call"}) {
+    const auto e = expect_throw<tp::RpcPeerLostError>(
+        [&] {
+          g.rpc_sync<int>("1", "add", std::tuple{1, 2}, 10s);
+        },
+        which);
+    const std::string what = e.what_without_backtrace();
+    TORCHPAR_RCHECK(e.member() == "1", "{} names member '{}'", which, e.member());
+    TORCHPAR_RCHECK(what.find("to member '1' failed: member '1' is gone (") != std::string::npos,
+                    "{}: {}", which, what);
+  }
+  ::_exit(0);  // the World's store lives here but its other member is dead: no teardown
+}
+
+TEST(RpcGroup, CallsToADeadMemberSayItIsGone) {
+  for (bool shm : {false, true}) {
+    auto res = run_ranks(2, 120, &dead_member_rank, free_port(), shm);
+    EXPECT_EQ(res[0].exitcode, 0) << (shm ? "shm: " : "tcp: ") << res[0].error;
+    EXPECT_EQ(res[1].exitcode, -SIGKILL) << res[1].error;
+  }
 }
 
 // Issue 36: with the callee stopped (SIGSTOP), sends used to run on the caller's thread: once

@@ -57,6 +57,13 @@ std::exception_ptr status_error(uint8_t status, const std::string& type, const s
   }
 }
 
+/// The message of a call to `peer` that ended with its connection: names the member and says
+/// it is gone, however the transport noticed (`why`).
+std::string gone_message(const std::string& what, const std::string& peer, const std::string& why) {
+  return fmt::format("rpc {} to member '{}' failed: member '{}' is gone ({})", what, peer, peer,
+                     why);
+}
+
 }  // namespace
 
 RpcHeader decode_rpc_header(std::string bytes) {
@@ -305,12 +312,10 @@ std::shared_ptr<RpcFutureState> RpcAgent::call(const std::string& to, Target tar
   h.group = group;
   h.name = name;
   h.rref = rref_id;
+  const std::string what =
+      target == Target::kService ? "of service '" + name + "'" : "of function '" + name + "'";
   std::shared_ptr<RpcFutureState> state;
-  if (rref_id.empty()) {
-    const std::string what =
-        target == Target::kService ? "of service '" + name + "'" : "of function '" + name + "'";
-    state = track(to, group, what, timeout, &h.id);
-  }
+  if (rref_id.empty()) state = track(to, group, what, timeout, &h.id);
   try {
     send(to, h, std::move(args), deadline_of(timeout));
   } catch (...) {
@@ -318,8 +323,15 @@ std::shared_ptr<RpcFutureState> RpcAgent::call(const std::string& to, Target tar
     try {
       throw;
     } catch (const ClosedError& c) {  // the member is gone (or this agent is shut down)
+      bool shut_down = false;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        shut_down = closed_;
+      }
       e = std::make_exception_ptr(RpcPeerLostError(
-          to, fmt::format("rpc of '{}' to member '{}': {}", name, to, c.what_without_backtrace())));
+          to, shut_down ? fmt::format("rpc {} to member '{}': the RPC agent of '{}' shut down",
+                                      what, to, opts_.name)
+                        : gone_message(what, to, c.what_without_backtrace())));
     } catch (...) {
     }
     if (!state) std::rethrow_exception(e);
@@ -379,8 +391,8 @@ RpcValue RpcAgent::fetch(const RRefState& rref, Timeout timeout) {
       std::lock_guard<std::mutex> g(mu_);
       pending_.erase(h.id);
     }
-    throw RpcPeerLostError(rref.owner, fmt::format("fetching RRef {} from member '{}': {}", rref.id,
-                                                   rref.owner, c.what_without_backtrace()));
+    throw RpcPeerLostError(rref.owner, gone_message("fetching RRef " + rref.id, rref.owner,
+                                                    c.what_without_backtrace()));
   } catch (...) {
     std::lock_guard<std::mutex> g(mu_);
     pending_.erase(h.id);
@@ -615,11 +627,11 @@ void RpcAgent::on_peer_lost(const std::string& peer, const std::string& why) {
       }
     }
   }
-  fail_pending([&](const Pending& p) { return p.to == peer; },
-               [&](const Pending& p) {
-                 return std::make_exception_ptr(RpcPeerLostError(
-                     peer, fmt::format("rpc {} to member '{}' failed: {}", p.what, peer, why)));
-               });
+  fail_pending(
+      [&](const Pending& p) { return p.to == peer; },
+      [&](const Pending& p) {
+        return std::make_exception_ptr(RpcPeerLostError(peer, gone_message(p.what, peer, why)));
+      });
 }
 
 void RpcAgent::fail_pending(const std::function<bool(const Pending&)>& which,
