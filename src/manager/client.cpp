@@ -3,13 +3,18 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <random>
 #include <string_view>
+#include <thread>
 #include <utility>
 
+#include "core/futex.h"
+#include "core/liveness.h"
 #include "torchpar/core/error.h"
 #include "torchpar/ipc/listener.h"
 #include "torchpar/manager/proxy.h"
@@ -25,6 +30,17 @@ using manager::Response;
 
 // Idle call connections a process keeps per manager.
 constexpr size_t kMaxIdle = 4;
+
+// The pause between two attempts to connect a call connection while the server lives.
+constexpr auto kFirstRetryPause = std::chrono::milliseconds(10);
+constexpr auto kMaxRetryPause = std::chrono::milliseconds(200);
+
+// What is left of `deadline` as a Timeout (nullopt: no limit).
+Timeout left_of(const Deadline& deadline) {
+  if (!deadline) return std::nullopt;
+  return std::max(std::chrono::duration<double>(*deadline - SteadyClock::now()),
+                  std::chrono::duration<double>(0));
+}
 
 // TORCHPAR_MANAGER_SHM=0 keeps calls on their sockets (benchmarks compare both paths).
 bool shm_channel_enabled() {
@@ -134,19 +150,7 @@ std::string ManagerClient::call(Request request, Timeout wait) {
     }
   }
   const bool fresh = c.connection.closed();
-  if (fresh) {
-    try {
-      c.connection = Client(address_, {.authkey = authkey_, .timeout = timeout_});
-    } catch (const AuthenticationError&) {
-      throw;
-    } catch (const TimeoutError&) {
-      throw;
-    } catch (const Error& e) {
-      break_with(
-          fmt::format("manager at {} is gone: cannot connect to it ({})", address_, e.what()));
-      throw ClosedError(broken_text());
-    }
-  }
+  if (fresh) c.connection = connect_call(request.method);
   const Timeout reply_timeout =
       timeout_ && wait ? Timeout(*timeout_ + *wait) : Timeout(std::nullopt);
   Response response;
@@ -188,6 +192,49 @@ std::string ManagerClient::call(Request request, Timeout wait) {
   return std::move(response.value);
 }
 
+bool ManagerClient::server_gone() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!broken_.empty()) return true;
+  // Nothing is in flight on the control connection while mu_ is held, and the server sends
+  // nothing unasked: anything readable (EOF, a reset) means the server is gone. A late
+  // reply (late_replies_) is readable too, so then only a hang up counts.
+  if (late_replies_ == 0) return socket_peer_gone(connection_.fileno());
+  pollfd p{connection_.fileno(), POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
+Connection ManagerClient::connect_call(const std::string& method) {
+  const Deadline deadline = deadline_after(timeout_);
+  std::string last;
+  for (auto pause = std::chrono::milliseconds(kFirstRetryPause);;
+       pause = std::min(pause * 2, std::chrono::milliseconds(kMaxRetryPause))) {
+    try {
+      return Client(address_, {.authkey = authkey_, .timeout = left_of(deadline)});
+    } catch (const TimeoutError& e) {
+      last = e.what();
+    } catch (const Error& e) {
+      // Refused, reset, the handshake closed by a server that shed load, the kernel's own
+      // connect timeout: the server is gone only when this process's control connection
+      // says so. Otherwise try again until the call's deadline.
+      last = e.what();
+      if (server_gone()) {
+        break_with(
+            fmt::format("manager at {} is gone: cannot connect to it ({})", address_, e.what()));
+        throw ClosedError(broken_text());
+      }
+    }
+    if (past(deadline)) {
+      // Slow is not gone: this call fails; the references and later calls are unharmed.
+      throw TimeoutError(fmt::format(
+          "manager at {}: could not connect for '{}' within {} s ({}); the server is still "
+          "there (this process's connection to it is open), so later calls go on",
+          address_, method, timeout_ ? timeout_->count() : 0, last));
+    }
+    std::this_thread::sleep_for(
+        std::min<SteadyClock::duration>(pause, deadline ? *deadline - SteadyClock::now() : pause));
+  }
+}
+
 std::string ManagerClient::broken_text() const {
   std::lock_guard<std::mutex> g(mu_);
   return broken_;
@@ -198,15 +245,29 @@ std::string ManagerClient::request(const Request& request) {
   if (!broken_.empty()) throw ClosedError(broken_);
   Response response;
   try {
+    // Replies to requests that timed out come first, in order: skip them.
+    while (late_replies_ > 0) {
+      (void)connection_.recv_bytes(timeout_, manager::kMaxMessageBytes);
+      --late_replies_;
+    }
     connection_.send(request);
+    ++late_replies_;  // until its reply is read
     response =
         loads<Response>(Payload{connection_.recv_bytes(timeout_, manager::kMaxMessageBytes), {}});
+    --late_replies_;
   } catch (const TimeoutError&) {
+    if (!connection_.closed()) {
+      // Nothing of the reply was read: the stream is in sync. The connection (and so every
+      // reference this process holds) stays; the late reply is skipped by the next request.
+      throw TimeoutError(fmt::format(
+          "manager at {}: no reply within {} s (the request may still run; the connection "
+          "stays open and later requests skip its reply)",
+          address_, timeout_ ? timeout_->count() : 0));
+    }
     broken_ = fmt::format(
-        "manager at {}: no reply within {} s; this process's connection to it was closed "
-        "(a late reply would be read as the next one's)",
+        "manager at {}: a reply arrived only in part within {} s; this process's connection "
+        "to it was closed (its stream is out of sync)",
         address_, timeout_ ? timeout_->count() : 0);
-    connection_.close();
     throw TimeoutError(broken_);
   } catch (const ClosedError&) {
     broken_ = fmt::format(
@@ -224,13 +285,20 @@ std::string ManagerClient::request(const Request& request) {
   return std::move(response.value);
 }
 
+bool ManagerClient::stalled() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return late_replies_ > 0;
+}
+
 ProxyRef::ProxyRef(std::shared_ptr<ManagerClient> c, std::string t, uint64_t i)
     : client(std::move(c)), type_id(std::move(t)), id(i), pid(::getpid()) {}
 
 ProxyRef::~ProxyRef() {
   // Only the process that took the reference gives it back; a fork child's inherited copy
   // must not write to its parent's connection.
-  if (!client || pid != ::getpid() || client->broken()) return;
+  // Nor while the server owes replies (it is stopped or overloaded): a destructor must not
+  // wait for it. The reference is then given back when this process's connection ends.
+  if (!client || pid != ::getpid() || client->broken() || client->stalled()) return;
   try {
     Request r;
     r.kind = static_cast<uint8_t>(RequestKind::kDecref);

@@ -42,16 +42,23 @@ class ManagerClient {
                                             const std::optional<AuthKey>& authkey, Timeout timeout,
                                             bool share_tensors = false);
 
-  /// One round trip. Returns the result's payload bytes.
+  /// One round trip on the control connection. Returns the result's payload bytes.
   /// Errors: RemoteError for a failure the server reports; ClosedError naming the address
   ///         when the server is gone (and at every later call); TimeoutError past the
-  ///         timeout (the connection is unusable afterwards, as a reply may still come).
+  ///         timeout: the request may still run; the connection stays open and the next
+  ///         request first skips the late reply (waiting up to the timeout for it, then
+  ///         TimeoutError again), so this process keeps its references. Only a reply that
+  ///         arrived in part closes the connection (final, as ClosedError).
   std::string request(const manager::Request& request);
 
   /// One kCall round trip on a call connection of its own (an idle one, or a new one).
   /// `wait` is how long the method may block in the server (nullopt: no limit); the reply
   /// is awaited for timeout() + wait. Sets request.caller to this thread's caller_id().
-  /// Errors: as request(); a TimeoutError closes only that call's connection.
+  /// Errors: as request(); a TimeoutError closes only that call's connection. A new
+  ///         connection that cannot be made (refused, reset, shed by a server flooded
+  ///         with strangers) is tried again until timeout() and is then a TimeoutError of
+  ///         this call; ClosedError ("gone") only when the control connection shows the
+  ///         server gone.
   std::string call(manager::Request request, Timeout wait = std::chrono::duration<double>(0));
 
   /// This thread's identity in calls (Request::caller): unique per process and thread, so
@@ -71,6 +78,8 @@ class ManagerClient {
   bool share_tensors() const { return share_tensors_; }
   pid_t pid() const { return pid_; }
   bool broken() const;
+  /// True while the server owes replies to control requests that timed out.
+  bool stalled() const;
   /// Why calls fail ("" while usable).
   std::string broken_text() const;
 
@@ -85,7 +94,16 @@ class ManagerClient {
   Timeout timeout_;
   bool share_tensors_;
   pid_t pid_;
-  std::string broken_;  // why requests fail at once; empty while usable
+  std::string broken_;       // why requests fail at once; empty while usable
+  size_t late_replies_ = 0;  // replies on connection_ of requests that timed out
+
+  /// True when the server is gone: this client is broken, or its control connection hung
+  /// up. Waits for a control request in flight (mu_).
+  bool server_gone();
+  /// A new authenticated call connection for a call of `method`, tried until timeout()
+  /// while the server is there. Errors: TimeoutError (nothing broken); ClosedError after
+  /// break_with when the server is gone.
+  Connection connect_call(const std::string& method);
 
   bool shm_channel_;
 

@@ -3,8 +3,10 @@
 #include <c10/util/Type.h>
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <chrono>
+#include <cstdio>
 #include <string_view>
 #include <system_error>
 #include <thread>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "core/liveness.h"
+#include "ipc/socket_address.h"
 #include "manager/shm_channel.h"
 #include "torchpar/core/error.h"
 #include "torchpar/serialize/serialize.h"
@@ -51,11 +54,11 @@ Response attach_channel(const std::string& name, std::unique_ptr<ShmChannel>* ch
   }
 }
 
-// A peer that fails the handshake (or stalls in it) holds one accepting thread this long at
-// most; kAcceptors threads accept at once, so a new client waits only behind that many
-// stalled peers (Python's manager handshakes in its one accepter thread, without a limit).
-constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
-constexpr int kAcceptors = 16;
+// One line on stderr, as the Listener logs a refused peer: worth a trace on the server.
+void log_line(const std::string& line) noexcept {
+  std::fprintf(stderr, "torchpar: %s\n", line.c_str());
+  std::fflush(stderr);
+}
 
 }  // namespace
 
@@ -232,55 +235,127 @@ void ManagerServer::serve_connection(Connection connection) {
 }
 
 void ManagerServer::serve_forever(const std::function<void()>& ready) {
-  // The Listener takes accept() from several threads at once; close() (shutdown) wakes
-  // every one of them with ClosedError.
-  std::vector<std::thread> more;
   try {
-    for (int i = 1; i < kAcceptors; ++i) more.emplace_back([this] { accept_loop(); });
-  } catch (const std::system_error&) {  // no more threads: fewer acceptors
-  }
-  try {
-    if (ready) ready();  // the parent may be gone: the acceptors stop with this thread
-  } catch (...) {
+    if (ready) ready();
+  } catch (...) {  // the parent may be gone
     stopping_ = true;
     listener_.close();
-    for (auto& t : more) t.join();
     throw;
   }
   accept_loop();
-  for (auto& t : more) t.join();
 }
 
 void ManagerServer::accept_loop() {
   while (!stopping_) {
     Connection c;
     try {
+      // No key on the Listener: accept returns at once, the handshake runs on the
+      // connection's own thread (admit), so the kernel's queue never fills up.
       c = listener_.accept(std::nullopt);
     } catch (const ClosedError&) {
       return;  // shutdown
-    } catch (const AuthenticationError&) {
-      continue;  // a stranger or a wrong key: logged by the Listener, refused
-    } catch (const TimeoutError&) {
-      continue;  // a peer stalled in the handshake
     } catch (const std::exception&) {
       // EMFILE and the like: back off rather than spin on a pending connection.
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       continue;
     }
+    if (!admit(std::move(c))) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+size_t ManagerServer::pending_handshakes() const {
+  std::lock_guard<std::mutex> g(pending_mu_);
+  return handshaking_;
+}
+
+bool ManagerServer::admit(Connection connection) {
+  uint64_t ticket = 0;
+  {
+    std::unique_lock<std::mutex> lock(pending_mu_);
+    if (pending_.size() >= kMaxPendingHandshakes) {
+      // The oldest has waited longest: a client with the key answers in milliseconds, so it
+      // is a stranger. Its fd is open (its thread leaves the map before closing it); the
+      // shutdown wakes its handshake, which ends with ClosedError.
+      const auto oldest = pending_.begin();
+      ::shutdown(oldest->second, SHUT_RDWR);
+      pending_.erase(oldest);
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last_eviction_log_ > std::chrono::seconds(10)) {
+        last_eviction_log_ = now;
+        log_line(fmt::format(
+            "Manager {}: {} connections are in the handshake at once; closing the oldest of "
+            "them (a flood of unauthenticated connections?)",
+            listener_.address(), kMaxPendingHandshakes));
+      }
+    }
+    // The closed ones' threads leave at once (their poll wakes); waiting for them keeps the
+    // threads and fds of strangers bounded. Bounded itself: no thread stalls past its
+    // handshake's deadline.
+    pending_cv_.wait_for(lock, kHandshakeTimeout,
+                         [&] { return handshaking_ < kMaxPendingHandshakes; });
+    ticket = next_ticket_++;
+    pending_.emplace(ticket, connection.fileno());
+    ++handshaking_;
+  }
+  try {
     // Detached: the process exits after shutdown without waiting for other clients, as
     // Python's manager server does. The thread holds the server alive.
-    std::thread([self = shared_from_this(), c]() mutable {
-      self->serve_connection(std::move(c));
+    std::thread([self = shared_from_this(), connection, ticket]() mutable {
+      self->handshake_then_serve(std::move(connection), ticket);
     }).detach();
+    return true;
+  } catch (const std::system_error&) {  // no more threads: refuse this peer
+    {
+      std::lock_guard<std::mutex> g(pending_mu_);
+      pending_.erase(ticket);
+      --handshaking_;
+    }
+    connection.close();
+    return false;
   }
+}
+
+void ManagerServer::handshake_then_serve(Connection connection, uint64_t ticket) {
+  bool ok = true;
+  std::string refusal;  // logged, unless the accepting thread closed it
+  if (authkey_) {
+    const int fd = connection.fileno();
+    const std::string peer = describe_peer(fd);
+    try {
+      auth_accept(fd, *authkey_, std::chrono::steady_clock::now() + kHandshakeTimeout);
+    } catch (const AuthenticationError& e) {
+      ok = false;
+      refusal = fmt::format("Manager {}: refused peer {}: {}", address(), peer, e.what());
+    } catch (const ClosedError&) {
+      ok = false;
+      refusal =
+          fmt::format("Manager {}: refused peer {}: it closed the connection during the handshake",
+                      address(), peer);
+    } catch (const std::exception&) {
+      ok = false;  // silent past its deadline, or a reset: closed without a word
+    }
+  }
+  bool closed_by_acceptor = false;
+  {
+    std::lock_guard<std::mutex> g(pending_mu_);
+    closed_by_acceptor = pending_.erase(ticket) == 0;
+    --handshaking_;
+  }
+  pending_cv_.notify_all();
+  // After leaving the map: the accepting thread never shuts down an fd number reused.
+  if (!ok || closed_by_acceptor) {
+    if (!ok && !closed_by_acceptor && !refusal.empty()) log_line(refusal);
+    connection.close();
+    return;
+  }
+  serve_connection(std::move(connection));
 }
 
 void manager_server_main(Connection ready, std::string address, AuthKey authkey) {
   ::signal(SIGINT, SIG_IGN);
   std::shared_ptr<ManagerServer> server;
   try {
-    server = std::make_shared<ManagerServer>(
-        Listener(address, {.authkey = std::move(authkey), .handshake_timeout = kHandshakeTimeout}));
+    server = std::make_shared<ManagerServer>(Listener(address), std::move(authkey));
   } catch (const std::exception& e) {
     ready.send(std::make_tuple(false, std::string(e.what())));
     throw;

@@ -1,6 +1,7 @@
 #pragma once
-// The manager's server process: a Listener, one thread per client connection, and a table
-// of served objects with reference counts. Private to the library; the public side is
+// The manager's server process: one accepting thread, one thread per connection (it runs
+// the handshake, then serves the client), and a table of served objects with reference
+// counts. Private to the library; the public side is
 // torchpar/manager/manager.h.
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -143,17 +145,33 @@ std::unique_ptr<ServedObject> make_served_registered(const std::string& type_id,
                                                      const std::string& args);
 
 /// The server: serve_forever() accepts clients on `listener` until a shutdown request.
+///
+/// Handshakes: the Listener has no key; the server runs the key's handshake (`authkey`,
+/// nullopt: none) itself, on the new connection's own thread, with kHandshakeTimeout for each
+/// peer, so a stranger that connects and stays silent (or sends garbage slowly) holds up no
+/// other peer. At most kMaxPendingHandshakes connections are in the handshake at once: one
+/// more closes the oldest of them (a client that proves the key takes a few milliseconds, a
+/// stalled stranger seconds, so the oldest is a stranger), so strangers cost the server a
+/// bounded number of fds and threads and never fill the kernel's accept queue.
 class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
  public:
-  explicit ManagerServer(Listener listener) : listener_(std::move(listener)) {}
+  /// How long one peer may take to complete the handshake.
+  static constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+  /// Connections in the handshake at once; a new one closes the oldest.
+  static constexpr size_t kMaxPendingHandshakes = 64;
+
+  explicit ManagerServer(Listener listener, std::optional<AuthKey> authkey = std::nullopt)
+      : listener_(std::move(listener)), authkey_(std::move(authkey)) {}
   const std::string& address() const { return listener_.address(); }
   /// Accepts and serves clients (a thread each) until shutdown. Returns then; the caller's
-  /// process exits (connection threads are detached and end with it). `ready` runs once
-  /// every accepting thread exists, so a client that connects after it sees the server's
-  /// whole set of threads (the tests count them).
+  /// process exits (connection threads are detached and end with it). `ready` runs before
+  /// the first accept.
   void serve_forever(const std::function<void()>& ready = {});
-  /// One accepting thread's loop (serve_forever runs kAcceptors of them).
+  /// The accepting loop: takes each connection off the Listener at once and starts its
+  /// thread (serve_forever runs it).
   void accept_loop();
+  /// Connections in the handshake now (tests and debugging).
+  size_t pending_handshakes() const;
   /// References one connection holds: object id -> count. The server gives them back when
   /// the connection ends, so a client that exits or is killed without its decrefs (a fork
   /// child _exits, SIGKILL) leaks nothing.
@@ -176,11 +194,27 @@ class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
   };
 
   void serve_connection(Connection connection);
+  /// Registers `connection` as in the handshake (closing the oldest pending one when
+  /// kMaxPendingHandshakes are) and starts its thread; false when no thread could start
+  /// (the connection is closed).
+  bool admit(Connection connection);
+  /// A connection's thread: the handshake, then serve_connection.
+  void handshake_then_serve(Connection connection, uint64_t ticket);
   std::shared_ptr<Served> find(uint64_t id);
   /// Drops `count` references to `id` (the object goes at zero); false if it is gone.
   bool decref(uint64_t id, int64_t count);
 
   Listener listener_;
+  std::optional<AuthKey> authkey_;
+  // Connections in the handshake: ticket (in accept order: the smallest is the oldest) ->
+  // fd. A thread leaves the map before it closes its fd, so an fd in the map is open and
+  // the accepting thread may shut it down (under pending_mu_).
+  mutable std::mutex pending_mu_;
+  std::condition_variable pending_cv_;  // a handshake thread left the map
+  std::map<uint64_t, int> pending_;
+  size_t handshaking_ = 0;  // threads still in the handshake (evicted ones included)
+  uint64_t next_ticket_ = 0;
+  std::chrono::steady_clock::time_point last_eviction_log_{};
   std::mutex mu_;  // objects_, next_id_
   std::unordered_map<uint64_t, Entry> objects_;
   uint64_t next_id_ = 1;

@@ -10,26 +10,41 @@
 //     requests, random bytes) are answered with SerializationError and the connection goes
 //     on; huge length prefixes (4-byte and CPython's 64-bit form) end that connection
 //     without the server allocating what they claim; half frames and stalled handshakes
-//     leave the server serving.
+//     leave the server serving;
+//   - a flood of unauthenticated connections (silent ones, and ones that send garbage a byte
+//     at a time) holds up no client: a new client connects and calls within 5 s, the
+//     owner's calls go on, each stranger is closed within its handshake's 5 s, the server's
+//     fds stay bounded, and the owner's dict is intact afterwards;
+//   - a new connection that fails while the server lives (its socket file moved away) is a
+//     TimeoutError of that call, never "gone": the client and its references stay; a
+//     control request that times out (server SIGSTOPped) keeps the connection too.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "manager/protocol.h"
+#include "manager/server.h"
 #include "support/child.h"
 #include "support/manager.h"
 #include "support/raw_socket.h"
@@ -348,9 +363,8 @@ TEST(ManagerGarbage, StalledHandshakesAndHalfFramesLeaveTheServerServing) {
     tp::Connection c = authenticated(m.address());
     send_raw(c.fileno(), std::string("\0\0\0\x64", 4) + std::string(10, 'h'));
   }
-  // A new client gets through at once while the strangers are still connected: a stalled
-  // handshake holds one of the server's accepting threads (for at most its 5 s handshake
-  // limit), not all of them. Before, the one accept loop made it wait 5 s per stalled peer.
+  // A new client gets through at once while the strangers are still connected: each
+  // connection has its handshake on a server thread of its own (for at most 5 s).
   // (A connection of its own: this process's Manager connections are made already.)
   tp::Connection c = authenticated(m.address());
   tp::detail::manager::Request count;
@@ -365,6 +379,181 @@ TEST(ManagerGarbage, StalledHandshakesAndHalfFramesLeaveTheServerServing) {
   d.set("y", 2);
   EXPECT_EQ(d.size(), 2u);
   EXPECT_FALSE(gone(m.pid()));
+}
+
+// ---- a flood of unauthenticated connections -----------------------------------------------
+
+/// Open fds of process `pid`.
+int fd_count(int pid) {
+  int n = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+/// A TCP connection to "127.0.0.1:port" that does not wait for the connect to finish (a
+/// listener whose queue is full drops it silently: that must not hold up the test).
+tp::UniqueFd connect_nonblocking(const std::string& address) {
+  const auto colon = address.rfind(':');
+  tp::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  const int r = ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+  EXPECT_TRUE(r == 0 || errno == EINPROGRESS) << address << ": " << std::strerror(errno);
+  return fd;
+}
+
+/// True once the peer of `fd` hung up (it closed the connection).
+bool hung_up(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
+TEST(ManagerFlood, UnauthenticatedConnectionsHoldUpNoClientAndTakeNoReference) {
+  tp::Manager m(manager_options());
+  Dict d = m.dict<std::string, int64_t>();
+  for (int64_t i = 0; i < 100; ++i) d.set("k" + std::to_string(i), i);
+  const int fds_before = fd_count(m.pid());
+  ASSERT_GT(fds_before, 0);
+
+  // 200 strangers that connect and say nothing, 16 that send garbage a byte at a time.
+  std::vector<tp::UniqueFd> strangers;
+  for (int i = 0; i < 200; ++i) strangers.push_back(connect_nonblocking(m.address()));
+  std::vector<int> slow;
+  for (int i = 0; i < 16; ++i) {
+    strangers.push_back(connect_nonblocking(m.address()));
+    slow.push_back(strangers.back().get());
+  }
+  std::atomic<bool> stop{false};
+  std::thread dribble([&] {
+    // A plausible answer's frame header, then its body, one byte per 100 ms each.
+    const std::string answer = std::string("\0\0\0\x28{sha256}", 12) + std::string(32, 'g');
+    for (size_t i = 0; !stop; i = (i + 1) % answer.size()) {
+      for (int fd : slow) (void)::send(fd, &answer[i], 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      std::this_thread::sleep_for(100ms);
+    }
+  });
+  struct Join {
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~Join() {
+      stop = true;
+      t.join();
+    }
+  } join{stop, dribble};
+  // The flood reached the server (the old server's 16 accepting threads held one each).
+  ASSERT_TRUE(tp::testing::eventually([&] { return fd_count(m.pid()) >= fds_before + 16; }, 10s))
+      << fd_count(m.pid()) << " fds, " << fds_before << " before";
+
+  // (a) A new client (another ManagerClient of this process: its timeout differs) connects,
+  // makes an object and calls it within 5 s, as do concurrent calls of the owner, each on a
+  // new connection. Before, the handshakes ran in 16 accepting threads, 5 s per stranger.
+  const auto t0 = Clock::now();
+  tp::ManagerOptions o = manager_options();
+  o.timeout = 10s;
+  std::optional<tp::Manager> other;
+  EXPECT_NO_THROW(other.emplace(tp::Manager::connect(m.address(), o)));
+  ASSERT_TRUE(other);
+  Dict d2 = other->dict<std::string, int64_t>();
+  d2.set("new", 7);
+  EXPECT_EQ(d2.get("new"), std::optional<int64_t>(7));
+  std::vector<std::future<std::optional<int64_t>>> owner_calls;
+  for (int i = 0; i < 6; ++i) {
+    owner_calls.push_back(
+        std::async(std::launch::async, [&d, i] { return d.get("k" + std::to_string(i)); }));
+  }
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(owner_calls[i].get(), std::optional<int64_t>(i));
+  EXPECT_LT(Clock::now() - t0, 5s);
+
+  // (c) Bounded: the server holds at most kMaxPendingHandshakes strangers (plus this test's
+  // own connections), however many come, and closes each within its 5 s handshake.
+  const int bound =
+      fds_before + static_cast<int>(tp::detail::ManagerServer::kMaxPendingHandshakes) + 16;
+  EXPECT_LE(fd_count(m.pid()), bound);
+  for (int i = 0; i < 200; ++i) strangers.push_back(connect_nonblocking(m.address()));
+  EXPECT_LE(fd_count(m.pid()), bound);
+  EXPECT_TRUE(tp::testing::eventually(
+      [&] {
+        for (const auto& fd : strangers) {
+          if (!hung_up(fd.get())) return false;
+        }
+        return true;
+      },
+      15s))
+      << "the server still holds strangers after their handshake's 5 s";
+  EXPECT_LE(fd_count(m.pid()), bound);
+
+  // (b) The flood ends: the owner's dict, its references and its connection are intact.
+  stop = true;
+  strangers.clear();
+  EXPECT_EQ(d.size(), 100u);
+  for (int64_t i = 0; i < 100; ++i) {
+    ASSERT_EQ(d.get("k" + std::to_string(i)), std::optional<int64_t>(i));
+  }
+  d.set("after", 1);
+  EXPECT_EQ(m.number_of_objects(), 2u);  // d and d2
+  EXPECT_EQ(d2.get("new"), std::optional<int64_t>(7));
+  EXPECT_FALSE(gone(m.pid()));
+}
+
+TEST(ManagerFlood, AFailedConnectWhileTheServerLivesIsATimeoutNotGone) {
+  // A Unix socket file: moved away, new connections fail (ENOENT) while the server and this
+  // process's control connection live.
+  const std::string dir =
+      std::filesystem::temp_directory_path() / ("torchpar_mgr_test_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  struct Remove {
+    std::string dir;
+    ~Remove() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } remove{dir};
+  tp::ManagerOptions o = manager_options();
+  o.address = dir + "/manager.sock";
+  tp::Manager m(o);
+  tp::ManagerOptions quick = o;
+  quick.timeout = 1s;
+  tp::Manager client = tp::Manager::connect(m.address(), quick);
+  Dict d = client.dict<std::string, int64_t>();  // control request only: no call connection yet
+  ASSERT_EQ(m.number_of_objects(), 1u);
+
+  ASSERT_EQ(std::rename(o.address.c_str(), (dir + "/moved.sock").c_str()), 0);
+  const auto t0 = Clock::now();
+  EXPECT_THROW(d.set("x", 1), tp::TimeoutError);  // before: ClosedError "gone", client broken
+  EXPECT_GE(Clock::now() - t0, 900ms);            // tried again until its timeout
+  ASSERT_EQ(std::rename((dir + "/moved.sock").c_str(), o.address.c_str()), 0);
+
+  d.set("x", 1);  // the same client goes on; its reference was kept
+  EXPECT_EQ(d.get("x"), std::optional<int64_t>(1));
+  EXPECT_EQ(m.number_of_objects(), 1u);
+}
+
+TEST(ManagerFlood, AControlRequestPastItsTimeoutKeepsTheConnectionAndItsReferences) {
+  tp::Manager m(manager_options());
+  tp::ManagerOptions quick = manager_options();
+  quick.timeout = 0.5s;
+  tp::Manager client = tp::Manager::connect(m.address(), quick);
+  Dict d = client.dict<std::string, int64_t>();
+  d.set("x", 1);
+  ASSERT_EQ(::kill(m.pid(), SIGSTOP), 0);
+  struct Cont {
+    int pid;
+    ~Cont() { ::kill(pid, SIGCONT); }
+  } cont{m.pid()};
+  EXPECT_THROW(client.number_of_objects(), tp::TimeoutError);
+  ASSERT_EQ(::kill(m.pid(), SIGCONT), 0);
+  // The late reply is skipped; before, the connection was closed and the server dropped
+  // this client's references (the dict was freed: "KeyError").
+  EXPECT_EQ(client.number_of_objects(), 1u);
+  EXPECT_EQ(d.get("x"), std::optional<int64_t>(1));
+  auto copy = client.dict<std::string, int64_t>();
+  EXPECT_EQ(m.number_of_objects(), 2u);
 }
 
 }  // namespace

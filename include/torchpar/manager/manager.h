@@ -7,7 +7,9 @@
 ///
 /// The server is a torchpar Process (any start method) listening with a Listener
 /// (torchpar/ipc/listener.h) on loopback unless told otherwise; every client proves the
-/// manager's key with Python's handshake. Each request is one message on that connection
+/// manager's key with Python's handshake, each connection on its own server thread within
+/// 5 s, so peers that connect and stay silent hold up no client (at most 64 handshakes are
+/// pending: one more closes the oldest). Each request is one message on that connection
 /// (src/manager/protocol.h, docs/wire_format.md): create an object of a typeid, call a
 /// method of an object by id, incref, decref, shutdown. The server counts references per
 /// object and frees an object when the last proxy anywhere is gone. Calls from processes of
@@ -50,9 +52,16 @@ struct ManagerOptions {
   std::optional<StartMethod> start_method = std::nullopt;
   /// How long the server may take to start and report its address.
   Timeout start_timeout = std::chrono::seconds(60);
-  /// How long connecting and each proxy call may take (nullopt: no limit, as Python).
+  /// How long connecting and each request or proxy call may take; a method that blocks by
+  /// design (Queue::get, Lock::acquire, ProxyCallOptions::wait) gets its own wait on top.
+  /// Default 60 s (Python's Manager has no limit: nullopt restores that). Past it the call
+  /// raises TimeoutError and only that call failed: this process's connection and
+  /// references stay (a request's late reply is skipped), even when the server is stopped
+  /// or busy with a flood of unauthenticated connections. A new connection is tried again
+  /// within it while the server is there (the server closes the oldest stalled handshake
+  /// when 64 are pending, and answers a client with the key in milliseconds).
   /// Proxies made by this Manager, and their copies in other processes, keep it.
-  Timeout timeout = std::nullopt;
+  Timeout timeout = std::chrono::seconds(60);
   /// false (default): tensor values travel as copies of their bytes, through the server.
   /// true: they travel as shared-memory handles (no copy of the data): a tensor a proxy
   /// sends is moved to shared memory in place first (as torch.multiprocessing's queues

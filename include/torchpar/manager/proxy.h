@@ -36,7 +36,10 @@ struct ProxyRef;  // one reference on the server (src/manager/client.h)
 /// Errors:   RemoteError when the method raised in the server (type and message);
 ///           ClosedError naming the manager's address when it is gone (shut down, exited,
 ///           killed) and at every later call; TimeoutError when the manager's `timeout`
-///           passes (the connection is unusable after it).
+///           (default 60 s) passes, connecting included: only that call failed (its
+///           connection is closed, a late reply would be taken for the next one's); the
+///           proxy, its reference and later calls go on. A slow or refused connect while
+///           the server is there is never taken for "gone".
 /// Source:   multiprocessing.managers.BaseProxy.
 class BaseProxy {
  public:
