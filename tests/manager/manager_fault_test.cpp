@@ -534,6 +534,23 @@ TEST(ManagerFlood, AFailedConnectWhileTheServerLivesIsATimeoutNotGone) {
   EXPECT_EQ(m.number_of_objects(), 1u);
 }
 
+// True once every thread of `pid` is stopped (state T): kill(SIGSTOP) returns before a thread
+// running on another core has stopped, which may still answer a request sent at once.
+bool all_threads_stopped(int pid) {
+  std::error_code ec;
+  bool any = false;
+  for (const auto& task :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream in(task.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto paren = stat.rfind(')');
+    if (paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'T')
+      return false;
+    any = true;
+  }
+  return any;
+}
+
 TEST(ManagerFlood, AControlRequestPastItsTimeoutKeepsTheConnectionAndItsReferences) {
   tp::Manager m(manager_options());
   tp::ManagerOptions quick = manager_options();
@@ -546,6 +563,10 @@ TEST(ManagerFlood, AControlRequestPastItsTimeoutKeepsTheConnectionAndItsReferenc
     int pid;
     ~Cont() { ::kill(pid, SIGCONT); }
   } cont{m.pid()};
+  const auto stop_deadline = Clock::now() + 10s;
+  while (!all_threads_stopped(m.pid()) && Clock::now() < stop_deadline)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(all_threads_stopped(m.pid())) << "the server did not stop within 10 s";
   EXPECT_THROW(client.number_of_objects(), tp::TimeoutError);
   ASSERT_EQ(::kill(m.pid(), SIGCONT), 0);
   // The late reply is skipped; before, the connection was closed and the server dropped
