@@ -32,7 +32,7 @@ if [[ $which == all || $which == asan ]]; then
   export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:detect_container_overflow=0:abort_on_error=0:suppressions=$supp/asan.supp"
   export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$supp/ubsan.supp"
-  (cd build-asan && ctest -L fast -LE notsan --output-on-failure --timeout 900)
+  (cd build-asan && ctest -L 'fast|multiproc' -LE notsan --output-on-failure --timeout 900)
 fi
 
 if [[ $which == all || $which == tsan ]]; then
