@@ -206,9 +206,11 @@ inline constexpr bool is_duration_v<std::optional<std::chrono::duration<Rep, Per
 /// The arguments of a variadic call (rpc_sync<R>(to, fn, a, b)): the first is not a tuple
 /// (that is the tuple form) and none is a duration (a timeout would travel as an argument).
 template <class A0, class... A>
-concept RpcVariadicArgs =
+inline constexpr bool rpc_variadic_args_v =
     !is_std_tuple_v<std::decay_t<A0>> &&
     !(is_duration_v<std::decay_t<A0>> || ... || is_duration_v<std::decay_t<A>>);
+template <class A0, class... A>
+using RpcVariadicArgs = std::enable_if_t<rpc_variadic_args_v<A0, A...>, int>;
 
 template <class R>
 R rpc_result(const RpcValue& v) {
@@ -270,9 +272,10 @@ class RpcFuture {
 
 /// A reference to a value owned by one member (torch.distributed.rpc.RRef). Copies share
 /// one reference; when the last RRef to a remote() result in every process is gone, its
-/// owner frees the value (messages to the owner; a member that dies holding one leaks it
-/// until the owner's group is destroyed). RRefs to paired values are not counted: the value
-/// lives until the owner unpairs it. Cannot be sent inside RPC arguments (yet).
+/// owner frees the value (messages to the owner; when the member that made the remote()
+/// call dies, the owner frees the values it held at once, as no one else can reach them).
+/// RRefs to paired values are not counted: the value lives until the owner unpairs it.
+/// Cannot be sent inside RPC arguments (yet).
 /// Thread-safe.
 template <class T>
 class RRef {
@@ -407,29 +410,24 @@ class RpcGroup {
   /// default timeout: `registered_sync<int>("add", 2, 3)`; none: `registered_sync<int>("f")`.
   /// A first argument that is a std::tuple selects the tuple form (its elements are the
   /// arguments); a duration among them does not compile (use the tuple form for a timeout).
-  template <class R, class A0, class... A>
-  requires detail::RpcVariadicArgs<A0, A...> R registered_sync(const std::string& key, const A0& a0,
-                                                               const A&... rest) {
+  template <class R, class A0, class... A, detail::RpcVariadicArgs<A0, A...> = 0>
+  R registered_sync(const std::string& key, const A0& a0, const A&... rest) {
     return registered_sync<R>(key, std::forward_as_tuple(a0, rest...));
   }
   template <class R>
   R registered_sync(const std::string& key) {
     return registered_sync<R>(key, std::tuple<>{});
   }
-  template <class R, class A0, class... A>
-  requires detail::RpcVariadicArgs<A0, A...> RpcFuture<R> registered_async(const std::string& key,
-                                                                           const A0& a0,
-                                                                           const A&... rest) {
+  template <class R, class A0, class... A, detail::RpcVariadicArgs<A0, A...> = 0>
+  RpcFuture<R> registered_async(const std::string& key, const A0& a0, const A&... rest) {
     return registered_async<R>(key, std::forward_as_tuple(a0, rest...));
   }
   template <class R>
   RpcFuture<R> registered_async(const std::string& key) {
     return registered_async<R>(key, std::tuple<>{});
   }
-  template <class R, class A0, class... A>
-  requires detail::RpcVariadicArgs<A0, A...> RRef<R> registered_remote(const std::string& key,
-                                                                       const A0& a0,
-                                                                       const A&... rest) {
+  template <class R, class A0, class... A, detail::RpcVariadicArgs<A0, A...> = 0>
+  RRef<R> registered_remote(const std::string& key, const A0& a0, const A&... rest) {
     return registered_remote<R>(key, std::forward_as_tuple(a0, rest...));
   }
   template <class R>
@@ -489,31 +487,25 @@ class RpcGroup {
   /// torch.distributed.rpc's `args=(2, 3)`). A first argument that is a std::tuple selects
   /// the tuple form; a duration among them does not compile (use the tuple form for a
   /// timeout). String literals travel as std::string.
-  template <class R, class A0, class... A>
-  requires detail::RpcVariadicArgs<A0, A...> R rpc_sync(const std::string& to,
-                                                        const std::string& fn, const A0& a0,
-                                                        const A&... rest) {
+  template <class R, class A0, class... A, detail::RpcVariadicArgs<A0, A...> = 0>
+  R rpc_sync(const std::string& to, const std::string& fn, const A0& a0, const A&... rest) {
     return rpc_sync<R>(to, fn, std::forward_as_tuple(a0, rest...));
   }
   template <class R>
   R rpc_sync(const std::string& to, const std::string& fn) {
     return rpc_sync<R>(to, fn, std::tuple<>{});
   }
-  template <class R, class A0, class... A>
-  requires detail::RpcVariadicArgs<A0, A...> RpcFuture<R> rpc_async(const std::string& to,
-                                                                    const std::string& fn,
-                                                                    const A0& a0,
-                                                                    const A&... rest) {
+  template <class R, class A0, class... A, detail::RpcVariadicArgs<A0, A...> = 0>
+  RpcFuture<R> rpc_async(const std::string& to, const std::string& fn, const A0& a0,
+                         const A&... rest) {
     return rpc_async<R>(to, fn, std::forward_as_tuple(a0, rest...));
   }
   template <class R>
   RpcFuture<R> rpc_async(const std::string& to, const std::string& fn) {
     return rpc_async<R>(to, fn, std::tuple<>{});
   }
-  template <class R, class A0, class... A>
-  requires detail::RpcVariadicArgs<A0, A...> RRef<R> remote(const std::string& to,
-                                                            const std::string& fn, const A0& a0,
-                                                            const A&... rest) {
+  template <class R, class A0, class... A, detail::RpcVariadicArgs<A0, A...> = 0>
+  RRef<R> remote(const std::string& to, const std::string& fn, const A0& a0, const A&... rest) {
     return remote<R>(to, fn, std::forward_as_tuple(a0, rest...));
   }
   template <class R>
