@@ -3,9 +3,9 @@
 // 2^60 bytes before and after the handshake, a silent connection) and still answers a real
 // member; frame violations after the handshake close that connection before anything is
 // allocated; strangers that connect and stall (more than 64) keep no member out; a stale
-// address answered by another member is refused; addresses from the store are parsed strictly; with the default
-// options (TensorPipe's shm off) no stranger of any uid can end a member, members under a low
-// open-files limit live, and an idle member is idle (issue 36). And one known limitation of
+// address answered by another member is refused; addresses from the store are parsed strictly; with
+// the default options (TensorPipe's shm off) no stranger of any uid can end a member, members under
+// a low open-files limit live, and an idle member is idle (issue 36). And one known limitation of
 // TensorPipe, pinned with shm opted in: garbage on its shm listener (an abstract Unix socket)
 // ends the process (docs/wire_format.md, "RPC transport"). Linked into rpc_transport_test,
 // whose file holds main().
@@ -175,7 +175,8 @@ TEST(RpcTransportTcp, AReconnectingStrangerKeepsNoMemberOut) {
   for (int i = 0; i < 5; ++i) {
     // A fresh connection each time: `b` sees the previous one end, so every send is a first
     // contact.
-    auto member = rpc::create_tcp_transport(transport_options(fmt::format("m{}", i)), a_in.handlers());
+    auto member =
+        rpc::create_tcp_transport(transport_options(fmt::format("m{}", i)), a_in.handlers());
     EXPECT_NO_THROW(member->send("b", b->address(), message("hello", ""), in(10s))) << i;
     auto got = b_in.next(10s);
     ASSERT_TRUE(got) << i;
