@@ -13,7 +13,7 @@
 
 namespace torchpar::detail {
 
-/// One parsed address. Text forms (docs/architecture.md, Listener and Client):
+/// One parsed address. Text forms (docs/ipc.md, "Listener and Client"):
 ///   "host:port", ":port", ""   TCP; host defaults to 127.0.0.1, port 0 picks a free one;
 ///   "[v6]:port"                TCP over IPv6 (a literal in brackets);
 ///   a string containing '/'    a Unix socket at that path ("./name" for the cwd);

@@ -3,7 +3,7 @@
 // travel through a shared-memory object instead of the socket, and each side spins for a
 // few tens of microseconds before it sleeps on a futex, so a round trip costs no thread
 // wake-up through the kernel's socket layer when both sides are busy.
-// docs/architecture.md (Manager, "Call channel"), docs/wire_format.md (kAttachChannel).
+// docs/manager.md ("Call channel"), docs/wire_format.md (kAttachChannel).
 
 #include <chrono>
 #include <cstddef>
