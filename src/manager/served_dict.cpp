@@ -57,6 +57,27 @@ class ServedDict final : public ServedObject {
     if (method == "items") {
       return served_encode(std::vector<std::pair<Bytes, Bytes>>(items_.begin(), items_.end()));
     }
+    if (method == "values") {
+      std::vector<Bytes> values;
+      values.reserve(items_.size());
+      for (const auto& kv : items_) values.push_back(kv.second);
+      return served_encode(values);
+    }
+    if (method == "popitem") {  // the last inserted item (Python 3.7+: LIFO)
+      if (items_.empty()) throw ServedError("KeyError", "popitem(): dictionary is empty");
+      std::pair<Bytes, Bytes> last = std::move(items_.back());
+      index_.erase(last.first);
+      items_.pop_back();
+      return served_encode(last);
+    }
+    if (method == "setdefault") {
+      auto [key, value] = served_decode<std::tuple<Bytes, Bytes>>(args);
+      auto it = index_.find(key);
+      if (it != index_.end()) return served_encode(it->second->second);
+      Bytes inserted = value;
+      set(std::move(key), std::move(value));
+      return served_encode(inserted);
+    }
     if (method == "size") return served_encode(static_cast<uint64_t>(items_.size()));
     if (method == "update") {
       auto [pairs] = served_decode<std::tuple<std::vector<std::pair<Bytes, Bytes>>>>(args);

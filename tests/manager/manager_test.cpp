@@ -149,6 +149,34 @@ TEST(Manager, DictBehavesAsPythonsDict) {
   EXPECT_EQ(d.size(), 0u);
 }
 
+// The rest of Python's MutableMapping (before: no popitem, setdefault, values or copy).
+TEST(Manager, DictHasPopitemSetdefaultValuesCopy) {
+  tp::Manager m(manager_options());
+  auto d = m.dict<std::string, int64_t>();
+  EXPECT_EQ(d.setdefault("a", 1), 1);  // absent: set
+  EXPECT_EQ(d.setdefault("a", 5), 1);  // present: kept
+  d.set("b", 2);
+  d.set("c", 3);
+  EXPECT_EQ(d.values(), (std::vector<int64_t>{1, 2, 3}));
+  const auto snapshot = d.copy();
+  EXPECT_EQ(snapshot, (std::vector<std::pair<std::string, int64_t>>{{"a", 1}, {"b", 2}, {"c", 3}}));
+  EXPECT_EQ(d.popitem(), (std::pair<std::string, int64_t>{"c", 3}));  // last in, first out
+  EXPECT_EQ(d.popitem(), (std::pair<std::string, int64_t>{"b", 2}));
+  d.set("a", 10);  // an existing key keeps its place
+  EXPECT_EQ(d.popitem(), (std::pair<std::string, int64_t>{"a", 10}));
+  EXPECT_EQ(snapshot.size(), 3u) << "copy() is a copy, not a view";
+  EXPECT_EQ(d.size(), 0u);
+  try {
+    d.popitem();
+    ADD_FAILURE() << "popitem of an empty dict did not raise";
+  } catch (const tp::RemoteError& e) {
+    EXPECT_EQ(e.type(), "KeyError") << e.what();
+  }
+  EXPECT_TRUE(d.values().empty());
+  EXPECT_EQ(d.setdefault("z", 26), 26);
+  EXPECT_EQ(d.get("z"), std::optional<int64_t>(26));
+}
+
 TEST(Manager, RemoteErrorsCarryTypeAndMessage) {
   tp::Manager m(manager_options());
   auto d = m.dict<std::string, int64_t>();

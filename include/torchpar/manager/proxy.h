@@ -152,6 +152,29 @@ class DictProxy : public BaseProxy {
     }
     return out;
   }
+  /// The values, in insertion order. Source: dict.values.
+  std::vector<V> values() const {
+    std::vector<V> out;
+    for (const auto& v : decode<std::vector<std::string>>(call_method("values", {}))) {
+      out.push_back(decode<V>(v));
+    }
+    return out;
+  }
+  /// Removes and returns the last inserted item (last in, first out, as Python 3.7+).
+  /// Errors: RemoteError with type "KeyError" when the dict is empty. Source: dict.popitem.
+  std::pair<K, V> popitem() {
+    const auto [k, v] = decode<std::pair<std::string, std::string>>(call_method("popitem", {}));
+    return {decode<K>(k), decode<V>(v)};
+  }
+  /// The value of `key`; when the dict has none, sets it to `default_value` first. One
+  /// request: racing callers agree on the value that was set. Source: dict.setdefault.
+  V setdefault(const K& key, const V& default_value) {
+    return decode<V>(decode<std::string>(
+        call_method("setdefault", encode(std::make_tuple(encode(key), encode(default_value))))));
+  }
+  /// A copy of the contents, here in this process, in insertion order (Python's
+  /// DictProxy.copy returns a plain dict, not a proxy). Source: dict.copy.
+  std::vector<std::pair<K, V>> copy() const { return items(); }
   /// len(d). Source: dict.__len__.
   size_t size() const { return static_cast<size_t>(decode<uint64_t>(call_method("size", {}))); }
   /// Sets every pair, in order, in one round trip. Source: dict.update.
