@@ -220,6 +220,20 @@ void expect_disagree(F&& call, const std::string& mine, const std::string& their
   throw std::runtime_error(fmt::format("{} against {} did not throw", mine, theirs));
 }
 
+/// Rank 0 calls all_reduce(t) while the others call broadcast(t, 0): every rank must raise.
+template <class Group>
+void expect_all_reduce_against_broadcast(Group& g, int rank, at::Tensor& t) {
+  expect_disagree(
+      [&] {
+        if (rank == 0) {
+          g.all_reduce(t);
+        } else {
+          g.broadcast(t, 0);
+        }
+      },
+      "all_reduce(", "broadcast(");
+}
+
 void mismatch_inline_rank(int rank, int world, int port) {
   auto w = make_world(rank, world, port, 20);
   {  // an inline all_reduce (1 float) against one through the slots (10,000 floats)
@@ -230,15 +244,7 @@ void mismatch_inline_rank(int rank, int world, int port) {
   {  // two inline operations that differ: all_reduce against broadcast of 1 float
     auto g = w.create_collective_group({}, tp::Backend::kShm);
     auto t = at::ones({1});
-    expect_disagree(
-        [&] {
-          if (rank == 0) {
-            g.all_reduce(t);
-          } else {
-            g.broadcast(t, 0);
-          }
-        },
-        "all_reduce(", "broadcast(");
+    expect_all_reduce_against_broadcast(g, rank, t);
   }
 }
 
@@ -264,15 +270,7 @@ void gloo_mismatch_rank(int rank, int world, int port) {
   }
   {  // different operations
     auto t = at::ones({4});
-    expect_disagree(
-        [&] {
-          if (rank == 0) {
-            g.all_reduce(t);
-          } else {
-            g.broadcast(t, 0);
-          }
-        },
-        "all_reduce(", "broadcast(");
+    expect_all_reduce_against_broadcast(g, rank, t);
   }
   // Nothing was sent: the group goes on.
   auto t = at::ones({8});

@@ -248,6 +248,21 @@ TEST(RpcTransportAddress, CompositeAddressesParseAndGarbageIsAValueError) {
 
 // ---- garbage on the port of a member in another process ---------------------------------------
 
+/// Sends `t`'s address on `conn`, then answers each message with a "pong" carrying the same
+/// storages, sent to the address the message's body names, until "stop" or 120 s; closes `t`.
+void serve_pongs(rpc::Transport& t, Inbox& inbox, tp::Connection& conn) {
+  conn.send(t.address());
+  const auto until = in(120s);
+  while (std::chrono::steady_clock::now() < until) {
+    auto got = inbox.next(1s);
+    if (!got) continue;
+    if (got->second.header == "stop") break;
+    t.send(got->first, got->second.body, message("pong", "", std::move(got->second.storages)),
+           in(10s));
+  }
+  t.close();
+}
+
 /// A member (create_transport, named "target", handshake_timeout 2 s) in a child process: sends
 /// its address on `conn`, then answers each message "ping" from a member with "pong" and the
 /// same storages, at the address the ping's body names, until "stop" or 120 s.
@@ -258,16 +273,7 @@ void echo_member(tp::Connection conn) {
   auto o = transport_options("target");
   o.handshake_timeout = 2s;
   auto t = rpc::create_transport(o, in_.handlers());
-  conn.send(t->address());
-  const auto until = in(120s);
-  while (std::chrono::steady_clock::now() < until) {
-    auto got = in_.next(1s);
-    if (!got) continue;
-    if (got->second.header == "stop") break;
-    t->send(got->first, got->second.body, message("pong", "", std::move(got->second.storages)),
-            in(10s));
-  }
-  t->close();
+  serve_pongs(*t, in_, conn);
 }
 
 // Issue 14: garbage bytes on the listening port do not crash or hang the member.
@@ -348,16 +354,7 @@ void plain_echo_member(tp::Connection conn, bool shm, int nofile) {
   }
   Inbox in_;
   auto t = rpc::create_transport(member_options("target", shm), in_.handlers());
-  conn.send(t->address());
-  const auto until = in(120s);
-  while (std::chrono::steady_clock::now() < until) {
-    auto got = in_.next(1s);
-    if (!got) continue;
-    if (got->second.header == "stop") break;
-    t->send(got->first, got->second.body, message("pong", "", std::move(got->second.storages)),
-            in(10s));
-  }
-  t->close();
+  serve_pongs(*t, in_, conn);
 }
 
 /// A member in a child process, RLIMIT_NOFILE lowered to `nofile`: reads the target's address
