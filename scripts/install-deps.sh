@@ -17,6 +17,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest   # tests
   libbenchmark-dev        # benchmarks
   ccache                  # faster rebuilds
+  clang-format            # CI's layout check (scripts/check_format.sh, make format)
   lld                     # the linker (cmake/Linker.cmake): ~8x less CPU than GNU ld per program
   libclang-rt-14-dev      # libFuzzer runtime for the fuzz label
   dataset-fashion-mnist   # the data set of the main job

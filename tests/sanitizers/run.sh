@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # make check-sanitizers: builds torchpar twice more, each in its own tree, and runs
+# (argument: all (default), asan, asan-fast (CI: the fast set's programs only, their tests), tsan)
 #   build-asan (-DTORCHPAR_SANITIZE=address,undefined): the `fast` set,
 #   build-tsan (-DTORCHPAR_SANITIZE=thread):            the core, ipc, pool, shm-backend,
 #                                                       rpc-transport and DDP suites and the
@@ -24,15 +25,35 @@ build() {  # build <dir> <sanitizers> [targets...] (none: everything)
   cmake --build "$dir" -j "$jobs" ${1:+--target "$@"}
 }
 
-if [[ $which == all || $which == asan ]]; then
-  build build-asan address,undefined
+if [[ $which == all || $which == asan || $which == asan-fast ]]; then
+  if [[ $which == asan-fast ]]; then
+    # CI's run (.ci/run): only the library and the programs of the `fast` set are built.
+    cmake -S "$src" -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+          -DTORCHPAR_SANITIZE=address,undefined -DTORCHPAR_BUILD_BENCH=OFF \
+          > build-asan.configure.log 2>&1 || { cat build-asan.configure.log; exit 1; }
+    # The programs the fast tests run (a test's name may differ from its program's).
+    mapfile -t fast < <(cd build-asan && ctest --show-only=json-v1 -L fast -LE notsan |
+      /usr/bin/python3 -c 'import json, os, sys
+for t in json.load(sys.stdin)["tests"]:
+    if t.get("command"): print(os.path.basename(t["command"][0]))' | sort -u)
+    mapfile -t targets < <(cmake --build build-asan --target help | sed -n 's/^\.\.\. //p')
+    wanted=(torchpar_cli)
+    for t in "${fast[@]}"; do
+      printf '%s\n' "${targets[@]}" | grep -qx -- "$t" && wanted+=("$t")
+    done
+    cmake --build build-asan -j "$jobs" --target "${wanted[@]}"
+  else
+    build build-asan address,undefined
+  fi
   # LibTorch is not instrumented: ASan's container-overflow checks would misfire across the
   # boundary; leaks are checked (detect_leaks=1) with LibTorch's process-lifetime singletons
   # suppressed in lsan.supp.
   export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:detect_container_overflow=0:abort_on_error=0:suppressions=$supp/asan.supp"
   export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$supp/ubsan.supp"
-  (cd build-asan && ctest -L 'fast|multiproc' -LE notsan --output-on-failure --timeout 900)
+  labels='fast|multiproc'
+  [[ $which == asan-fast ]] && labels=fast
+  (cd build-asan && ctest -L "$labels" -LE notsan --output-on-failure --timeout 900)
 fi
 
 if [[ $which == all || $which == tsan ]]; then
