@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "shm/segment.h"
+#include "shm/region.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/archive.h"

@@ -17,7 +17,7 @@
 #include "core/futex.h"
 #include "core/robust_mutex.h"
 #include "shm/cleaner.h"
-#include "shm/segment.h"
+#include "shm/region.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/serialize.h"
@@ -138,20 +138,12 @@ int rename_spill(const std::string& from, const std::string& to) {
   return ::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_NOREPLACE) == 0 ? 0 : errno;
 }
 
-// Writes `bytes` to a new named segment under this process's prefix; returns its name.
+// Writes `bytes` to a new named segment under this process's prefix (its cleaner unlinks the
+// file if we die before the put commits it); returns its name.
 std::string write_spill(const std::string& bytes) {
-  ensure_cleaner();  // ours unlinks the file if we die before the put commits it
-  for (int attempt = 0;; ++attempt) {
-    std::string name = spill_name(::getpid());
-    try {
-      ShmRegion r = ShmRegion::create_named(name, bytes.size());
-      std::memcpy(r.data(), bytes.data(), bytes.size());
-      return name;
-    } catch (const ShmError& e) {
-      // A leftover of a dead process with our pid: take the next number.
-      if (e.error_code() != EEXIST || attempt >= 100) throw;
-    }
-  }
+  ShmRegion r = ShmRegion::create_owned(bytes.size(), [] { return spill_name(::getpid()); });
+  std::memcpy(r.data(), bytes.data(), bytes.size());
+  return r.name();
 }
 
 std::string read_spill(const std::string& name) {
@@ -173,7 +165,7 @@ ShmQueue::ShmQueue(uint64_t maxsize, uint64_t capacity_bytes) {
   TORCH_CHECK(capacity_bytes >= 4096, "queue capacity must be at least 4096 bytes");
   region_ = std::make_unique<ShmRegion>(
       ShmRegion::create_memfd(kHeaderBytes + capacity_bytes, "torchpar-queue"));
-  ctl_ = reinterpret_cast<QueueControl*>(region_->data());
+  ctl_ = &region_->as<QueueControl>();
   ring_ = region_->data() + kHeaderBytes;
   std::memset(ctl_, 0, sizeof(QueueControl));
   init_robust_mutex(&ctl_->mu);
@@ -192,7 +184,7 @@ ShmQueue::ShmQueue(UniqueFd fd) {
     if (e.error_code() != EINVAL) throw;
     throw SerializationError(e.what_without_backtrace());  // a payload carrying a bad fd
   }
-  ctl_ = reinterpret_cast<QueueControl*>(region_->data());
+  ctl_ = &region_->as<QueueControl>();
   ring_ = region_->data() + kHeaderBytes;
   if (ctl_->magic != kQueueMagic || ctl_->capacity != region_->size() - kHeaderBytes)
     throw SerializationError("not a torchpar queue segment");

@@ -20,7 +20,7 @@
 
 #include "child.h"
 #include "launch.h"
-#include "shm/segment.h"
+#include "shm/region.h"
 #include "torchpar/core/syscall.h"
 
 namespace torchpar::detail {

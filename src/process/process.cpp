@@ -25,7 +25,7 @@
 #include "child.h"
 #include "launch.h"
 #include "shm/allocator.h"
-#include "shm/segment.h"
+#include "shm/region.h"
 #include "torchpar/core/syscall.h"
 
 extern char** environ;
@@ -218,14 +218,10 @@ Payload make_record(ProcessImpl& p, const char* method, Payload& args) {
 void start_spawn(ProcessImpl& p) {
   Payload args;
   Payload record = make_record(p, "spawn", args);
-  UniqueFd record_fd(check_syscall("memfd_create", "launch record",
-                                   [] { return ::memfd_create("torchpar-launch", MFD_CLOEXEC); }));
-  for (size_t off = 0; off < record.bytes.size();) {
-    const ssize_t n = check_syscall("write", "launch record", [&] {
-      return ::write(record_fd.get(), record.bytes.data() + off, record.bytes.size() - off);
-    });
-    off += static_cast<size_t>(n);
-  }
+  // The child reads the record (pread, its size from fstat) before it runs anything else.
+  ShmRegion record_region = ShmRegion::create_memfd(record.bytes.size(), "torchpar-launch");
+  std::memcpy(record_region.data(), record.bytes.data(), record.bytes.size());
+  UniqueFd record_fd = record_region.release_fd();
   UniqueFd slot_fd = make_slot(p);
   std::vector<int> keep{record_fd.get(), slot_fd.get()};
   std::string spec =

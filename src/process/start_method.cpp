@@ -14,7 +14,7 @@
 
 #include "child.h"
 #include "launch.h"
-#include "shm/segment.h"
+#include "shm/region.h"
 #include "torchpar/process/process.h"
 
 namespace torchpar {

@@ -20,7 +20,7 @@
 #include "dist/backend/shm/segment_layout.h"
 #include "dist/backend/shm/step_barrier.h"
 #include "dist/reduce_kernels.h"
-#include "shm/segment.h"
+#include "shm/region.h"
 #include "support/child.h"
 #include "torchpar/torchpar.h"
 

@@ -12,7 +12,6 @@
 #include "core/cpu_relax.h"
 #include "core/prefault.h"
 #include "dist/store.h"
-#include "shm/cleaner.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 
@@ -77,17 +76,16 @@ void ShmBackend::attach(const c10::intrusive_ptr<c10d::Store>& store) {
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout());
   std::string shm_name;
   if (rank() == 0) {
-    ensure_cleaner();  // the name goes with this process, even on SIGKILL
-    shm_name = make_segment_name();
     try {
-      region_ = ShmRegion::create_named(shm_name, layout_.total_bytes);
+      region_ = ShmRegion::create_owned(layout_.total_bytes);  // goes with us, even on SIGKILL
     } catch (const ShmError& e) {
       if (e.syscall() != "posix_fallocate") throw;
-      throw ShmError(e.syscall(), e.error_code(), shm_name,
+      throw ShmError(e.syscall(), e.error_code(), e.object(),
                      fmt::format("{}: cannot reserve {} in /dev/shm for the shm backend (use "
                                  "backend gloo, or TORCHPAR_SHM_SLOT_BYTES to shrink it)",
                                  name(), format_bytes(layout_.total_bytes)));
     }
+    shm_name = region_.name();
     layout_.init_header(region_.data());
     store->set("shm_name", std::vector<uint8_t>(shm_name.begin(), shm_name.end()));
   } else {

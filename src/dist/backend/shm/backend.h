@@ -28,7 +28,7 @@
 #include "dist/backend/backend.h"
 #include "dist/backend/shm/segment_layout.h"
 #include "dist/backend/shm/step_barrier.h"
-#include "shm/segment.h"
+#include "shm/region.h"
 
 namespace torchpar::detail {
 
