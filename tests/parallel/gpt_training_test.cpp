@@ -1,16 +1,20 @@
 // Gpt at world size 1 is an ordinary trainable module (what `torchpar train --model gpt` relies
 // on): every parameter gets a gradient, and a few AdamW steps learn a repeating byte pattern.
+// The library's sampler (sample_next_token): greedy, seeded, top-k, errors.
 #include <gtest/gtest.h>
 #include <torch/types.h>  // before clip_grad.h, which uses torch::Tensor without including it
 
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "torchpar/parallel/gpt.h"
+#include "torchpar/parallel/sampling.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -71,6 +75,75 @@ TEST(GptTraining, AdamWLearnsARepeatingPattern) {
   }
   at::NoGradGuard no_grad;
   EXPECT_LT(loss_of(gpt, w), 1.0) << "from " << first;  // the pattern is deterministic
+}
+
+// ---- sample_next_token (torchpar/parallel/sampling.h): the sampler of TensorParallel::generate
+// and of `torchpar train --model gpt`'s sample.
+
+at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+TEST(SampleNextToken, GreedyTemperatureZeroAndTopOneTakeTheArgmax) {
+  at::manual_seed(3);
+  const at::Tensor logits = at::randn({4, 50});
+  const at::Tensor want = logits.argmax(-1, true);
+  auto gen = generator(1);
+  EXPECT_TRUE(at::equal(tp::sample_next_token(logits, {.greedy = true}, gen), want));
+  EXPECT_TRUE(at::equal(tp::sample_next_token(logits, {.temperature = 0}, gen), want));
+  EXPECT_TRUE(at::equal(tp::sample_next_token(logits, {.top_k = 1}, gen), want));
+  // The largest logit is subtracted first: a denormal temperature is greedy, not NaN.
+  EXPECT_TRUE(at::equal(tp::sample_next_token(logits, {.temperature = 1e-300}, gen), want));
+  EXPECT_TRUE(at::equal(tp::sample_next_token(logits.to(at::kBFloat16), {.greedy = true}, gen),
+                        logits.to(at::kBFloat16).to(at::kFloat).argmax(-1, true)));
+}
+
+TEST(SampleNextToken, SameSeedSameTokensAndOnlyTheTopK) {
+  at::manual_seed(4);
+  const at::Tensor logits = at::randn({64, 100});
+  const tp::SamplingOptions o{.temperature = 2.0, .top_k = 5};
+  auto g1 = generator(7), g2 = generator(7);
+  std::vector<at::Tensor> a, b;
+  for (int i = 0; i < 20; ++i) {
+    a.push_back(tp::sample_next_token(logits, o, g1));
+    b.push_back(tp::sample_next_token(logits, o, g2));
+  }
+  const at::Tensor ta = at::cat(a, 1), tb = at::cat(b, 1);  // [64, 20]
+  EXPECT_TRUE(at::equal(ta, tb));
+  EXPECT_EQ(ta.scalar_type(), at::kLong);
+  const at::Tensor top = std::get<1>(logits.topk(5, -1));  // [64, 5]
+  EXPECT_TRUE(ta.unsqueeze(-1).eq(top.unsqueeze(1)).any(-1).all().item<bool>())
+      << "a token outside the 5 likeliest";
+  EXPECT_GT(std::get<0>(at::_unique(ta)).numel(), 5) << "rows draw different tokens";
+}
+
+// The draw is the one `torchpar train --model gpt` made before it used the library's sampler
+// (its sample text for a seed is unchanged): softmax over the k largest of logits / T, one
+// multinomial draw among those k, with the same generator.
+TEST(SampleNextToken, DrawsAmongTheTopKAsTheTrainSampleDid) {
+  at::manual_seed(5);
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    const at::Tensor logits = at::randn({1, 256}) * 3;
+    auto g_old = generator(seed), g_new = generator(seed);
+    const auto top = (logits[0].to(at::kDouble) / 0.8).topk(10);
+    const at::Tensor pick = at::multinomial(std::get<0>(top).softmax(0), 1, false, g_old);
+    const int64_t old = std::get<1>(top)[pick.item<int64_t>()].item<int64_t>();
+    EXPECT_EQ(
+        tp::sample_next_token(logits, {.temperature = 0.8, .top_k = 10}, g_new).item<int64_t>(),
+        old)
+        << "seed " << seed;
+  }
+}
+
+TEST(SampleNextToken, BadArgumentsAreValueErrors) {
+  auto gen = generator(1);
+  const at::Tensor ok = at::zeros({2, 8});
+  EXPECT_THROW(tp::sample_next_token(at::zeros({8}), {}, gen), tp::ValueError);
+  EXPECT_THROW(tp::sample_next_token(at::zeros({2, 8}, at::kLong), {}, gen), tp::ValueError);
+  EXPECT_THROW(tp::sample_next_token(at::zeros({2, 0}), {}, gen), tp::ValueError);
+  EXPECT_THROW(tp::sample_next_token(at::Tensor(), {}, gen), tp::ValueError);
+  EXPECT_THROW(tp::sample_next_token(ok, {.temperature = -1}, gen), tp::ValueError);
+  EXPECT_THROW(tp::sample_next_token(ok, {.temperature = NAN}, gen), tp::ValueError);
+  EXPECT_THROW(tp::sample_next_token(ok, {.temperature = INFINITY}, gen), tp::ValueError);
+  EXPECT_THROW(tp::sample_next_token(ok, {.top_k = -1}, gen), tp::ValueError);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 #include "fortunes.h"
 #include "outputs.h"
+#include "torchpar/parallel/sampling.h"
 #include "torchpar/torchpar.h"
 #include "workers.h"
 
@@ -596,7 +597,7 @@ std::string generate_bytes(GptImpl& gpt, const SampleOptions& o) {
   at::NoGradGuard no_grad;
   gpt.eval();
   const int64_t context = gpt.config().n_positions;
-  const int64_t k = std::min(o.top_k, gpt.config().vocab_size);
+  const SamplingOptions sampling{.temperature = o.temperature, .top_k = o.top_k};
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   std::string text = o.prompt;
   GptKvCache cache;
@@ -609,9 +610,7 @@ std::string generate_bytes(GptImpl& gpt, const SampleOptions& o) {
   };
   at::Tensor logits = restart(context);  // [1, vocab]
   for (int64_t i = 0; i < o.bytes; ++i) {
-    const auto top = (logits[0].to(at::kDouble) / o.temperature).topk(k);
-    const at::Tensor pick = at::multinomial(std::get<0>(top).softmax(0), 1, false, gen);
-    const int64_t byte = std::get<1>(top)[pick.item<int64_t>()].item<int64_t>();
+    const int64_t byte = sample_next_token(logits, sampling, gen).item<int64_t>();
     text.push_back(static_cast<char>(static_cast<unsigned char>(byte)));
     if (cache.length() >= context) {
       logits = restart(context / 2);
