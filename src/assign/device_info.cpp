@@ -4,6 +4,7 @@
 
 #include <cctype>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "core/meminfo.h"
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar {
@@ -92,12 +94,12 @@ std::vector<std::string_view> split_commas(std::string_view s) {
 // are not probed (their memory is not the device's).
 std::vector<unsigned> visible_nvml_indices(const Nvml& lib, unsigned count) {
   std::vector<unsigned> out;
-  const char* env = std::getenv("CUDA_VISIBLE_DEVICES");
-  if (env == nullptr) {
+  const std::optional<std::string> env = env_value("CUDA_VISIBLE_DEVICES");
+  if (!env) {
     for (unsigned i = 0; i < count; ++i) out.push_back(i);
     return out;
   }
-  const std::string_view var(env);
+  const std::string_view var(*env);
   if (var.starts_with("MIG-")) return {};
   const bool by_uuid = var.starts_with("GPU-");
   for (const auto elem : split_commas(var)) {

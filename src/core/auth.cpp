@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "core/auth_channel.h"
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
@@ -343,10 +344,10 @@ AuthKey from_hex(std::string_view hex) {
 
 std::string default_authkey_path() {
   std::string base;
-  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x == '/') {
-    base = x;
-  } else if (const char* h = std::getenv("HOME"); h && *h) {
-    base = std::string(h) + "/.cache";
+  if (const auto x = env_value("XDG_CACHE_HOME"); x && x->starts_with('/')) {
+    base = *x;
+  } else if (const auto h = env_value("HOME"); h && !h->empty()) {
+    base = *h + "/.cache";
   } else {
     throw Error(
         "default_authkey: neither TORCHPAR_AUTHKEY nor HOME is set: set TORCHPAR_AUTHKEY to the "
@@ -400,9 +401,9 @@ void make_private_dir(const std::string& dir) {
 }  // namespace
 
 std::optional<AuthKey> authkey_from_env() {
-  const char* value = std::getenv(kAuthKeyEnv);
+  const std::optional<std::string> value = env_value(kAuthKeyEnv);
   if (!value) return std::nullopt;
-  const std::string_view hex(value);
+  const std::string_view hex(*value);
   // The messages name positions, never characters: the value is the job's secret.
   if (hex.empty()) {
     throw ValueError(
@@ -427,7 +428,7 @@ std::optional<AuthKey> authkey_from_env() {
 }
 
 AuthKey default_authkey() {
-  if (const char* hex = std::getenv(kAuthKeyEnv); hex && *hex) return *authkey_from_env();
+  if (const auto hex = env_value(kAuthKeyEnv); hex && !hex->empty()) return *authkey_from_env();
   const std::string path = default_authkey_path();
   const std::string dir = path.substr(0, path.rfind('/'));
   make_private_dir(dir.substr(0, dir.rfind('/')));  // ~/.cache may be missing

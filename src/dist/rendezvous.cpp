@@ -18,8 +18,10 @@
 
 #include "core/liveness.h"
 #include "core/signals.h"
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
+#include "torchpar/dist/launch_env.h"
 
 namespace torchpar::detail {
 namespace {
@@ -35,14 +37,16 @@ std::chrono::steady_clock::time_point deadline_in(Seconds s) {
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(s);
 }
 
-std::optional<std::string> env(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return std::nullopt;
-  return std::string(v);
-}
-
+/// A launcher variable (RANK, WORLD_SIZE, ...) as World reads it: the core table's parser,
+/// its errors prefixed with "World: "; `fallback` when unset, or an Error naming the option
+/// and the variable when `required`.
 int env_int(const char* name, int fallback, bool required, const char* what) {
-  auto v = env(name);
+  std::optional<int> v;
+  try {
+    v = torchpar::env_int(name);
+  } catch (const ValueError& e) {
+    throw ValueError(fmt::format("World: {}", e.what_without_backtrace()));
+  }
   if (!v) {
     if (required) {
       throw Error(fmt::format(
@@ -52,14 +56,7 @@ int env_int(const char* name, int fallback, bool required, const char* what) {
     }
     return fallback;
   }
-  try {
-    size_t pos = 0;
-    const int x = std::stoi(*v, &pos);
-    if (pos != v->size()) throw std::invalid_argument(*v);
-    return x;
-  } catch (const std::exception&) {
-    throw Error(fmt::format("World: environment variable {}='{}' is not an integer", name, *v));
-  }
+  return *v;
 }
 
 std::string read_first_line(const char* path) {
@@ -183,7 +180,7 @@ void Rendezvous::connect() {
   } else if (init == "env://") {
     if (!opts.master_addr.empty()) {
       master_addr = opts.master_addr;
-    } else if (auto a = env("MASTER_ADDR")) {
+    } else if (auto a = env_text("MASTER_ADDR")) {
       master_addr = *a;
     } else {
       throw Error(
@@ -204,9 +201,9 @@ void Rendezvous::connect() {
   } else {
     connect_our_store();
   }
-  if (auto ifname = env("GLOO_SOCKET_IFNAME")) {
+  if (auto ifname = env_text("GLOO_SOCKET_IFNAME")) {
     device.interface = *ifname;
-  } else if (auto a = env("TORCHPAR_GLOO_ADDR")) {
+  } else if (auto a = env_text("TORCHPAR_GLOO_ADDR")) {
     device.address = *a;
   } else {
     device.address = local_address_towards(master_addr, master_port);
@@ -243,7 +240,7 @@ void Rendezvous::connect_our_store() {
   const AuthKey key = opts.authkey.empty() ? default_authkey() : opts.authkey;
   if (rank == 0) {
     std::string bind = opts.store_bind_addr;
-    if (bind.empty()) bind = env("TORCHPAR_STORE_BIND_ADDR").value_or(master_addr);
+    if (bind.empty()) bind = env_text("TORCHPAR_STORE_BIND_ADDR").value_or(master_addr);
     server_ = std::make_unique<StoreServer>(bind, master_port, key, to_ms(opts.timeout));
   }
   try {
@@ -340,3 +337,64 @@ void Rendezvous::leave() noexcept {
 }
 
 }  // namespace torchpar::detail
+
+namespace torchpar {
+
+std::optional<LaunchEnv> launch_env() {
+  // Presence first (env_value: set even if empty), then the numbers, so that the message says
+  // what is missing before what is malformed.
+  const std::optional<std::string> rank_text = env_value("RANK");
+  const std::optional<std::string> size_text = env_value("WORLD_SIZE");
+  const bool has_rank = rank_text && !rank_text->empty();
+  const bool has_size = size_text && !size_text->empty();
+  if (!has_rank && !has_size) return std::nullopt;
+  if (!has_rank || !has_size) {
+    throw ValueError(fmt::format(
+        "{} is set in the environment but {} is not: a launcher (torchrun, `torchpar run`) sets "
+        "both for each rank of a job; set both to run as one rank of a job, or neither",
+        has_rank ? "RANK" : "WORLD_SIZE", has_rank ? "WORLD_SIZE" : "RANK"));
+  }
+  std::optional<int> rank, size;
+  try {
+    rank = env_int("RANK");
+    size = env_int("WORLD_SIZE");
+  } catch (const ValueError& e) {
+    throw ValueError(
+        fmt::format("RANK and WORLD_SIZE in the environment must be whole numbers "
+                    "(RANK='{}', WORLD_SIZE='{}'): {}",
+                    *rank_text, *size_text, e.what_without_backtrace()));
+  }
+  if (*size < 1 || *rank < 0 || *rank >= *size) {
+    throw ValueError(
+        fmt::format("RANK={} and WORLD_SIZE={} in the environment: need WORLD_SIZE >= 1 and 0 <= "
+                    "RANK < WORLD_SIZE",
+                    *rank, *size));
+  }
+  LaunchEnv env;
+  env.rank = *rank;
+  env.world_size = *size;
+  env.local_rank = detail::env_int("LOCAL_RANK", env.rank, false, "local_rank");
+  env.local_world_size =
+      detail::env_int("LOCAL_WORLD_SIZE", env.world_size, false, "local_world_size");
+  const std::optional<std::string> addr = env_text("MASTER_ADDR");
+  const std::optional<std::string> port_text = env_value("MASTER_PORT");
+  std::optional<int> port;
+  try {
+    port = env_int("MASTER_PORT");
+  } catch (const ValueError&) {
+    // reported below with MASTER_ADDR
+  }
+  if (!addr || !port || *port < 1 || *port > 65535) {
+    throw ValueError(fmt::format(
+        "RANK and WORLD_SIZE are set in the environment, so this process is one rank of a job, "
+        "which also needs MASTER_ADDR and MASTER_PORT (rank 0's address and a port in 1..65535; "
+        "got MASTER_ADDR={}, MASTER_PORT={})",
+        addr ? fmt::format("'{}'", *addr) : "unset",
+        port_text ? fmt::format("'{}'", *port_text) : "unset"));
+  }
+  env.master_addr = *addr;
+  env.master_port = *port;
+  return env;
+}
+
+}  // namespace torchpar

@@ -15,6 +15,7 @@
 
 #include "core/futex.h"
 #include "core/liveness.h"
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 #include "torchpar/ipc/listener.h"
 #include "torchpar/manager/proxy.h"
@@ -35,18 +36,8 @@ constexpr size_t kMaxIdle = 4;
 constexpr auto kFirstRetryPause = std::chrono::milliseconds(10);
 constexpr auto kMaxRetryPause = std::chrono::milliseconds(200);
 
-// What is left of `deadline` as a Timeout (nullopt: no limit).
-Timeout left_of(const Deadline& deadline) {
-  if (!deadline) return std::nullopt;
-  return std::max(std::chrono::duration<double>(*deadline - SteadyClock::now()),
-                  std::chrono::duration<double>(0));
-}
-
 // TORCHPAR_MANAGER_SHM=0 keeps calls on their sockets (benchmarks compare both paths).
-bool shm_channel_enabled() {
-  const char* v = std::getenv("TORCHPAR_MANAGER_SHM");
-  return v == nullptr || std::string_view(v) != "0";
-}
+bool shm_channel_enabled() { return env_flag("TORCHPAR_MANAGER_SHM", true); }
 
 // Connections by address, for this process (a fork child finds its parent's entries and
 // skips them: their pid is not its own).
@@ -209,7 +200,7 @@ Connection ManagerClient::connect_call(const std::string& method) {
   for (auto pause = std::chrono::milliseconds(kFirstRetryPause);;
        pause = std::min(pause * 2, std::chrono::milliseconds(kMaxRetryPause))) {
     try {
-      return Client(address_, {.authkey = authkey_, .timeout = left_of(deadline)});
+      return Client(address_, {.authkey = authkey_, .timeout = deadline.remaining()});
     } catch (const TimeoutError& e) {
       last = e.what();
     } catch (const Error& e) {

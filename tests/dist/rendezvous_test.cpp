@@ -23,6 +23,7 @@
 
 #include "support/child.h"
 #include "support/ranks.h"
+#include "torchpar/dist/launch_env.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -407,6 +408,70 @@ TEST(RankZeroLost, DuringRendezvousTheWaitingRankRaises) {
 }
 
 }  // namespace
+
+// launch_env() reads the launcher's variables with World's parser (`torchpar train` decides
+// from it whether it is one rank of a job): values, defaults, and each refusal naming the
+// variables.
+TEST(LaunchEnv, ReadsChecksAndNamesTheVariables) {
+  const char* names[] = {"RANK",        "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                         "MASTER_ADDR", "MASTER_PORT"};
+  std::map<std::string, std::optional<std::string>> saved;
+  for (const char* n : names) {
+    if (const char* v = std::getenv(n))
+      saved[n] = v;
+    else
+      saved[n] = std::nullopt;
+  }
+  // Sets the six variables ("-": unset) and returns launch_env()'s ValueError message, or "".
+  std::optional<tp::LaunchEnv> got;
+  auto with = [&](std::vector<const char*> values) -> std::string {
+    for (size_t i = 0; i < values.size(); ++i) {
+      if (std::string_view(values[i]) == "-")
+        ::unsetenv(names[i]);
+      else
+        ::setenv(names[i], values[i], 1);
+    }
+    try {
+      got = tp::launch_env();
+    } catch (const tp::ValueError& e) {
+      return e.what_without_backtrace();
+    }
+    return "";
+  };
+  EXPECT_EQ(with({"-", "-", "-", "-", "-", "-"}), "");
+  EXPECT_FALSE(got);
+  EXPECT_EQ(with({"3", "4", "-", "-", "10.0.0.1", "29500"}), "");
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->rank, 3);
+  EXPECT_EQ(got->world_size, 4);
+  EXPECT_EQ(got->local_rank, 3);  // LOCAL_* default to the global ones
+  EXPECT_EQ(got->local_world_size, 4);
+  EXPECT_EQ(got->master_addr, "10.0.0.1");
+  EXPECT_EQ(got->master_port, 29500);
+  EXPECT_EQ(with({"3", "4", "1", "2", "h", "1"}), "");
+  EXPECT_EQ(got->local_rank, 1);
+  EXPECT_EQ(got->local_world_size, 2);
+  EXPECT_NE(with({"0", "-", "-", "-", "h", "1"})
+                .find("RANK is set in the environment but "
+                      "WORLD_SIZE is not"),
+            std::string::npos);
+  EXPECT_NE(with({"zero", "2", "-", "-", "h", "1"}).find("must be whole numbers (RANK='zero'"),
+            std::string::npos);
+  EXPECT_NE(with({"2", "2", "-", "-", "h", "1"}).find("RANK=2 and WORLD_SIZE=2"),
+            std::string::npos);
+  EXPECT_NE(with({"0", "2", "-", "-", "-", "1"}).find("MASTER_ADDR=unset, MASTER_PORT='1'"),
+            std::string::npos);
+  EXPECT_NE(with({"0", "2", "-", "-", "h", "65536"}).find("MASTER_ADDR='h', MASTER_PORT='65536'"),
+            std::string::npos);
+  EXPECT_NE(with({"0", "2", "x", "-", "h", "1"}).find("LOCAL_RANK must be a whole number"),
+            std::string::npos);
+  for (const auto& [n, v] : saved) {
+    if (v)
+      ::setenv(n.c_str(), v->c_str(), 1);
+    else
+      ::unsetenv(n.c_str());
+  }
+}
 
 int main(int argc, char** argv) {
   tp::init(argc, argv);

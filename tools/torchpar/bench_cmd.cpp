@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "torchpar/core/env.h"
 
 namespace torchpar::cli {
 
@@ -41,8 +42,8 @@ Command add_bench(CLI::App& app) {
     const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe");
     const std::filesystem::path prefix = exe.parent_path().parent_path();
     std::filesystem::path runner, bin = exe.parent_path();
-    if (const char* d = std::getenv("TORCHPAR_BENCH_DIR")) {
-      runner = std::filesystem::path(d) / "run_bench.py";
+    if (const auto d = env_value("TORCHPAR_BENCH_DIR")) {
+      runner = std::filesystem::path(*d) / "run_bench.py";
     } else if (std::filesystem::exists(prefix / "share/torchpar/bench/run_bench.py")) {
       runner = prefix / "share/torchpar/bench/run_bench.py";
       bin = prefix / "libexec/torchpar";

@@ -7,11 +7,14 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "torchpar/core/env.h"
+#include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/process/start_method.h"
 #include "torchpar/shm/sharing_strategy.h"
@@ -27,13 +30,15 @@ std::string read_first_line(const char* path) {
   return line;
 }
 
-/// A positive count from the environment variable `name`, else `fallback`.
+/// A positive count from the environment variable `name`, else `fallback` (also for a value
+/// that is not one: info reports, it does not refuse).
 int env_count(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  return *end == '\0' && n > 0 && n < (1 << 20) ? static_cast<int>(n) : fallback;
+  try {
+    const std::optional<int> n = torchpar::env_int(name);
+    return n && *n > 0 && *n < (1 << 20) ? *n : fallback;
+  } catch (const torchpar::ValueError&) {
+    return fallback;
+  }
 }
 
 struct InfoOptions {

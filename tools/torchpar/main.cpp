@@ -12,6 +12,7 @@
 
 #include "commands.h"
 
+#include "torchpar/core/env.h"
 #include "torchpar/process/start_method.h"
 
 int main(int argc, char** argv) {
@@ -26,7 +27,7 @@ int main(int argc, char** argv) {
   // Training runs one LibTorch thread per process; OpenMP threads that spin while idle
   // (libgomp's default) steal the core from it. libgomp reads OMP_WAIT_POLICY when it loads,
   // so set it and start over once (torchrun likewise sets OMP_NUM_THREADS for its workers).
-  if (argc > 1 && std::string(argv[1]) == "train" && std::getenv("OMP_WAIT_POLICY") == nullptr) {
+  if (argc > 1 && std::string(argv[1]) == "train" && !torchpar::env_value("OMP_WAIT_POLICY")) {
     ::setenv("OMP_WAIT_POLICY", "passive", 1);
     ::execv("/proc/self/exe", argv);  // on failure, go on as we are
   }

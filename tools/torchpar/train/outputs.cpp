@@ -12,6 +12,7 @@
 #include <fstream>
 #include <utility>
 
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 #include "torchpar/process/exec.h"
 #include "torchpar/version.h"
@@ -97,7 +98,7 @@ void add_run_metrics(nlohmann::json& j, const TrainConfig& cfg, const std::strin
 namespace {
 
 std::string tools_dir() {
-  if (const char* d = std::getenv("TORCHPAR_TOOLS_DIR")) return d;
+  if (auto d = env_value("TORCHPAR_TOOLS_DIR")) return *d;
 #ifdef TORCHPAR_SOURCE_TOOLS_DIR
   if (std::filesystem::exists(TORCHPAR_SOURCE_TOOLS_DIR "/plot_curves.py")) {
     return TORCHPAR_SOURCE_TOOLS_DIR;

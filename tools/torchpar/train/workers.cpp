@@ -7,8 +7,6 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
-#include <charconv>
-#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +14,7 @@
 #include <thread>
 
 #include "outputs.h"
+#include "torchpar/dist/launch_env.h"
 
 namespace torchpar::train {
 namespace {
@@ -53,39 +52,24 @@ Seconds settle_time(const TrainConfig& cfg, Workers& w) {
   return Seconds(0.2);
 }
 
-/// The whole of `text` as a decimal integer; nullopt for none, empty or trailing text.
-std::optional<long long> parse_int(const char* text) {
-  if (text == nullptr || *text == '\0') return std::nullopt;
-  const char* end = text + std::strlen(text);
-  long long value = 0;
-  const auto [last, ec] = std::from_chars(text, end, value);
-  if (ec != std::errc() || last != end) return std::nullopt;
-  return value;
-}
-
-/// An environment variable for a message: its value quoted, or "unset".
-std::string env_shown(const char* value) {
-  return value == nullptr ? "unset" : fmt::format("'{}'", value);
-}
-
 }  // namespace
 
 int rank_from_env(TrainConfig& cfg, std::optional<EnvRank>& env) {
   env.reset();
-  const char* rank = std::getenv("RANK");
-  const char* size = std::getenv("WORLD_SIZE");
-  if (rank == nullptr && size == nullptr) return 0;
-  auto refuse = [](const std::string& why) {
-    std::fprintf(stderr, "torchpar train: %s\n", why.c_str());
+  auto refuse = [](std::string_view why) {
+    std::fprintf(stderr, "torchpar train: %.*s\n", static_cast<int>(why.size()), why.data());
     return 2;
   };
-  if (rank == nullptr || size == nullptr) {
-    return refuse(fmt::format(
-        "{} is set in the environment but {} is not: a launcher (torchrun, `torchpar run`) sets "
-        "both for each rank of a job; set both to run as one rank of a job, or neither to let "
-        "train start its own workers",
-        rank != nullptr ? "RANK" : "WORLD_SIZE", rank != nullptr ? "WORLD_SIZE" : "RANK"));
+  // World's own reading of the launcher's variables (rendezvous's parser): what it refuses,
+  // World would refuse later, after the data is loaded.
+  std::optional<LaunchEnv> launch;
+  std::string bad;
+  try {
+    launch = launch_env();
+  } catch (const ValueError& e) {
+    bad = e.what_without_backtrace();
   }
+  if (!launch && bad.empty()) return 0;  // no launcher: train spawns its own workers
   if (cfg.strategy != "ddp") {
     return refuse(fmt::format(
         "--strategy {} cannot run as one rank of a job: RANK and WORLD_SIZE are set in the "
@@ -93,38 +77,16 @@ int rank_from_env(TrainConfig& cfg, std::optional<EnvRank>& env) {
         "ranks of a job; unset RANK and WORLD_SIZE to run {} with its own workers on this host",
         cfg.strategy, cfg.strategy));
   }
-  const auto r = parse_int(rank);
-  const auto n = parse_int(size);
-  if (!r || !n) {
-    return refuse(fmt::format(
-        "RANK and WORLD_SIZE in the environment must be whole numbers (RANK={}, WORLD_SIZE={})",
-        env_shown(rank), env_shown(size)));
-  }
-  if (*n < 1 || *n > INT_MAX || *r < 0 || *r >= *n) {
-    return refuse(fmt::format(
-        "RANK={} and WORLD_SIZE={} in the environment: need WORLD_SIZE >= 1 and 0 <= RANK < "
-        "WORLD_SIZE",
-        *r, *n));
-  }
-  const char* addr = std::getenv("MASTER_ADDR");
-  const char* port = std::getenv("MASTER_PORT");
-  const auto p = parse_int(port);
-  if (addr == nullptr || *addr == '\0' || !p || *p < 1 || *p > 65535) {
-    return refuse(fmt::format(
-        "RANK and WORLD_SIZE are set in the environment, so this process is one rank of a job, "
-        "which also needs MASTER_ADDR and MASTER_PORT (rank 0's address and a port in 1..65535; "
-        "got MASTER_ADDR={}, MASTER_PORT={})",
-        env_shown(addr), env_shown(port)));
-  }
-  if (cfg.workers != 0 && cfg.workers != *n) {
+  if (!launch) return refuse(bad);
+  if (cfg.workers != 0 && cfg.workers != launch->world_size) {
     return refuse(fmt::format(
         "--workers {} does not match WORLD_SIZE={}: RANK and WORLD_SIZE are set in the "
         "environment, so this process is one rank of a job of WORLD_SIZE ranks and starts no "
         "workers; drop --workers or start the job with as many ranks",
-        cfg.workers, *n));
+        cfg.workers, launch->world_size));
   }
-  cfg.workers = static_cast<int>(*n);
-  env = EnvRank{.rank = static_cast<int>(*r), .world_size = static_cast<int>(*n)};
+  cfg.workers = launch->world_size;
+  env = EnvRank{.rank = launch->rank, .world_size = launch->world_size};
   return 0;
 }
 

@@ -86,15 +86,15 @@ struct EnvRank {
   int world_size = 1;
 };
 
-/// Reads RANK and WORLD_SIZE as torchrun and `torchpar run` set them. Leaves `env` empty when
-/// neither is set (train spawns its own workers on this host). When they are, `torchpar
-/// train` is one rank of the job: only --strategy ddp trains that way, and cfg.workers
-/// becomes WORLD_SIZE.
+/// Reads RANK and WORLD_SIZE as torchrun and `torchpar run` set them, with launch_env()
+/// (torchpar/dist/launch_env.h: World's own parser). Leaves `env` empty when neither is set
+/// (train spawns its own workers on this host). When they are, `torchpar train` is one rank
+/// of the job: only --strategy ddp trains that way, and cfg.workers becomes WORLD_SIZE.
 ///
-/// Returns 2 (after a message on stderr naming the variables) when only one of them is set,
-/// either is not a number, RANK is outside [0, WORLD_SIZE), MASTER_ADDR or MASTER_PORT is
-/// missing or malformed, the strategy is not ddp, or --workers was given with another value
-/// than WORLD_SIZE; else 0.
+/// Returns 2 (after a message on stderr naming the variables) when the strategy is not ddp,
+/// launch_env() refuses the variables (only one of RANK and WORLD_SIZE set, not whole
+/// numbers, RANK outside [0, WORLD_SIZE), MASTER_ADDR or MASTER_PORT missing or malformed),
+/// or --workers was given with another value than WORLD_SIZE; else 0.
 int rank_from_env(TrainConfig& cfg, std::optional<EnvRank>& env);
 
 /// The World of a job that started this process as one of its ranks: rank, world size,
