@@ -58,7 +58,7 @@
 
 #include "support/bench_main.h"
 #include "torchpar/core/auth.h"
-#include "torchpar/dist/rpc_group.h"
+#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
 #include "torchpar/process/process.h"

@@ -4,7 +4,7 @@
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/dist/collective_group.h"
-#include "torchpar/dist/rpc_group.h"
+#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
 #include "torchpar/ipc/listener.h"

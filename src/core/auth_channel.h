@@ -2,7 +2,7 @@
 // The multiprocessing.connection handshake over any channel of whole frames. auth.cpp holds
 // the one implementation; its socket functions (torchpar/core/auth.h) run it over a stream
 // socket with multiprocessing's length-prefixed frames, the RPC transport
-// (src/dist/rpc/transport/tensorpipe/) over a TensorPipe pipe with one message a frame.
+// (src/rpc/transport/tensorpipe/) over a TensorPipe pipe with one message a frame.
 
 #include <cstddef>
 #include <string>

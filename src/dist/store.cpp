@@ -662,4 +662,15 @@ int store_wait_keys(c10d::Store& store, const std::vector<std::string>& keys,
   return -1;
 }
 
+int store_poll_keys(c10d::Store& store, const std::vector<std::string>& keys,
+                    Clock::time_point deadline) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    while (!store.check({keys[i]})) {
+      if (Clock::now() > deadline) return static_cast<int>(i);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  return -1;
+}
+
 }  // namespace torchpar::detail

@@ -161,6 +161,13 @@ bool store_barrier(c10d::Store& store, const std::string& key, int64_t count,
 int store_wait_keys(c10d::Store& store, const std::vector<std::string>& keys,
                     std::chrono::steady_clock::time_point deadline);
 
+/// store_wait_keys without the store's blocking wait: asks check() every 2 ms, so a wait never
+/// holds a client that serves one request at a time (StoreClient) and other threads of the
+/// process keep using it meanwhile (the RPC layer's address lookups and group joins).
+/// Returns and errors as store_wait_keys.
+int store_poll_keys(c10d::Store& store, const std::vector<std::string>& keys,
+                    std::chrono::steady_clock::time_point deadline);
+
 /// Store values are bytes: these spell a string as one and back.
 inline std::vector<uint8_t> store_bytes(const std::string& s) { return {s.begin(), s.end()}; }
 inline std::string store_string(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }

@@ -19,9 +19,8 @@
 #include "dist/backend/hierarchical/backend.h"
 #include "dist/backend/shm/backend.h"
 #include "dist/rendezvous.h"
-#include "dist/rpc/agent.h"
-#include "dist/rpc/rpc_group_impl.h"
 #include "dist/store.h"
+#include "rpc/create.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
@@ -38,48 +37,6 @@ std::chrono::steady_clock::time_point deadline_after(Seconds s) {
 
 std::string join(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
 
-/// What to do about a missing or bad RPC key (every such error says it).
-constexpr const char* kRpcKeyAdvice =
-    "set WorldOptions::authkey or TORCHPAR_AUTHKEY (hex), as `torchpar run` does";
-
-/// The value a member that refuses to start RPC writes under its join key instead of
-/// joining, so that the others fail at once, naming it, rather than at the group's
-/// timeout. Never a secret.
-constexpr const char* kRefusedJoin = "refused: no usable job key";
-
-/// The key of this process's RPC agent: WorldOptions::authkey, else TORCHPAR_AUTHKEY. Unlike
-/// the store and the Manager, RPC never falls back to the per-user key file: a job's ranks
-/// get a fresh key from their launcher, and without one RPC does not start. Every member
-/// decides from its own options and environment, so ranks started alike decide alike.
-/// Errors: ValueError (no key; TORCHPAR_AUTHKEY set but empty or not hex).
-AuthKey rpc_authkey(const AuthKey& given, const std::string& group) {
-  if (!given.empty()) return given;
-  std::optional<AuthKey> env;
-  try {
-    env = authkey_from_env();
-  } catch (const ValueError& e) {
-    throw ValueError(fmt::format("World::create_rpc_group('{}'): {}; {}", group,
-                                 e.what_without_backtrace(), kRpcKeyAdvice));
-  }
-  if (!env) {
-    throw ValueError(
-        fmt::format("World::create_rpc_group('{}'): RPC needs the job's key and this member "
-                    "has none: {} (RPC does not use the per-user key file)",
-                    group, kRpcKeyAdvice));
-  }
-  return *std::move(env);
-}
-
-/// Marks `me` as refusing to join `group` (see kRefusedJoin). Best effort: the store may be
-/// gone too, and the caller's own error is what this member reports.
-void announce_refusal(c10d::Store& store, const std::string& group,
-                      const std::string& me) noexcept {
-  try {
-    store.set(RpcGroup::Impl::store_key(group, "join", me), detail::store_bytes(kRefusedJoin));
-  } catch (...) {  // the others then time out, naming this member
-  }
-}
-
 }  // namespace
 
 /// The rendezvous (rendezvous.h) and the groups made on it.
@@ -91,8 +48,7 @@ struct World::Impl {
   std::map<std::vector<int>, int> created;  // groups made per rank set
   std::optional<CollectiveGroup> default_group;
   bool destroyed = false;
-  std::shared_ptr<detail::RpcAgent> rpc_agent;  // made by the first create_rpc_group
-  std::set<std::string> rpc_groups;             // names created in this process
+  detail::RpcRuntime rpc;  // the process's RPC agent and groups (src/rpc/create.h)
 
   CollectiveGroup make_group(std::vector<int> ranks, Backend backend,
                              std::optional<Seconds> timeout) {
@@ -233,11 +189,12 @@ struct World::Impl {
   void leave() noexcept {
     if (destroyed) return;
     destroyed = true;
+    rpc.close();
     try {
       if (default_group) default_group->destroy();
     } catch (...) {  // the store may be gone already
     }
-    if (rpc_agent) rpc_agent->shutdown();
+    rpc.shutdown();
     rdv.leave();
   }
 };
@@ -272,115 +229,7 @@ RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std:
 
 RpcGroup World::create_rpc_group(const std::string& group_name, std::vector<std::string> members,
                                  const RpcGroupOptions& options) {
-  auto& w = *impl_;
-  const std::string& me = w.rdv.name;
-  if (group_name.empty() || group_name.find('/') != std::string::npos)
-    throw ValueError(fmt::format(
-        "World::create_rpc_group: invalid group name '{}' (empty or with '/')", group_name));
-  std::sort(members.begin(), members.end());
-  if (members.empty()) throw ValueError("World::create_rpc_group: no members");
-  if (std::adjacent_find(members.begin(), members.end()) != members.end())
-    throw ValueError(
-        fmt::format("World::create_rpc_group('{}'): a member is listed twice", group_name));
-  for (const auto& m : members) {
-    if (std::find(w.rdv.names.begin(), w.rdv.names.end(), m) == w.rdv.names.end())
-      throw ValueError(
-          fmt::format("World::create_rpc_group('{}'): '{}' is not a World member "
-                      "(members: {})",
-                      group_name, m, fmt::join(w.rdv.names, ", ")));
-  }
-  if (!std::binary_search(members.begin(), members.end(), me))
-    throw ValueError(
-        fmt::format("World::create_rpc_group('{}'): this member ('{}') is not in the "
-                    "group; only members create it",
-                    group_name, me));
-  std::shared_ptr<detail::RpcAgent> agent;
-  std::exception_ptr refused;  // no usable key: this member does not start RPC
-  {
-    std::lock_guard<std::mutex> g(w.mu);
-    if (w.destroyed) throw ClosedError("World: destroyed");
-    if (!w.rpc_groups.insert(group_name).second)
-      throw ValueError(
-          fmt::format("World::create_rpc_group: group '{}' exists in this process", group_name));
-    AuthKey key;
-    if (!w.rpc_agent) {
-      // Before anything listens. Once the agent runs, its key stays (a process may unset
-      // TORCHPAR_AUTHKEY after its first group, to keep it from its own children).
-      try {
-        key = rpc_authkey(w.rdv.opts.authkey, group_name);
-      } catch (const ValueError&) {
-        w.rpc_groups.erase(group_name);
-        refused = std::current_exception();
-      }
-    }
-    if (!w.rpc_agent && !refused) {
-      detail::RpcAgentOptions o;
-      o.name = me;
-      o.names = w.rdv.names;
-      for (const auto& m : w.rdv.members) o.hosts.push_back(m.host);
-      o.store = w.rdv.store;
-      o.authkey = std::move(key);
-      const char* addr = std::getenv("TORCHPAR_RPC_ADDR");
-      o.bind_host = addr && *addr ? addr : "127.0.0.1";
-      // TensorPipe's shm transport only with TORCHPAR_RPC_SHM=1: its abstract socket dies on
-      // any local user's garbage, its reactor busy-polls (docs/distributed.md); and never
-      // above 16 members (pytorch/tensorpipe#397: more than ~18 processes fail on shm).
-      const char* shm_env = std::getenv("TORCHPAR_RPC_SHM");
-      if (shm_env && *shm_env && std::string_view(shm_env) != "0" &&
-          std::string_view(shm_env) != "1") {
-        w.rpc_groups.erase(group_name);
-        throw ValueError(fmt::format(
-            "World::create_rpc_group('{}'): TORCHPAR_RPC_SHM must be 0 or 1", group_name));
-      }
-      o.shm = w.rdv.world_size <= 16 && shm_env && std::string_view(shm_env) == "1";
-      o.store_timeout = w.rdv.opts.timeout;
-      try {
-        w.rpc_agent = detail::RpcAgent::create(std::move(o));
-      } catch (...) {
-        w.rpc_groups.erase(group_name);
-        throw;
-      }
-    }
-    agent = w.rpc_agent;
-  }
-  if (refused) {
-    announce_refusal(*w.rdv.store, group_name, me);
-    std::rethrow_exception(refused);
-  }
-  auto impl = std::make_shared<RpcGroup::Impl>();
-  impl->agent = agent;
-  impl->group = group_name;
-  impl->members = members;
-  agent->open_group(group_name);
-  // Collective: every member announces itself, then waits for the others.
-  const auto join = [&](const std::string& m) { return impl->key("join", m); };
-  const auto deadline =
-      std::chrono::steady_clock::now() +
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(options.timeout);
-  std::vector<std::string> keys;
-  for (const auto& m : members) keys.push_back(join(m));
-  agent->with_store([&](c10d::Store& s) { s.set(join(me), std::vector<uint8_t>{1}); });
-  const int missing = agent->poll_keys(keys, deadline);
-  if (missing != -1) {
-    agent->close_group(group_name);
-    throw TimeoutError(
-        fmt::format("World::create_rpc_group('{}'): member '{}' did not join within {} s",
-                    group_name, members[static_cast<size_t>(missing)], options.timeout.count()));
-  }
-  // Every key is set (get does not wait); a member without a key set kRefusedJoin instead.
-  for (const auto& m : members) {
-    if (m == me) continue;
-    const std::string v =
-        agent->with_store([&](c10d::Store& s) { return detail::store_string(s.get(join(m))); });
-    if (v == kRefusedJoin) {
-      agent->close_group(group_name);
-      throw ValueError(
-          fmt::format("World::create_rpc_group('{}'): member '{}' refused to start RPC: it has "
-                      "no usable job key; {} on every member",
-                      group_name, m, kRpcKeyAdvice));
-    }
-  }
-  return RpcGroup(std::move(impl));
+  return impl_->rpc.create_group(impl_->rdv, group_name, std::move(members), options);
 }
 
 int find_free_port(bool loopback_only) {

@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "torchpar/dist/rpc_group.h"
+#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/server/ordered_server.h"
 
 namespace torchpar::detail {

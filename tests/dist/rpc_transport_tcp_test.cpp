@@ -1,4 +1,4 @@
-// What is particular to the TCP transport (src/dist/rpc/transport/tcp/) and to create_transport:
+// What is particular to the TCP transport (src/rpc/transport/tcp/) and to create_transport:
 // a member survives garbage on its TCP port (an HTTP request, random bytes, a frame announcing
 // 2^60 bytes before and after the handshake, a silent connection) and still answers a real
 // member; frame violations after the handshake close that connection before anything is
@@ -36,8 +36,8 @@
 #include <thread>
 #include <vector>
 
-#include "dist/rpc/transport/tcp/tcp_transport.h"
-#include "dist/rpc/transport/transport.h"
+#include "rpc/transport/tcp/factory.h"
+#include "rpc/transport/transport.h"
 #include "support/raw_socket.h"
 #include "support/rpc_transport.h"
 #include "torchpar/torchpar.h"

@@ -1,4 +1,4 @@
-// The RPC transports (src/dist/rpc/transport/), one generic suite run on each: TensorPipe (uv,
+// The RPC transports (src/rpc/transport/), one generic suite run on each: TensorPipe (uv,
 // with and without shm), our TCP transport, and create_transport's composite (TCP + TensorPipe
 // shm, with and without shm). Messages with header, body and storages between two transports
 // in one process and between processes; a reply over the accepted connection; order under
@@ -7,7 +7,7 @@
 // with messages in flight. Then what is particular to TensorPipe (stray connections stopping
 // its listener, layout violations). rpc_transport_tcp_test.cpp (linked into the same binary)
 // holds the TCP transport's own cases: garbage on the port, frame violations, addresses.
-#include "dist/rpc/transport/transport.h"
+#include "rpc/transport/transport.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "dist/rpc/transport/tensorpipe/testing.h"
+#include "rpc/transport/tensorpipe/testing.h"
 #include "support/ranks.h"
 #include "support/raw_socket.h"
 #include "support/rpc_transport.h"

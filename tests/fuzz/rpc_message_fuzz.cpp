@@ -19,7 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "dist/rpc/message.h"
+#include "rpc/message.h"
 #include "torchpar/torchpar.h"
 
 namespace {

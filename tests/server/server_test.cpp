@@ -19,7 +19,7 @@
 
 #include "support/ranks.h"
 #include "support/rpc.h"
-#include "torchpar/dist/rpc_group.h"
+#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/server/ordered_server.h"
 #include "torchpar/server/push_pull_grad_server.h"

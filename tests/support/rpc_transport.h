@@ -20,8 +20,9 @@
 #include <utility>
 #include <vector>
 
-#include "dist/rpc/transport/tcp/tcp_transport.h"
-#include "dist/rpc/transport/transport.h"
+#include "rpc/transport/tcp/factory.h"
+#include "rpc/transport/tensorpipe/factory.h"
+#include "rpc/transport/transport.h"
 #include "support/ranks.h"
 #include "support/raw_socket.h"
 #include "torchpar/core/auth.h"

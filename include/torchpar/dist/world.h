@@ -101,7 +101,7 @@ class World {
   /// process starts its RPC agent: a TCP listener on 127.0.0.1 (TORCHPAR_RPC_ADDR names
   /// another host or IP; TensorPipe's shared memory serves members of this host), whose
   /// address is published in the World's store, and which accepts only peers proving the
-  /// job's key. Include "torchpar/dist/rpc_group.h" to use the result.
+  /// job's key. Include "torchpar/rpc/rpc_group.h" to use the result.
   ///
   /// Key:     WorldOptions::authkey, else TORCHPAR_AUTHKEY (hex), which `torchpar run` sets
   ///          to a fresh 32-byte key per job. Never the per-user key file: without a key

@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "torchpar/dist/rpc_group.h"
+#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/shm/share.h"
 
 namespace torchpar {

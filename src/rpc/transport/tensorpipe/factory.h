@@ -1,12 +1,26 @@
 #pragma once
-// The TensorPipe transport's second factory: shm alone, for create_transport's composite
-// (transport.h declares create_tensorpipe_transport, uv + shm). No TensorPipe type appears here.
+// The TensorPipe transport's factories: uv + shm (tests and benchmarks), and shm alone, for
+// create_transport's composite. No TensorPipe type appears here.
 
 #include <memory>
 
-#include "dist/rpc/transport/transport.h"
+#include "rpc/transport/transport.h"
 
-namespace torchpar::rpc::detail {
+namespace torchpar::rpc {
+
+/// A TensorPipe transport (uv = TCP, plus shm when options.shm; channels cma and basic)
+/// listening on options.bind_host, port chosen by the kernel. Kept for tests and benchmarks;
+/// the RPC agent uses create_transport.
+/// Errors: ValueError for an empty key or name (or one over 256 bytes); SystemError when it
+/// cannot listen.
+/// Process: sets SIGPIPE to "ignore" when it is at its default (libuv writes without
+/// MSG_NOSIGNAL), as World does. TensorPipe aborts the process on garbage sent to its TCP
+/// port before any handshake can run: keep bind_host on loopback or a trusted network
+/// (docs/wire_format.md, "RPC transport").
+std::unique_ptr<Transport> create_tensorpipe_transport(TransportOptions options,
+                                                       TransportHandlers handlers);
+
+namespace detail {
 
 /// A TensorPipe transport that registers only TensorPipe's shm transport (channels cma and
 /// basic; no uv, so no TCP listener): the same-host half of create_transport. It listens on an
@@ -23,4 +37,5 @@ namespace torchpar::rpc::detail {
 std::unique_ptr<Transport> create_tensorpipe_shm_transport(TransportOptions options,
                                                            TransportHandlers handlers);
 
-}  // namespace torchpar::rpc::detail
+}  // namespace detail
+}  // namespace torchpar::rpc

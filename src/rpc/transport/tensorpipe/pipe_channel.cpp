@@ -1,4 +1,4 @@
-#include "dist/rpc/transport/tensorpipe/pipe_channel.h"
+#include "rpc/transport/tensorpipe/pipe_channel.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "dist/rpc/transport/tensorpipe/testing.h"
+#include "rpc/transport/tensorpipe/testing.h"
 
 #include <fmt/format.h>
 #include <tensorpipe/tensorpipe.h>
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/auth_channel.h"
-#include "dist/rpc/transport/tensorpipe/pipe_channel.h"
+#include "rpc/transport/tensorpipe/pipe_channel.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar::rpc::testing {

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "dist/rpc/agent.h"
-#include "torchpar/dist/rpc_group.h"
+#include "rpc/agent.h"
+#include "torchpar/rpc/rpc_group.h"
 
 namespace torchpar {
 

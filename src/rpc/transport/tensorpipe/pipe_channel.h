@@ -1,7 +1,7 @@
 #pragma once
 // Blocking helpers over a TensorPipe pipe for the handshake phase of a connection (before its
 // message loop starts): the auth frames and the connecting member's name frame, each one
-// TensorPipe message. Private to src/dist/rpc/transport/tensorpipe/ (TensorPipe headers stay
+// TensorPipe message. Private to src/rpc/transport/tensorpipe/ (TensorPipe headers stay
 // in this folder).
 
 #include <tensorpipe/tensorpipe.h>

@@ -175,16 +175,4 @@ TransportAddress parse_transport_address(std::string_view address);
 /// cannot be read. Thread-safe; reads the files on every call.
 std::string host_identity();
 
-/// A TensorPipe transport (uv = TCP, plus shm when options.shm; channels cma and basic)
-/// listening on options.bind_host, port chosen by the kernel. Kept for tests and benchmarks;
-/// the RPC agent uses create_transport.
-/// Errors: ValueError for an empty key or name (or one over 256 bytes); SystemError when it
-/// cannot listen.
-/// Process: sets SIGPIPE to "ignore" when it is at its default (libuv writes without
-/// MSG_NOSIGNAL), as World does. TensorPipe aborts the process on garbage sent to its TCP
-/// port before any handshake can run: keep bind_host on loopback or a trusted network
-/// (docs/wire_format.md, "RPC transport").
-std::unique_ptr<Transport> create_tensorpipe_transport(TransportOptions options,
-                                                       TransportHandlers handlers);
-
 }  // namespace torchpar::rpc

@@ -1,11 +1,11 @@
 #pragma once
 // The TCP implementation of the RPC transport (transport.h): our own code on POSIX stream
 // sockets, so that nothing a peer sends is parsed before the peer proved the job's key. Wire
-// format: docs/wire_format.md, "RPC transport" (TCP); threads: tcp_transport.cpp.
+// format: docs/wire_format.md, "RPC transport" (TCP); threads: transport_impl.h.
 
 #include <memory>
 
-#include "dist/rpc/transport/transport.h"
+#include "rpc/transport/transport.h"
 
 namespace torchpar::rpc {
 

@@ -1,4 +1,4 @@
-#include "torchpar/dist/rpc_group.h"
+#include "torchpar/rpc/rpc_group.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -7,18 +7,11 @@
 #include <map>
 #include <set>
 
-#include "dist/rpc/agent.h"
-#include "dist/rpc/rpc_group_impl.h"
 #include "dist/store.h"
+#include "rpc/agent.h"
+#include "rpc/rpc_group_impl.h"
 
 namespace torchpar {
-
-namespace {
-
-std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
-std::string string_of(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
-
-}  // namespace
 
 std::string RpcGroup::Impl::store_key(const std::string& group, const char* kind,
                                       const std::string& k) {
@@ -32,7 +25,7 @@ std::string RpcGroup::Impl::key(const char* kind, const std::string& k) const {
 std::optional<std::string> RpcGroup::Impl::store_get(const std::string& k) const {
   return agent->with_store([&](c10d::Store& s) -> std::optional<std::string> {
     if (!s.check({k})) return std::nullopt;
-    return string_of(s.get(k));
+    return detail::store_string(s.get(k));
   });
 }
 
@@ -131,7 +124,7 @@ void RpcGroup::register_handler(const std::string& key, detail::RpcHandler fn) {
   }
   g.agent->add_service(g.group, key, std::move(fn));  // before anyone can find it
   const std::string owner = g.agent->with_store([&](c10d::Store& s) {
-    return string_of(s.compareSet(g.key("service", key), {}, bytes_of(me)));
+    return detail::store_string(s.compareSet(g.key("service", key), {}, detail::store_bytes(me)));
   });
   if (owner != me) {
     g.agent->remove_service(g.group, key);
@@ -281,7 +274,7 @@ void RpcGroup::pair_value(const std::string& key, std::type_index type,
   g.agent->add_pinned(id, std::move(v));
   const std::string mine = me + "\n" + id;
   const std::string got = g.agent->with_store([&](c10d::Store& s) {
-    return string_of(s.compareSet(g.key("pair", key), {}, bytes_of(mine)));
+    return detail::store_string(s.compareSet(g.key("pair", key), {}, detail::store_bytes(mine)));
   });
   if (got != mine) {
     g.agent->remove_pinned(id);

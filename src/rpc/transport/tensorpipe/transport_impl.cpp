@@ -30,10 +30,10 @@
 
 #include "core/auth_channel.h"
 #include "core/signals.h"
-#include "dist/rpc/transport/support.h"
-#include "dist/rpc/transport/tensorpipe/pipe_channel.h"
-#include "dist/rpc/transport/tensorpipe/tensorpipe_transport.h"
-#include "dist/rpc/transport/transport.h"
+#include "rpc/transport/support.h"
+#include "rpc/transport/tensorpipe/pipe_channel.h"
+#include "rpc/transport/tensorpipe/factory.h"
+#include "rpc/transport/transport.h"
 #include "ipc/socket_address.h"
 #include "torchpar/core/error.h"
 

@@ -1,4 +1,4 @@
-#include "dist/rpc/transport/support.h"
+#include "rpc/transport/support.h"
 
 #include <arpa/inet.h>
 #include <fmt/format.h>

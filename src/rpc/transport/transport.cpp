@@ -1,7 +1,7 @@
 // create_transport: our TCP transport for every peer, TensorPipe's shm transport alone for
 // peers of this host (transport.h). Address format: docs/wire_format.md, "RPC transport".
 
-#include "dist/rpc/transport/transport.h"
+#include "rpc/transport/transport.h"
 
 #include <fmt/format.h>
 #include <sys/resource.h>
@@ -13,9 +13,9 @@
 #include <fstream>
 #include <utility>
 
-#include "dist/rpc/transport/support.h"
-#include "dist/rpc/transport/tcp/tcp_transport.h"
-#include "dist/rpc/transport/tensorpipe/tensorpipe_transport.h"
+#include "rpc/transport/support.h"
+#include "rpc/transport/tcp/factory.h"
+#include "rpc/transport/tensorpipe/factory.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar::rpc {

@@ -1,7 +1,7 @@
 #pragma once
 // What the RPC transports (tcp/, tensorpipe/) share: log lines, peer-chosen text made safe for
 // them, the threads that run one connection each, and the dispatch thread that hands messages
-// and losses to the handlers in order. Private to src/dist/rpc/transport/.
+// and losses to the handlers in order. Private to src/rpc/transport/.
 
 #include <fmt/format.h>
 
@@ -20,7 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "dist/rpc/transport/transport.h"
+#include "rpc/transport/transport.h"
 #include "ipc/socket_address.h"
 #include "torchpar/core/error.h"
 

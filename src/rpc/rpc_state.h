@@ -1,0 +1,43 @@
+#pragma once
+// The state behind RpcFuture and RRef (torchpar/rpc/rpc_group.h declares them; only the RPC
+// layer sees their fields).
+
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "torchpar/rpc/rpc_group.h"
+
+namespace torchpar::detail {
+
+class RpcAgent;
+
+/// One call's outcome, shared by the caller's RpcFuture and the agent.
+/// Safety: thread-safe; complete() takes effect once (a late reply after a timeout is dropped).
+struct RpcFutureState {
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  RpcValue value;
+  std::exception_ptr error;
+  std::vector<std::function<void()>> callbacks;
+
+  void complete(RpcValue v, std::exception_ptr e);
+  /// Waits up to `timeout`; false when it passed first.
+  bool wait(Timeout timeout);
+};
+
+/// One RRef as this process knows it: where its value lives and, on the owner, the value.
+struct RRefState {
+  std::shared_ptr<RpcAgent> agent;
+  std::string owner;
+  std::string id;       ///< "<creator>#<n>", unique in the World
+  bool counted = true;  ///< false for paired values (pinned until unpair)
+  ~RRefState();         ///< a counted user reference tells the owner it is gone
+};
+
+}  // namespace torchpar::detail

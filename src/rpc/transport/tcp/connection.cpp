@@ -1,0 +1,349 @@
+// The TCP transport's authenticated connections: filing and losing them, the frame reader,
+// the writer and its queue, send. Threads and locks: transport_impl.h.
+
+#include "rpc/transport/tcp/transport_impl.h"
+
+namespace torchpar::rpc::tcp {
+
+bool write_some(int fd, Outgoing& out, const std::string& where, bool* moved) {
+  while (out.next < out.iov.size()) {
+    msghdr mh{};
+    mh.msg_iov = out.iov.data() + out.next;
+    mh.msg_iovlen = std::min<size_t>(out.iov.size() - out.next, IOV_MAX);
+    const ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      out.started = true;
+      if (moved) *moved = true;
+      for (auto left = static_cast<size_t>(w); left > 0;) {
+        auto& v = out.iov[out.next];
+        if (left >= v.iov_len) {
+          left -= v.iov_len;
+          ++out.next;
+        } else {
+          v.iov_base = static_cast<char*>(v.iov_base) + left;
+          v.iov_len -= left;
+          left = 0;
+        }
+      }
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w == 0 || errno == EAGAIN || errno == EWOULDBLOCK) return false;
+    if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) {
+      throw ClosedError(fmt::format("the connection ended ({})", std::strerror(errno)));
+    }
+    torchpar::detail::throw_system_error("sendmsg", errno, where);
+  }
+  return true;
+}
+
+void prune_locked(Conn& conn, Clock::time_point now,
+                  std::vector<std::unique_ptr<Outgoing>>& dropped) {
+  for (auto it = conn.queue.begin(); it != conn.queue.end();) {
+    if (!(*it)->started && (*it)->deadline <= now) {
+      dropped.push_back(std::move(*it));
+      it = conn.queue.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// ---- connections ------------------------------------------------------------------------------
+
+bool TcpTransport::track(int fd) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) return false;
+  handshaking_.insert(fd);
+  return true;
+}
+
+std::shared_ptr<Conn> TcpTransport::add_conn(UniqueFd& fd, const std::string& peer,
+                                             const std::string& where) {
+  auto conn = std::make_shared<Conn>();
+  conn->peer = peer;
+  conn->where = where;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) return nullptr;
+  conn->fd = std::move(fd);
+  file_locked(conn);
+  return conn;
+}
+
+void TcpTransport::lose(const std::shared_ptr<Conn>& conn, const std::string& why) {
+  bool report = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (conn->dead) return;
+    report = unfile_locked(conn);
+    // The peer sees EOF; this side's reader (if it is not the caller) wakes and returns.
+    ::shutdown(conn->fd.get(), SHUT_RDWR);
+  }
+  stop_writer(*conn);
+  if (report) dispatcher_.post_lost(conn->peer, why);
+}
+
+void TcpTransport::stop_writer(Conn& conn) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(conn.wmu);
+    conn.stop = true;
+  }
+  conn.wcv.notify_all();
+}
+// ---- messages ---------------------------------------------------------------------------------
+
+/// Reads exactly `n` bytes of `conn`. Errors: ClosedError at EOF or a reset; SystemError.
+void read_exact(const Conn& conn, void* data, size_t n) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(conn.fd.get(), p, std::min<size_t>(n, size_t{1} << 30), 0);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0) throw ClosedError("the peer closed the connection");
+    if (errno == EINTR) continue;
+    if (errno == ECONNRESET) throw ClosedError("the peer reset the connection");
+    torchpar::detail::throw_system_error("recv", errno, conn.where);
+  }
+}
+
+Message TcpTransport::read_message(const Conn& conn) const {
+  unsigned char fixed[kFixedBytes];
+  read_exact(conn, fixed, sizeof fixed);
+  if (std::memcmp(fixed, kMagic, sizeof kMagic) != 0 || get_le(fixed + 20, 4) != 0) {
+    throw ProtocolError(
+        fmt::format("protocol error: not an RPC frame (it starts with {:02x} {:02x} {:02x} {:02x})",
+                    fixed[0], fixed[1], fixed[2], fixed[3]));
+  }
+  const uint64_t header_bytes = get_le(fixed + 4, 4);
+  const uint64_t body_bytes = get_le(fixed + 8, 8);
+  const uint64_t count = get_le(fixed + 16, 4);
+  if (header_bytes > options_.max_header_bytes) {
+    throw ProtocolError(fmt::format("protocol error: a header of {} bytes (at most {})",
+                                    header_bytes, options_.max_header_bytes));
+  }
+  if (count > options_.max_storages) {
+    throw ProtocolError(
+        fmt::format("protocol error: {} storages (at most {})", count, options_.max_storages));
+  }
+  std::vector<uint64_t> lengths(count);  // at most max_storages entries
+  read_exact(conn, lengths.data(), lengths.size() * sizeof(uint64_t));
+  for (auto& length : lengths) length = get_le(reinterpret_cast<const unsigned char*>(&length), 8);
+  // total <= limit throughout, so no sum can overflow.
+  const uint64_t limit = options_.max_message_bytes;
+  uint64_t total = 0;
+  bool fits = true;
+  auto add = [&](uint64_t n) {
+    if (n > limit - total) fits = false;
+    if (fits) total += n;
+  };
+  add(header_bytes);
+  add(body_bytes);
+  for (uint64_t length : lengths) add(length);
+  if (!fits) {
+    throw ProtocolError(
+        fmt::format("protocol error: a message of more than {} bytes (max_message_bytes)", limit));
+  }
+  // Allocated only now, each of the announced size; storages are read into straight.
+  Message msg;
+  try {
+    msg.header.resize(header_bytes);
+    msg.body.resize(body_bytes);
+    msg.storages.reserve(lengths.size());
+    for (uint64_t length : lengths) {
+      msg.storages.emplace_back(c10::Storage::use_byte_size_t(), length, c10::GetCPUAllocator(),
+                                /*resizable=*/false);
+    }
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("cannot receive a message of {} bytes: {}", total, e.what()));
+  }
+  read_exact(conn, msg.header.data(), msg.header.size());
+  read_exact(conn, msg.body.data(), msg.body.size());
+  for (auto& s : msg.storages) {
+    if (s.nbytes() > 0) read_exact(conn, s.data(), s.nbytes());
+  }
+  return msg;
+}
+
+void TcpTransport::read_loop(const std::shared_ptr<Conn>& conn) {
+  for (;;) {
+    Message msg;
+    try {
+      msg = read_message(*conn);
+    } catch (const std::exception& e) {
+      lose(conn, e.what());
+      return;
+    }
+    if (options_.inline_handlers) {
+      if (!closed()) dispatcher_.deliver(conn->peer, std::move(msg));
+    } else {
+      dispatcher_.post_message(conn->peer, std::move(msg));
+    }
+  }
+}
+
+void TcpTransport::write(const std::shared_ptr<Conn>& conn, std::unique_ptr<Outgoing> out) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (conn->dead) {
+      throw ClosedError(
+          fmt::format("rpc transport: the connection to {} was lost", printable(conn->peer)));
+    }
+  }
+  std::vector<std::unique_ptr<Outgoing>> dropped;  // destroyed unlocked: they own storages
+  std::unique_lock<std::mutex> wl(conn->wmu);
+  if (conn->stop) {
+    throw ClosedError(
+        fmt::format("rpc transport: the connection to {} was lost", printable(conn->peer)));
+  }
+  prune_locked(*conn, Clock::now(), dropped);
+  if (!conn->writing && conn->queue.empty()) {
+    // Nothing waits: write what the socket takes now, on this thread (no hand-off for the
+    // common small message).
+    conn->writing = true;
+    wl.unlock();
+    bool done = false;
+    std::string error;
+    try {
+      done = write_some(conn->fd.get(), *out, conn->where);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    wl.lock();
+    conn->writing = false;
+    conn->wcv.notify_all();
+    if (!error.empty()) {
+      wl.unlock();
+      lose(conn, error);
+      if (closed()) throw ClosedError("rpc transport: closed");
+      throw ClosedError(fmt::format("rpc transport {}: send to {}: {}", printable(options_.name),
+                                    printable(conn->peer), error));
+    }
+    if (done) return;
+  }
+  // The rest waits for the writer thread, in order after what is queued.
+  conn->queue.push_back(std::move(out));
+  conn->wcv.notify_all();
+  if (conn->writer) return;
+  conn->writer = true;
+  wl.unlock();
+  try {
+    threads_.start([this, conn] { write_loop(conn); });
+  } catch (const std::exception& e) {
+    lose(conn, fmt::format("no thread to write the connection: {}", e.what()));
+    throw ClosedError(fmt::format("rpc transport {}: send to {}: no thread to write: {}",
+                                  printable(options_.name), printable(conn->peer), e.what()));
+  }
+}
+
+void TcpTransport::write_loop(const std::shared_ptr<Conn>& conn) {
+  // When the socket last took bytes, or the writer found work after having none: the stall
+  // clock runs across messages (each dropped at its deadline) while the socket takes nothing.
+  Clock::time_point progress = Clock::now();
+  for (;;) {
+    std::unique_ptr<Outgoing> out;
+    {
+      std::deque<std::unique_ptr<Outgoing>> dropped;  // destroyed unlocked
+      std::unique_lock<std::mutex> wl(conn->wmu);
+      if (conn->queue.empty()) {
+        conn->wcv.wait(wl, [&] { return conn->stop || (!conn->queue.empty() && !conn->writing); });
+        progress = Clock::now();
+      }
+      conn->wcv.wait(wl, [&] { return conn->stop || !conn->writing; });
+      if (conn->stop) {
+        dropped.swap(conn->queue);
+        wl.unlock();
+        return;
+      }
+      out = std::move(conn->queue.front());
+      conn->queue.pop_front();
+      conn->writing = true;
+    }
+    std::string error;
+    try {
+      finish(*conn, *out, progress);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    out.reset();
+    {
+      std::lock_guard<std::mutex> wl(conn->wmu);
+      conn->writing = false;
+    }
+    conn->wcv.notify_all();
+    if (!error.empty()) {
+      lose(conn, fmt::format("rpc transport {}: writing to {}: {}", printable(options_.name),
+                             printable(conn->peer), error));
+      return;
+    }
+  }
+}
+
+bool TcpTransport::finish(Conn& conn, Outgoing& out, Clock::time_point& progress) {
+  for (;;) {
+    bool moved = false;
+    if (write_some(conn.fd.get(), out, conn.where, &moved)) return true;
+    const auto now = Clock::now();
+    if (moved) progress = now;
+    if (!out.started && out.deadline <= now) return false;  // its caller has given up
+    if (now - progress >= kWriteStallLimit) {
+      throw TimeoutError(fmt::format(
+          "the peer took no byte for {:.3g} s (stopped or unreachable?); the connection is "
+          "dropped",
+          seconds(now - progress)));
+    }
+    {
+      std::vector<std::unique_ptr<Outgoing>> dropped;  // destroyed unlocked
+      std::unique_lock<std::mutex> wl(conn.wmu);
+      if (conn.stop) throw ClosedError("the connection was closed");
+      prune_locked(conn, now, dropped);
+      wl.unlock();
+    }
+    auto until = std::min(progress + kWriteStallLimit, now + kPruneEvery);
+    if (!out.started) until = std::min(until, out.deadline);
+    pollfd p{conn.fd.get(), POLLOUT, 0};
+    const int r = ::poll(&p, 1, poll_ms(until));
+    if (r < 0 && errno != EINTR) torchpar::detail::throw_system_error("poll", errno, conn.where);
+  }
+}
+
+void TcpTransport::send(const std::string& peer, const std::string& address, Message msg,
+                        Clock::time_point deadline) {
+  detail::check_storages(msg);
+  if (msg.header.size() > UINT32_MAX || msg.storages.size() > UINT32_MAX) {
+    throw ValueError(
+        fmt::format("rpc transport: a header of {} bytes or {} storages does not fit "
+                    "a frame (at most 2^32 - 1 each)",
+                    msg.header.size(), msg.storages.size()));
+  }
+  // Framed once, here; the iovecs point into the heap-held message, which the writer may
+  // hold after send returns.
+  auto out = std::make_unique<Outgoing>();
+  out->msg = std::move(msg);
+  out->deadline = deadline;
+  const Message& m = out->msg;
+  out->head.assign(kFixedBytes + 8 * m.storages.size(), '\0');
+  auto* h = reinterpret_cast<unsigned char*>(out->head.data());
+  std::memcpy(h, kMagic, sizeof kMagic);
+  put_le(h + 4, m.header.size(), 4);
+  put_le(h + 8, m.body.size(), 8);
+  put_le(h + 16, m.storages.size(), 4);
+  for (size_t i = 0; i < m.storages.size(); ++i) {
+    put_le(h + kFixedBytes + 8 * i, m.storages[i].nbytes(), 8);
+  }
+  out->iov.reserve(3 + m.storages.size());
+  auto add = [&](const void* p, size_t n) {
+    if (n > 0) out->iov.push_back(iovec{const_cast<void*>(p), n});
+  };
+  add(out->head.data(), out->head.size());
+  add(m.header.data(), m.header.size());
+  add(m.body.data(), m.body.size());
+  for (const auto& s : m.storages) add(s.data(), s.nbytes());
+  run_send(
+      peer, deadline, [&] { return connect(peer, address, deadline); },
+      [&](const std::shared_ptr<Conn>& conn) { write(conn, std::move(out)); });
+}
+
+}  // namespace torchpar::rpc::tcp
