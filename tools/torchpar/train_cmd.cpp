@@ -8,6 +8,123 @@
 #include "train/trainer.h"
 
 namespace torchpar::cli {
+namespace {
+
+/// Options of one model only (given with the other, the run is refused: exit 2), and the two
+/// whose default depends on the model.
+struct ModelOptions {
+  std::vector<CLI::Option*> mnist_only, gpt_only;
+  CLI::Option* batch_size = nullptr;
+  CLI::Option* lr = nullptr;
+};
+
+/// --model, --strategy, --workers and the optimizer's: --epochs .. --seed.
+void add_model_options(CLI::App* cmd, train::TrainConfig& c, ModelOptions& o) {
+  cmd->add_option("--model", c.model,
+                  "mnist (Fashion-MNIST, the mnist_hogwild network) | gpt (a byte-level GPT on "
+                  "/usr/share/games/fortunes)")
+      ->check(CLI::IsMember({"mnist", "gpt"}))
+      ->capture_default_str();
+  cmd->add_option("--strategy", c.strategy, "single | hogwild | ddp | pserver")
+      ->check(CLI::IsMember({"single", "hogwild", "ddp", "pserver"}))
+      ->capture_default_str();
+  cmd->add_option("--workers", c.workers,
+                  "worker processes (default: number of cores); pserver: 1 server + N-1 "
+                  "trainers, N >= 2; as one rank of a job (RANK/WORLD_SIZE set): WORLD_SIZE, "
+                  "any other value is refused")
+      ->check(CLI::Range(1, 256));
+  o.mnist_only.push_back(
+      cmd->add_option("--epochs", c.epochs, "mnist: passes over the training set")
+          ->check(CLI::Range(1, 1000))
+          ->capture_default_str());
+  o.batch_size = cmd->add_option("--batch-size", c.batch_size,
+                                 "samples (gpt: windows of --context bytes) per step and "
+                                 "worker; gpt's default is 8")
+                     ->check(CLI::Range(1, 60000))
+                     ->capture_default_str();
+  o.lr = cmd->add_option("--lr", c.lr,
+                         "learning rate: SGD's (mnist), AdamW's peak (gpt, default 0.001)")
+             ->check(finite_number(0, 1e6, /*lo_open=*/true))
+             ->capture_default_str();
+  o.mnist_only.push_back(cmd->add_option("--momentum", c.momentum, "mnist: SGD momentum")
+                             ->check(finite_number(0.0, 1.0))
+                             ->capture_default_str());
+  cmd->add_option("--seed", c.seed, "seed of the initial weights and the shuffles")
+      ->check(decimal_integer<int64_t>())
+      ->check(CLI::Range(-(int64_t{1} << 62), int64_t{1} << 62))  // seed + rank must not wrap
+      ->capture_default_str();
+}
+
+/// Data, outputs, threads and the ddp backend: --data .. --backend.
+void add_run_options(CLI::App* cmd, train::TrainConfig& c) {
+  cmd->add_option("--data", c.data,
+                  "directory of the Fashion-MNIST idx .gz files (mnist) or of the fortune files "
+                  "(gpt: /usr/share/games/fortunes)")
+      ->default_str("/usr/share/datasets/fashion-mnist");
+  cmd->add_option("--out", c.out, "output directory")->default_str("runs/<timestamp>");
+  cmd->add_flag_callback(
+      "--no-plot", [&c] { c.plot = false; },
+      "do not draw curves.png (which runs /usr/bin/python3 with matplotlib, about 1 s); "
+      "metrics.json and model.pt are written as always");
+  cmd->add_option("--threads-per-worker", c.threads_per_worker,
+                  "LibTorch intra-op threads per worker")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--backend", c.backend,
+                  "ddp's collective backend: auto (shm within a host; across hosts, shm inside "
+                  "each and Gloo between them) | shm | gloo | hierarchical")
+      ->check(CLI::IsMember({"auto", "shm", "gloo", "hierarchical"}))
+      ->capture_default_str();
+}
+
+/// mnist's ddp and pserver options, and --limit.
+void add_strategy_options(CLI::App* cmd, train::TrainConfig& c, ModelOptions& o) {
+  o.mnist_only.push_back(
+      cmd->add_option("--lr-scaling", c.lr_scaling,
+                      "mnist ddp: linear (lr x workers, as the gradient of workers batches is "
+                      "averaged) or none")
+          ->check(CLI::IsMember({"linear", "none"}))
+          ->capture_default_str());
+  o.mnist_only.push_back(cmd->add_option("--reduce-batch-size", c.reduce_batch_size,
+                                         "pserver: most pushes the server averages at once, at "
+                                         "each of its two reduction levels")
+                             ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+                             ->capture_default_str());
+  o.mnist_only.push_back(cmd->add_option("--max-queue-size", c.max_queue_size,
+                                         "pserver: pushes the server queues before it drops the "
+                                         "oldest (>= --reduce-batch-size)")
+                             ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+                             ->capture_default_str());
+  cmd->add_option("--limit", c.limit,
+                  "use only the first N training samples (mnist) or the first N bytes of the "
+                  "corpus (gpt), for quick runs")
+      ->check(CLI::NonNegativeNumber);
+}
+
+/// The gpt model's shape and schedule: --layers .. --eval-every.
+void add_gpt_options(CLI::App* cmd, train::TrainConfig& c, ModelOptions& o) {
+  o.gpt_only.push_back(cmd->add_option("--layers", c.layers, "gpt: transformer blocks")
+                           ->check(CLI::Range(int64_t{1}, int64_t{256}))
+                           ->capture_default_str());
+  o.gpt_only.push_back(cmd->add_option("--width", c.width, "gpt: hidden size (n_embd)")
+                           ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
+                           ->capture_default_str());
+  o.gpt_only.push_back(cmd->add_option("--heads", c.heads, "gpt: attention heads (divide --width)")
+                           ->check(CLI::Range(int64_t{1}, int64_t{1} << 10))
+                           ->capture_default_str());
+  o.gpt_only.push_back(
+      cmd->add_option("--context", c.context, "gpt: bytes of a training window (n_positions)")
+          ->check(CLI::Range(int64_t{2}, int64_t{1} << 16))
+          ->capture_default_str());
+  o.gpt_only.push_back(cmd->add_option("--steps", c.steps, "gpt: optimizer steps (default 300)")
+                           ->check(CLI::Range(int64_t{1}, int64_t{1} << 40)));
+  o.gpt_only.push_back(cmd->add_option("--eval-every", c.eval_every,
+                                       "gpt: steps between evaluations on the held-out split "
+                                       "(default: steps / 10)")
+                           ->check(CLI::Range(int64_t{1}, int64_t{1} << 40)));
+}
+
+}  // namespace
 
 Command add_train(CLI::App& app) {
   auto c = std::make_shared<train::TrainConfig>();
@@ -22,113 +139,28 @@ Command add_train(CLI::App& app) {
       "run` or torchrun (RANK and WORLD_SIZE set, on one node or several), ddp runs as one "
       "rank of that job instead of spawning workers: each rank trains its shard, rank 0 "
       "prints and writes the outputs.");
-  cmd->add_option("--model", c->model,
-                  "mnist (Fashion-MNIST, the mnist_hogwild network) | gpt (a byte-level GPT on "
-                  "/usr/share/games/fortunes)")
-      ->check(CLI::IsMember({"mnist", "gpt"}))
-      ->capture_default_str();
-  cmd->add_option("--strategy", c->strategy, "single | hogwild | ddp | pserver")
-      ->check(CLI::IsMember({"single", "hogwild", "ddp", "pserver"}))
-      ->capture_default_str();
-  cmd->add_option("--workers", c->workers,
-                  "worker processes (default: number of cores); pserver: 1 server + N-1 "
-                  "trainers, N >= 2; as one rank of a job (RANK/WORLD_SIZE set): WORLD_SIZE, "
-                  "any other value is refused")
-      ->check(CLI::Range(1, 256));
-  // Options of one model only; given with the other, the run is refused (exit 2).
-  std::vector<CLI::Option*> mnist_only, gpt_only;
-  mnist_only.push_back(cmd->add_option("--epochs", c->epochs, "mnist: passes over the training set")
-                           ->check(CLI::Range(1, 1000))
-                           ->capture_default_str());
-  auto* batch_size = cmd->add_option("--batch-size", c->batch_size,
-                                     "samples (gpt: windows of --context bytes) per step and "
-                                     "worker; gpt's default is 8")
-                         ->check(CLI::Range(1, 60000))
-                         ->capture_default_str();
-  auto* lr = cmd->add_option("--lr", c->lr,
-                             "learning rate: SGD's (mnist), AdamW's peak (gpt, default 0.001)")
-                 ->check(finite_number(0, 1e6, /*lo_open=*/true))
-                 ->capture_default_str();
-  mnist_only.push_back(cmd->add_option("--momentum", c->momentum, "mnist: SGD momentum")
-                           ->check(finite_number(0.0, 1.0))
-                           ->capture_default_str());
-  cmd->add_option("--seed", c->seed, "seed of the initial weights and the shuffles")
-      ->check(decimal_integer<int64_t>())
-      ->check(CLI::Range(-(int64_t{1} << 62), int64_t{1} << 62))  // seed + rank must not wrap
-      ->capture_default_str();
-  cmd->add_option("--data", c->data,
-                  "directory of the Fashion-MNIST idx .gz files (mnist) or of the fortune files "
-                  "(gpt: /usr/share/games/fortunes)")
-      ->default_str("/usr/share/datasets/fashion-mnist");
-  cmd->add_option("--out", c->out, "output directory")->default_str("runs/<timestamp>");
-  cmd->add_flag_callback(
-      "--no-plot", [c] { c->plot = false; },
-      "do not draw curves.png (which runs /usr/bin/python3 with matplotlib, about 1 s); "
-      "metrics.json and model.pt are written as always");
-  cmd->add_option("--threads-per-worker", c->threads_per_worker,
-                  "LibTorch intra-op threads per worker")
-      ->check(CLI::Range(1, 256))
-      ->capture_default_str();
-  cmd->add_option("--backend", c->backend,
-                  "ddp's collective backend: auto (shm within a host; across hosts, shm inside "
-                  "each and Gloo between them) | shm | gloo | hierarchical")
-      ->check(CLI::IsMember({"auto", "shm", "gloo", "hierarchical"}))
-      ->capture_default_str();
-  mnist_only.push_back(
-      cmd->add_option("--lr-scaling", c->lr_scaling,
-                      "mnist ddp: linear (lr x workers, as the gradient of workers batches is "
-                      "averaged) or none")
-          ->check(CLI::IsMember({"linear", "none"}))
-          ->capture_default_str());
-  mnist_only.push_back(cmd->add_option("--reduce-batch-size", c->reduce_batch_size,
-                                       "pserver: most pushes the server averages at once, at "
-                                       "each of its two reduction levels")
-                           ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-                           ->capture_default_str());
-  mnist_only.push_back(cmd->add_option("--max-queue-size", c->max_queue_size,
-                                       "pserver: pushes the server queues before it drops the "
-                                       "oldest (>= --reduce-batch-size)")
-                           ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-                           ->capture_default_str());
-  cmd->add_option("--limit", c->limit,
-                  "use only the first N training samples (mnist) or the first N bytes of the "
-                  "corpus (gpt), for quick runs")
-      ->check(CLI::NonNegativeNumber);
-  gpt_only.push_back(cmd->add_option("--layers", c->layers, "gpt: transformer blocks")
-                         ->check(CLI::Range(int64_t{1}, int64_t{256}))
-                         ->capture_default_str());
-  gpt_only.push_back(cmd->add_option("--width", c->width, "gpt: hidden size (n_embd)")
-                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
-                         ->capture_default_str());
-  gpt_only.push_back(cmd->add_option("--heads", c->heads, "gpt: attention heads (divide --width)")
-                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 10))
-                         ->capture_default_str());
-  gpt_only.push_back(
-      cmd->add_option("--context", c->context, "gpt: bytes of a training window (n_positions)")
-          ->check(CLI::Range(int64_t{2}, int64_t{1} << 16))
-          ->capture_default_str());
-  gpt_only.push_back(cmd->add_option("--steps", c->steps, "gpt: optimizer steps (default 300)")
-                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 40)));
-  gpt_only.push_back(cmd->add_option("--eval-every", c->eval_every,
-                                     "gpt: steps between evaluations on the held-out split "
-                                     "(default: steps / 10)")
-                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 40)));
+  // In this order in --help.
+  ModelOptions o;
+  add_model_options(cmd, *c, o);
+  add_run_options(cmd, *c);
+  add_strategy_options(cmd, *c, o);
+  add_gpt_options(cmd, *c, o);
   cmd->add_option("--timeout", c->timeout,
                   "seconds: collective and RPC timeout, and how long workers may stay silent; "
                   "as one rank of a job also how long to wait for every rank to join")
       ->check(finite_number(0, kMaxTimeoutSeconds, /*lo_open=*/true))
       ->capture_default_str();
-  return [c, mnist_only, gpt_only, batch_size, lr] {
+  return [c, o] {
     const bool gpt = c->model == "gpt";
-    for (const CLI::Option* o : gpt ? mnist_only : gpt_only) {
-      if (o->count() > 0) {
+    for (const CLI::Option* given : gpt ? o.mnist_only : o.gpt_only) {
+      if (given->count() > 0) {
         std::fprintf(stderr, "torchpar train: %s applies to --model %s, not %s\n",
-                     o->get_name().c_str(), gpt ? "mnist" : "gpt", c->model.c_str());
+                     given->get_name().c_str(), gpt ? "mnist" : "gpt", c->model.c_str());
         return 2;
       }
     }
-    if (gpt && batch_size->count() == 0) c->batch_size = train::kGptDefaultBatchSize;
-    if (gpt && lr->count() == 0) c->lr = train::kGptDefaultLr;
+    if (gpt && o.batch_size->count() == 0) c->batch_size = train::kGptDefaultBatchSize;
+    if (gpt && o.lr->count() == 0) c->lr = train::kGptDefaultLr;
     return train::run_train(*c);
   };
 }
