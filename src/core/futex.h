@@ -1,35 +1,19 @@
 #pragma once
-// Deadlines and futex waits on 32-bit words in shared memory (process-shared: no
-// FUTEX_PRIVATE_FLAG). The one copy of this mechanism; see tests/core/core_test.cpp.
+// Futex waits and wakes on 32-bit words in shared memory (process-shared: no
+// FUTEX_PRIVATE_FLAG): the system calls. Waiting for a condition (spin, sleeper flag,
+// slices, liveness, deadline) is core/waiter.h, built on these; see tests/core/core_test.cpp.
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <ctime>
-#include <optional>
+
+#include "core/deadline.h"
 
 namespace torchpar::detail {
-
-/// CLOCK_MONOTONIC (libstdc++'s steady_clock), so a deadline converts to the timespec
-/// that pthread_mutex_clocklock(CLOCK_MONOTONIC) takes.
-using SteadyClock = std::chrono::steady_clock;
-/// A point in time a blocking call gives up at; nullopt: never.
-using Deadline = std::optional<SteadyClock::time_point>;
-
-/// Now + `timeout` (negative counts as 0); nullopt for nullopt.
-inline Deadline deadline_after(std::optional<std::chrono::duration<double>> timeout) {
-  if (!timeout) return std::nullopt;
-  const auto t = std::max(*timeout, std::chrono::duration<double>(0));
-  return SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(t);
-}
-
-/// True once `d` has passed (never for nullopt).
-inline bool past(const Deadline& d) { return d && SteadyClock::now() >= *d; }
 
 /// The longest single futex sleep: a wake-up lost to a peer killed between its store and
 /// its wake costs at most this.
@@ -40,17 +24,9 @@ inline constexpr std::chrono::milliseconds kMaxFutexSleep{100};
 /// deadline has passed.
 inline void futex_wait_until(uint32_t* addr, uint32_t expected, const Deadline& deadline,
                              std::chrono::nanoseconds max_sleep = kMaxFutexSleep) {
-  auto left = max_sleep;
-  if (deadline) {
-    const auto d =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(*deadline - SteadyClock::now());
-    if (d.count() <= 0) return;
-    left = std::min(left, d);
-  }
-  struct timespec ts {};
-  ts.tv_sec = left.count() / 1000000000;
-  ts.tv_nsec = left.count() % 1000000000;
-  ::syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, nullptr, 0);
+  const auto ts = deadline.futex_slice(max_sleep);
+  if (!ts) return;
+  ::syscall(SYS_futex, addr, FUTEX_WAIT, expected, &*ts, nullptr, 0);
 }
 
 /// An atomic view of a 32-bit word in shared memory (futex words, counters).

@@ -7,8 +7,8 @@
 
 #include <fmt/format.h>
 
-#include "core/futex.h"
 #include "core/robust_mutex.h"
+#include "core/waiter.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/archive.h"
 
@@ -63,7 +63,7 @@ S* state(const std::shared_ptr<SharedPage>& p) {
 
 // Returns {acquired, owner_died}.
 std::pair<bool, bool> lock_mutex(pthread_mutex_t* m, Timeout timeout) {
-  const LockStatus st = lock_robust(m, deadline_after(timeout));
+  const LockStatus st = lock_robust(m, Deadline::after(timeout));
   return {st != LockStatus::kTimedOut, st == LockStatus::kOwnerDied};
 }
 
@@ -140,14 +140,16 @@ BoundedSemaphore::BoundedSemaphore(uint32_t value) : Semaphore(value, true) {}
 
 bool Semaphore::acquire(Timeout timeout) {
   auto* s = state<detail::SemState>(page_);
-  const auto deadline = detail::deadline_after(timeout);
+  const auto deadline = detail::Deadline::after(timeout);
+  const auto nonzero = [](uint32_t v) { return v != 0; };
   for (;;) {
     uint32_t v = atomic_word(s->value).load();
     while (v > 0) {
       if (atomic_word(s->value).compare_exchange_weak(v, v - 1)) return true;
     }
-    if (timeout && (timeout->count() <= 0 || detail::past(deadline))) return false;
-    detail::futex_wait_until(&s->value, 0, deadline);
+    // Timeout zero or negative: the deadline has passed, the wait looks once.
+    if (detail::wait_until(&s->value, nonzero, deadline) != detail::WaitStatus::kReady)
+      return false;
   }
 }
 
@@ -186,12 +188,10 @@ bool Event::is_set() const {
 
 bool Event::wait(Timeout timeout) {
   auto* s = state<detail::EventState>(page_);
-  const auto deadline = detail::deadline_after(timeout);
-  while (atomic_word(s->flag).load() == 0) {
-    if (timeout && (timeout->count() <= 0 || detail::past(deadline))) return false;
-    detail::futex_wait_until(&s->flag, 0, deadline);
-  }
-  return true;
+  const auto set = [](uint32_t flag) { return flag != 0; };
+  if (set(atomic_word(s->flag).load())) return true;
+  const auto st = detail::wait_until(&s->flag, set, detail::Deadline::after(timeout));
+  return st == detail::WaitStatus::kReady;
 }
 
 void Event::save(detail::OutputArchive& ar) const { detail::SharedPage::save(ar, page_); }
@@ -208,7 +208,7 @@ Condition::Condition(Lock lock)
 
 bool Condition::wait(Timeout timeout) {
   auto* s = state<detail::CondState>(page_);
-  const auto deadline = detail::deadline_after(timeout);
+  const auto deadline = detail::Deadline::after(timeout);
   // Registered while the lock is held: a notify after our caller's check sees us.
   uint32_t w = atomic_word(s->state).load();
   do {
@@ -225,30 +225,29 @@ bool Condition::wait(Timeout timeout) {
       }
       continue;
     }
-    if (detail::past(deadline)) {
+    const auto changed = [w](uint32_t v) { return v != w; };
+    if (deadline.expired()) {
       // Leave as a waiter. None left means a notify already counted us: its ticket comes.
       if ((w >> 16) != 0 && atomic_word(s->state).compare_exchange_weak(w, w - detail::kCondWaiter))
         break;
       if ((w >> 16) == 0)
-        detail::futex_wait_until(&s->state, w,
-                                 detail::deadline_after(std::chrono::milliseconds(10)));
+        detail::wait_until(&s->state, changed,
+                           detail::Deadline::after(std::chrono::milliseconds(10)));
       continue;
     }
-    detail::futex_wait_until(&s->state, w, deadline);
+    // A timeout comes back here, and the deadline's branch above leaves.
+    detail::wait_until(&s->state, changed, deadline);
   }
   lock_.acquire_n(depth);
   return notified;
 }
 
 bool Condition::wait_for(const std::function<bool()>& pred, Timeout timeout) {
-  const auto deadline = detail::deadline_after(timeout);
+  const auto deadline = detail::Deadline::after(timeout);
   bool result = pred();
   while (!result) {
-    Timeout left;
-    if (deadline) {
-      left = *deadline - detail::SteadyClock::now();
-      if (left->count() <= 0) break;
-    }
+    const Timeout left = deadline.remaining();
+    if (left && left->count() <= 0) break;
     wait(left);
     result = pred();
   }
@@ -315,7 +314,7 @@ struct MutexLock {
 // `d`, but at least 100 ms from now: for the short critical sections a waiter needs after
 // its round ended or its deadline passed.
 detail::Deadline with_grace(const detail::Deadline& d) {
-  if (!d) return d;
+  if (!d.finite()) return d;
   return std::max(*d, detail::SteadyClock::now() + std::chrono::milliseconds(100));
 }
 }  // namespace
@@ -323,7 +322,7 @@ detail::Deadline with_grace(const detail::Deadline& d) {
 uint32_t Barrier::wait(Timeout timeout) {
   if (!timeout) timeout = default_timeout_;
   auto* s = state<detail::BarrierState>(page_);
-  const auto deadline = detail::deadline_after(timeout);
+  const auto deadline = detail::Deadline::after(timeout);
   uint32_t gen, index;
   {
     MutexLock lock(&s->mu, deadline);
@@ -347,23 +346,21 @@ uint32_t Barrier::wait(Timeout timeout) {
       return index;
     }
   }
+  const auto tripped = [gen](uint32_t g) { return g != gen; };
   for (;;) {
-    if (atomic_word(s->generation).load() != gen) {
+    if (detail::wait_until(&s->generation, tripped, deadline) == detail::WaitStatus::kReady) {
       MutexLock lock(&s->mu, with_grace(deadline));
       // Judge our own round only: later rounds may break (or not) on their own.
       if (s->broken_rounds[gen % 16] == gen + 1)
         throw BrokenBarrierError("the barrier was broken while waiting");
       return index;
     }
-    if (detail::past(deadline)) {
-      MutexLock lock(&s->mu, with_grace(deadline));  // the deadline passed; breaking needs it
-      if (s->generation != gen) continue;
-      s->broken = 1;  // a timeout breaks the barrier for everyone, as in Python
-      s->count = 0;
-      break_round(s);
-      throw BrokenBarrierError("barrier wait timed out");
-    }
-    detail::futex_wait_until(&s->generation, gen, deadline);
+    MutexLock lock(&s->mu, with_grace(deadline));  // the deadline passed; breaking needs it
+    if (s->generation != gen) continue;
+    s->broken = 1;  // a timeout breaks the barrier for everyone, as in Python
+    s->count = 0;
+    break_round(s);
+    throw BrokenBarrierError("barrier wait timed out");
   }
 }
 

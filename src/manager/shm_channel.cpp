@@ -10,8 +10,8 @@
 #include <cstring>
 #include <random>
 
-#include "core/cpu_relax.h"
 #include "core/liveness.h"
+#include "core/waiter.h"
 #include "shm/cleaner.h"
 #include "torchpar/core/error.h"
 
@@ -34,8 +34,6 @@ std::string channel_name() {
                      rd());
 }
 
-// Spin iterations between two looks at the clock.
-constexpr int kSpinCheckEvery = 64;
 // At most this many spin iterations, whatever the clock says (a clock that stalls).
 constexpr int kMaxSpins = 1 << 16;
 
@@ -102,31 +100,19 @@ void ShmChannel::send(std::string_view bytes, Connection& socket) {
 
 void ShmChannel::wait_for_message(int fd, const Deadline& deadline) {
   ShmChannelLane& l = lane(in_);
-  auto seq = word(l.seq);
-  if (seq.load(std::memory_order_acquire) != seen_) return;
-  const auto spin_until = SteadyClock::now() + kSpin;
-  for (int i = 1; i <= kMaxSpins; ++i) {
-    cpu_relax();
-    if (seq.load(std::memory_order_acquire) != seen_) return;
-    if (i % kSpinCheckEvery == 0 && SteadyClock::now() >= spin_until) break;
-  }
-  const auto slept_from = SteadyClock::now();
-  auto sleeping = word(l.sleeping);
-  for (;;) {
-    const auto slice = SteadyClock::now() - slept_from < kShortSlicesFor ? kShortSlice : kLongSlice;
-    sleeping.store(1, std::memory_order_seq_cst);
-    if (seq.load(std::memory_order_seq_cst) == seen_) {
-      futex_wait_until(&l.seq, seen_, deadline, slice);
-    }
-    sleeping.store(0, std::memory_order_relaxed);
-    if (seq.load(std::memory_order_acquire) != seen_) return;
-    if (socket_peer_gone(fd)) {
-      // A message too big for the data area is announced here before its frame is sent,
-      // so a readable socket may be that frame: the announcement is visible by now.
-      if (seq.load(std::memory_order_acquire) != seen_) return;
-      throw ClosedError("the peer of the call channel closed its connection");
-    }
-    if (past(deadline)) throw TimeoutError("no message on the call channel before the deadline");
+  const auto arrived = [seen = seen_](uint32_t seq) { return seq != seen; };
+  if (arrived(word(l.seq).load(std::memory_order_acquire))) return;
+  const WaitOptions o{
+      .spin = {.looks = kMaxSpins, .budget = kSpin},
+      .sleep = {.slice = kLongSlice, .short_slice = kShortSlice, .short_for = kShortSlicesFor},
+      .sleeper = SleeperMark::flag(&l.sleeping),
+      .what = "message on the call channel"};
+  // The peer sends nothing on the socket while the channel is in use, except a message too
+  // big for the data area, which is announced in seq before its frame is sent: the waiter
+  // looks at seq once more before it reports the peer gone.
+  if (wait_until(&l.seq, arrived, deadline, o, [fd] { return !socket_peer_gone(fd); }) ==
+      WaitStatus::kGone) {
+    throw ClosedError("the peer of the call channel closed its connection");
   }
 }
 
@@ -137,12 +123,9 @@ std::string ShmChannel::recv(Connection& socket, const Deadline& deadline,
   seen_ = word(l.seq).load(std::memory_order_acquire);
   const uint64_t length = word64(l.length).load(std::memory_order_relaxed);
   if (length == kOnSocket) {
-    Timeout left = std::nullopt;
-    if (deadline) {
-      left = std::chrono::duration<double>(*deadline - SteadyClock::now());
-      // recv_bytes takes <= 0 as "do not wait": the frame is already on its way.
-      if (left->count() <= 0) left = std::chrono::duration<double>(1e-3);
-    }
+    Timeout left = deadline.remaining();
+    // recv_bytes takes <= 0 as "do not wait": the frame is already on its way.
+    if (left && left->count() <= 0) left = std::chrono::duration<double>(1e-3);
     return socket.recv_bytes(left, max_socket_bytes);
   }
   if (length > kDataBytes) {

@@ -98,7 +98,7 @@ void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bo
                 const Deadline& deadline, const Deadline& spin_until = std::nullopt) {
   alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kFdsPerMessage)];
   size_t got = 0;
-  bool spinning = spin_until.has_value();
+  bool spinning = spin_until.finite();
   while (got < len) {
     struct iovec iov {
       data + got, len - got

@@ -1,4 +1,5 @@
-// The core primitives on their own: deadlines and futex wait/wake, the robust
+// The core primitives on their own: deadlines, futex wait/wake and the waiter built on
+// them (spin, sleeper mark, slices, liveness, deadline), the robust
 // process-shared mutex (timed lock, owner-death recovery), pid_alive, the
 // SIGPIPE disposition the library sets, and /proc/meminfo parsing.
 #include <gtest/gtest.h>
@@ -9,9 +10,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
-#include <optional>
-#include <set>
-#include <string>
 #include <thread>
 
 #include "core/futex.h"
@@ -19,8 +17,8 @@
 #include "core/meminfo.h"
 #include "core/robust_mutex.h"
 #include "core/signals.h"
+#include "core/waiter.h"
 #include "support/child.h"
-#include "torchpar/core/env.h"
 
 namespace tp = torchpar;
 using namespace tp::detail;
@@ -44,6 +42,34 @@ TEST(Deadline, AfterAndPast) {
   EXPECT_TRUE(past(deadline_after(0s)));
   EXPECT_TRUE(past(deadline_after(std::chrono::duration<double>(-1))));
   EXPECT_FALSE(past(deadline_after(60s)));
+}
+
+TEST(Deadline, NeverAndFinite) {
+  const Deadline never;
+  EXPECT_FALSE(never.finite());
+  EXPECT_FALSE(never.expired());
+  EXPECT_FALSE(never.remaining());
+  EXPECT_EQ(never.at(), SteadyClock::time_point::max());
+  const auto slice = never.futex_slice(250ms);  // never: the whole slice
+  ASSERT_TRUE(slice);
+  EXPECT_EQ(slice->tv_sec, 0);
+  EXPECT_EQ(slice->tv_nsec, 250'000'000);
+
+  const Deadline soon = Deadline::after(60s);
+  ASSERT_TRUE(soon.finite());
+  EXPECT_GT(*soon.remaining(), 59s);
+  EXPECT_LE(*soon.remaining(), 60s);
+  EXPECT_EQ(soon.futex_slice(10ms)->tv_nsec, 10'000'000);  // the slice, not the minute
+  const Deadline near = Deadline::after(0.02s);
+  const auto s2 = near.futex_slice(1s);  // the time left, not the second
+  ASSERT_TRUE(s2);
+  EXPECT_EQ(s2->tv_sec, 0);
+  EXPECT_LE(s2->tv_nsec, 20'000'000);
+
+  const Deadline gone = Deadline::after(-1s);  // negative: now, passed at the first look
+  EXPECT_TRUE(gone.expired());
+  EXPECT_EQ(gone.remaining()->count(), 0.0);
+  EXPECT_FALSE(gone.futex_slice(1s));  // passed: no sleep
 }
 
 TEST(Futex, WaitReturnsOnValueChangeWakeAndDeadline) {
@@ -76,6 +102,159 @@ TEST(Futex, WakeAcrossProcesses) {
   std::atomic_ref<uint32_t>(*w).store(7);
   futex_wake_n(w, INT32_MAX);
   EXPECT_EQ(tp::testing::wait_child(c, 30s), 0);
+}
+
+// One waiter's word and sleeper mark, as a peer process maps them.
+struct WaitWords {
+  uint32_t word = 0;
+  uint32_t sleeping = 0;
+};
+
+// The waker's side of a sleeper flag: change the word, then wake only if someone sleeps.
+void publish(WaitWords& w, uint32_t v) {
+  atomic_word(w.word).store(v, std::memory_order_seq_cst);
+  if (atomic_word(w.sleeping).load(std::memory_order_seq_cst) != 0) futex_wake_n(&w.word, 1);
+}
+
+// Until the waiter marked itself asleep (its spin is over); false after 10 s.
+bool wait_until_asleep(WaitWords& w) {
+  const auto give_up = SteadyClock::now() + 10s;
+  while (atomic_word(w.sleeping).load() == 0) {
+    if (SteadyClock::now() > give_up) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+TEST(Waiter, ValueAlreadySetReturnsFromTheSpinWithoutSleeping) {
+  WaitWords w;
+  w.word = 3;
+  int alive_calls = 0;
+  const WaitOptions o{.spin = {.looks = 100}, .sleeper = SleeperMark::flag(&w.sleeping)};
+  const auto t0 = SteadyClock::now();
+  EXPECT_EQ(wait_until(
+                &w.word, [](uint32_t v) { return v == 3; }, Deadline::after(10s), o,
+                [&] {
+                  ++alive_calls;
+                  return true;
+                }),
+            WaitStatus::kReady);
+  EXPECT_LT(SteadyClock::now() - t0, 50ms);
+  EXPECT_EQ(alive_calls, 0);  // no slice slept
+  EXPECT_EQ(w.sleeping, 0u);  // never marked
+
+  int looks = 0;
+  EXPECT_TRUE(spin_until(
+      &w.word, [](uint32_t v) { return v == 3; }, SpinPolicy{.looks = 100}, &looks));
+  EXPECT_EQ(looks, 1);
+  looks = 0;  // a condition that never holds: the whole budget, then false
+  EXPECT_FALSE(spin_until(
+      &w.word, [](uint32_t v) { return v == 4; }, SpinPolicy{.looks = 100, .yields = 2}, &looks));
+  EXPECT_EQ(looks, 100);
+}
+
+TEST(Waiter, AnotherThreadWakesTheSleeper) {
+  WaitWords w;
+  WaitStatus st = WaitStatus::kGone;
+  std::thread waiter([&] {
+    const WaitOptions o{.spin = {.looks = 1000},
+                        .sleep = {.slice = 10s},  // only the wake can end it in time
+                        .sleeper = SleeperMark::count(&w.sleeping)};
+    st = wait_until(
+        &w.word, [](uint32_t v) { return v == 1; }, Deadline::after(30s), o);
+  });
+  ASSERT_TRUE(wait_until_asleep(w));
+  const auto t0 = SteadyClock::now();
+  publish(w, 1);
+  waiter.join();
+  EXPECT_EQ(st, WaitStatus::kReady);
+  EXPECT_LT(SteadyClock::now() - t0, 5s);  // woken, not the end of its slice
+  EXPECT_EQ(w.sleeping, 0u);               // unmarked
+}
+
+TEST(Waiter, AnotherProcessWakesTheSleeperOverSharedMemory) {
+  auto* w = shared_object<WaitWords>();
+  auto c = tp::testing::fork_child([w](int) {
+    const WaitOptions o{.spin = {.looks = 1000, .budget = 30us},
+                        .sleep = {.slice = 10s},  // only the wake can end it in time
+                        .sleeper = SleeperMark::flag(&w->sleeping)};
+    const auto st = wait_until(
+        &w->word, [](uint32_t v) { return v == 7; }, Deadline::after(30s), o);
+    return st == WaitStatus::kReady ? 0 : 1;
+  });
+  ASSERT_TRUE(wait_until_asleep(*w));
+  publish(*w, 7);
+  EXPECT_EQ(tp::testing::wait_child(c, 30s), 0);
+  EXPECT_EQ(w->sleeping, 0u);
+}
+
+TEST(Waiter, DeadlineEndsTheWaitWithTimeoutErrorNamingWhatWasAwaited) {
+  uint32_t word = 0;
+  const auto never = [](uint32_t v) { return v != 0; };
+  auto t0 = SteadyClock::now();
+  try {
+    wait_until(&word, never, Deadline::after(0.1s), WaitOptions{.what = "test word"});
+    FAIL() << "no TimeoutError";
+  } catch (const tp::TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("no test word before the deadline"), std::string::npos)
+        << e.what();
+  }
+  auto took = SteadyClock::now() - t0;
+  EXPECT_GE(took, 95ms);
+  EXPECT_LT(took, 400ms);
+
+  t0 = SteadyClock::now();  // without `what`: a status, for callers that return false
+  EXPECT_EQ(wait_until(&word, never, Deadline::after(0.05s)), WaitStatus::kTimedOut);
+  took = SteadyClock::now() - t0;
+  EXPECT_GE(took, 45ms);
+  EXPECT_LT(took, 350ms);
+  // A passed deadline: one look, no sleep.
+  t0 = SteadyClock::now();
+  EXPECT_EQ(wait_until(&word, never, Deadline::after(0s)), WaitStatus::kTimedOut);
+  EXPECT_LT(SteadyClock::now() - t0, 50ms);
+}
+
+TEST(Waiter, LivenessFalseEndsTheWaitWithTheCallersError) {
+  uint32_t word = 0;
+  const auto never = [](uint32_t v) { return v != 0; };
+  int calls = 0;
+  const auto peer_alive = [&] { return ++calls < 3; };  // gone at the third look
+  const WaitOptions o{.sleep = {.slice = 10ms}};
+  const auto t0 = SteadyClock::now();
+  const auto caller = [&] {
+    // Without a deadline only liveness can end it; the caller picks its own error.
+    if (wait_until(&word, never, Deadline(), o, peer_alive) == WaitStatus::kGone)
+      throw tp::ClosedError("the peer went away");
+  };
+  EXPECT_THROW(caller(), tp::ClosedError);
+  EXPECT_EQ(calls, 3);
+  EXPECT_LT(SteadyClock::now() - t0, 500ms);
+
+  // Asked at most every check_every; the condition set when the peer went wins.
+  calls = 0;
+  word = 1;
+  EXPECT_EQ(wait_until(
+                &word, [](uint32_t v) { return v == 2; }, Deadline(),
+                WaitOptions{.sleep = {.slice = 5ms, .check_every = 30ms}},
+                [&] {
+                  ++calls;
+                  atomic_word(word).store(2);  // the peer's last store before it left
+                  return false;
+                }),
+            WaitStatus::kReady);
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(Waiter, MaxSlicesHandsBackToTheCaller) {
+  uint32_t word = 0;
+  const auto t0 = SteadyClock::now();
+  EXPECT_EQ(wait_until(
+                &word, [](uint32_t v) { return v != 0; }, Deadline::after(30s),
+                WaitOptions{.sleep = {.slice = 20ms}, .max_slices = 2}),
+            WaitStatus::kSlept);
+  const auto took = SteadyClock::now() - t0;
+  EXPECT_GE(took, 35ms);
+  EXPECT_LT(took, 500ms);
 }
 
 TEST(RobustMutex, TryTimedAndBlockingLock) {
@@ -189,137 +368,4 @@ TEST(MemInfo, ReadsTotalAndAvailable) {
   EXPECT_FALSE(read_meminfo(path));
   ::unlink(path);
   EXPECT_FALSE(read_meminfo(path));
-}
-
-// ---- The environment table and its accessors (torchpar/core/env.h) --------------------------
-
-/// Sets (or with nullptr unsets) an environment variable for a scope; restores it after.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) {
-      ::setenv(name, value, 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-
-/// The message of the ValueError `f` throws ("" when it throws none).
-template <class F>
-std::string value_error_of(F&& f) {
-  try {
-    f();
-  } catch (const tp::ValueError& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
-TEST(Env, UnsetOrEmptyGivesTheDefault) {
-  for (const char* v : {static_cast<const char*>(nullptr), ""}) {
-    ScopedEnv a("TORCHPAR_RPC_SHM", v), b("TORCHPAR_SHM_SLOT_BYTES", v), c("RANK", v),
-        d("TORCHPAR_RPC_ADDR", v);
-    EXPECT_FALSE(tp::env_flag("TORCHPAR_RPC_SHM", false));
-    EXPECT_TRUE(tp::env_flag("TORCHPAR_RPC_SHM", true));
-    EXPECT_EQ(tp::env_unsigned("TORCHPAR_SHM_SLOT_BYTES", 262144), 262144U);
-    EXPECT_EQ(tp::env_int("RANK"), std::nullopt);
-    EXPECT_EQ(tp::env_text("TORCHPAR_RPC_ADDR"), std::nullopt);
-    // env_value tells set-but-empty from unset (TORCHPAR_AUTHKEY="" is an error, unset not).
-    EXPECT_EQ(tp::env_value("TORCHPAR_RPC_ADDR"),
-              v ? std::optional<std::string>("") : std::nullopt);
-  }
-}
-
-TEST(Env, ValidValuesAreRead) {
-  ScopedEnv a("TORCHPAR_RPC_SHM", "1"), b("TORCHPAR_MANAGER_SHM", "0"),
-      c("TORCHPAR_SHM_CACHE_BYTES", "18446744073709551615"), d("MASTER_PORT", "29500"),
-      e("RANK", "-3"), f("TORCHPAR_GLOO_ADDR", "10.0.0.2"), g("TORCHPAR_TOOLS_DIR", "/x y");
-  EXPECT_TRUE(tp::env_flag("TORCHPAR_RPC_SHM", false));
-  EXPECT_FALSE(tp::env_flag("TORCHPAR_MANAGER_SHM", true));
-  EXPECT_EQ(tp::env_unsigned("TORCHPAR_SHM_CACHE_BYTES", 1), UINT64_MAX);
-  EXPECT_EQ(tp::env_int("MASTER_PORT"), 29500);
-  EXPECT_EQ(tp::env_int("RANK"), -3);  // the range is the caller's to check
-  EXPECT_EQ(tp::env_text("TORCHPAR_GLOO_ADDR"), "10.0.0.2");
-  EXPECT_EQ(tp::env_value("TORCHPAR_TOOLS_DIR"), "/x y");
-}
-
-TEST(Env, InvalidValuesThrowValueErrorNamingTheVariableAndValue) {
-  {
-    ScopedEnv a("TORCHPAR_RPC_SHM", "yes");
-    const std::string m = value_error_of([] { tp::env_flag("TORCHPAR_RPC_SHM", false); });
-    EXPECT_NE(m.find("TORCHPAR_RPC_SHM must be 0 or 1"), std::string::npos) << m;
-    EXPECT_NE(m.find("'yes'"), std::string::npos) << m;
-  }
-  for (const char* bad : {"12abc", "-1", " 5", "+5", "0x10", "18446744073709551616"}) {
-    ScopedEnv a("TORCHPAR_SHM_CACHE_BYTES", bad);
-    const std::string m = value_error_of([] { tp::env_unsigned("TORCHPAR_SHM_CACHE_BYTES", 1); });
-    EXPECT_NE(m.find("TORCHPAR_SHM_CACHE_BYTES"), std::string::npos) << bad << ": " << m;
-    EXPECT_NE(m.find(bad), std::string::npos) << bad << ": " << m;
-  }
-  {
-    ScopedEnv a("TORCHPAR_SHM_SLOT_BYTES", "100");  // below the caller's minimum
-    EXPECT_NE(value_error_of([] {
-                tp::env_unsigned("TORCHPAR_SHM_SLOT_BYTES", 1, 4096);
-              }).find("TORCHPAR_SHM_SLOT_BYTES must be a whole decimal number in [4096, "),
-              std::string::npos);
-  }
-  for (const char* bad : {"zero", "1.5", "2147483648", "3 "}) {
-    ScopedEnv a("WORLD_SIZE", bad);
-    const std::string m = value_error_of([] { tp::env_int("WORLD_SIZE"); });
-    EXPECT_NE(m.find("WORLD_SIZE must be a whole number"), std::string::npos) << bad << ": " << m;
-  }
-}
-
-TEST(Env, ANameOutsideTheTableOrTheWrongAccessorIsRefused) {
-  EXPECT_NE(value_error_of([] {
-              tp::env_flag("TORCHPAR_NO_SUCH_KNOB", false);
-            }).find("TORCHPAR_NO_SUCH_KNOB is not in torchpar's table"),
-            std::string::npos);
-  EXPECT_NE(value_error_of([] {
-              tp::env_flag("TORCHPAR_SHM_CACHE_BYTES", false);
-            }).find("TORCHPAR_SHM_CACHE_BYTES is an unsigned number, not a flag"),
-            std::string::npos);
-  EXPECT_THROW(tp::environment_variable("PATH"), tp::ValueError);
-}
-
-// docs/environment.md lists the table's variables, and the table every TORCHPAR_* variable the
-// page names (but the tests' own); read from the source tree beside this file.
-TEST(Env, TheTableAndDocsEnvironmentMdNameTheSameVariables) {
-  const std::string doc_path =
-      std::string(__FILE__).substr(0, std::string(__FILE__).rfind("/tests/")) +
-      "/docs/environment.md";
-  std::ifstream f(doc_path);
-  if (!f) GTEST_SKIP() << "no source tree at " << doc_path;
-  const std::string doc((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  std::set<std::string> names;
-  for (const auto& v : tp::environment_variables()) {
-    EXPECT_TRUE(names.insert(std::string(v.name)).second) << v.name << " twice";
-    EXPECT_NE(doc.find("`" + std::string(v.name) + "`"), std::string::npos)
-        << v.name << " is in the table but not in docs/environment.md";
-    EXPECT_EQ(v.ours, v.name.rfind("TORCHPAR_", 0) == 0) << v.name;
-  }
-  for (size_t at = doc.find("`TORCHPAR_"); at != std::string::npos;
-       at = doc.find("`TORCHPAR_", at + 1)) {
-    const std::string name = doc.substr(at + 1, doc.find('`', at + 1) - at - 1);
-    if (name.rfind("TORCHPAR_TEST_", 0) == 0) continue;  // read by tests/support only
-    if (name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") != std::string::npos) {
-      continue;  // "TORCHPAR_*", a pattern
-    }
-    EXPECT_TRUE(names.count(name)) << name << " is in docs/environment.md but not in the table";
-  }
 }

@@ -6,11 +6,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 
-#include "core/cpu_relax.h"
 #include "core/liveness.h"
+#include "core/waiter.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar::detail::shm_backend {
@@ -62,72 +63,66 @@ void StepBarrier::arrive(uint32_t step) {
 }
 
 void StepBarrier::wait_for(int q, uint32_t step, const StepWait& limit, int pauses) {
-  auto& seq = ctl_[q].seq;
-  if (reached(seq.load(std::memory_order_acquire), step)) return;
-  if (spin_) {
-    // Spin, but give the core away every kYieldEvery pauses: when the awaited rank shares this
-    // core (the other cores busy, or an affinity mask), it cannot arrive until this rank
-    // stops running, and a pure spin cost each collective the whole budget (~0.7 ms here: the
-    // bimodal 4-byte all_reduce of issue 19). sched_yield returns at once when nothing else
-    // is runnable on this core, so a peer on another core still sees a pure spin's latency
-    // for its first kYieldEvery pauses (a few microseconds).
-    // When the awaited rank last arrived on this very core, yield at once instead: it is
-    // most likely queued behind us. That is the state of freshly forked ranks, which start
-    // on their parent's core until the scheduler's load balancing moves one (a few ms):
-    // 128 pauses (~7 us) per hand-off made the 4-byte all_reduce 15-17 us there, against
-    // 0.5-1 us on two cores (issue 19's other bimodal row).
-    constexpr int kYieldEvery = 128;
-    constexpr int kCheckCoreEvery = 8;
-    const auto& peer_cpu = ctl_[q].cpu;
-    int until_look = pauses;  // a countdown: no division on the spin's hot path
-    for (int i = 1; i <= 20000; ++i) {
-      cpu_relax();
-      if (--until_look > 0) continue;
-      until_look = pauses;
-      if (reached(seq.load(std::memory_order_acquire), step)) return;
-      if (i % kYieldEvery == 0 || (i % kCheckCoreEvery == 0 &&
-                                   peer_cpu.load(std::memory_order_relaxed) == ::sched_getcpu())) {
-        ::sched_yield();
-      }
-    }
-  }
-  for (int i = 0; i < 50; ++i) {
-    ::sched_yield();
-    if (reached(seq.load(std::memory_order_acquire), step)) return;
-  }
-  auto last_check = SteadyClock::now();
-  for (;;) {
-    // Count ourselves as a waiter before the last look: an arriving rank that stores after
-    // that look sees the count and wakes us.
-    header_->waiters.fetch_add(1, std::memory_order_seq_cst);
-    // Arrivals take no fence (asymmetric_): this one, on every CPU running a registered
-    // process, either makes q's arrival visible to the look below, or orders q's next read
-    // of `waiters` after our count, so that q wakes us. Once per sleep slice (~1 us).
+  uint32_t* seq = futex_word(ctl_[q].seq);
+  const auto arrived = [step](uint32_t v) { return reached(v, step); };
+  if (arrived(atomic_word(*seq).load(std::memory_order_acquire))) return;
+  // Spin, but give the core away every 128 pauses: when the awaited rank shares this core
+  // (the other cores busy, or an affinity mask), it cannot arrive until this rank stops
+  // running, and a pure spin cost each collective the whole budget (~0.7 ms here: the
+  // bimodal 4-byte all_reduce of issue 19). sched_yield returns at once when nothing else is
+  // runnable on this core, so a peer on another core still sees a pure spin's latency for
+  // its first 128 pauses (a few microseconds).
+  // When the awaited rank last arrived on this very core (asked every 8 pauses), yield at
+  // once instead: it is most likely queued behind us. That is the state of freshly forked
+  // ranks, which start on their parent's core until the scheduler's load balancing moves one
+  // (a few ms): 128 pauses (~7 us) per hand-off made the 4-byte all_reduce 15-17 us there,
+  // against 0.5-1 us on two cores (issue 19's other bimodal row).
+  // Then 50 yields, then sleep.
+  pauses = std::max(pauses, 1);
+  const SpinPolicy spin{.looks = spin_ ? 20000 / pauses : 0,
+                        .pauses = pauses,
+                        .yield_every = 128,
+                        .hint_every = 8,
+                        .yields = 50};
+  const auto& peer_cpu = ctl_[q].cpu;
+  const auto on_my_core = [&peer_cpu] {
+    return peer_cpu.load(std::memory_order_relaxed) == ::sched_getcpu();
+  };
+  if (spin_until(seq, arrived, spin, nullptr, on_my_core)) return;
+  // Asleep: counted in header_->waiters, which arrive() looks at; an abort also ends it.
+  const auto arrived_or_aborted = [&](uint32_t v) {
+    return arrived(v) || header_->aborted.load() != 0;
+  };
+  const Deadline deadline = limit.deadline_at();
+  // Looked at only when the deadline has not passed: a rank gone at the deadline is
+  // reported as the timeout, as the deadline comes first.
+  const auto alive = [&] { return deadline.expired() || pid_alive(ctl_[q].pid); };
+  // Arrivals take no fence (asymmetric_): this one, on every CPU running a registered
+  // process, either makes q's arrival visible to the look that decides to sleep, or orders
+  // q's next read of `waiters` after our count, so that q wakes us. Once per slice (~1 us).
+  const auto membarrier = [this] {
     if (asymmetric_) ::syscall(SYS_membarrier, MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0);
-    const uint32_t seen = seq.load(std::memory_order_seq_cst);
-    if (!reached(seen, step) && header_->aborted.load() == 0) {
-      futex_wait_until(futex_word(seq), seen, limit.deadline_at());
-    }
-    header_->waiters.fetch_sub(1, std::memory_order_seq_cst);
-    if (reached(seq.load(std::memory_order_acquire), step)) return;
-    throw_if_aborted();
-    const auto now = SteadyClock::now();
-    if (now >= limit.deadline_at()) {
+  };
+  const WaitOptions o{.sleep = {.check_every = std::chrono::milliseconds(50)},
+                      .sleeper = SleeperMark::count(futex_word(header_->waiters))};
+  switch (sleep_until(seq, arrived_or_aborted, deadline, o, alive, membarrier)) {
+    case WaitStatus::kReady:
+      if (arrived(atomic_word(*seq).load(std::memory_order_acquire))) return;
+      throw_if_aborted();
+      return;  // unreachable: the abort flag is never cleared
+    case WaitStatus::kTimedOut:
       fail(q,
            fmt::format("{}: rank {} (pid {}) did not reach {} call #{} within {:.1f} s", name_, q,
                        ctl_[q].pid, limit.op, limit.call, limit.timeout.count()),
            /*timeout=*/true);
-    }
-    if (now - last_check > std::chrono::milliseconds(50)) {
-      last_check = now;
-      if (!pid_alive(ctl_[q].pid)) {
-        fail(q,
-             fmt::format("{}: rank {} (pid {}) died before finishing {} call #{}", name_, q,
-                         ctl_[q].pid, limit.op, limit.call),
-             /*timeout=*/false);
-      }
-    }
+    case WaitStatus::kGone:
+    case WaitStatus::kSlept:
+      break;
   }
+  fail(q,
+       fmt::format("{}: rank {} (pid {}) died before finishing {} call #{}", name_, q, ctl_[q].pid,
+                   limit.op, limit.call),
+       /*timeout=*/false);
 }
 
 bool StepBarrier::abort(int failed_rank, const std::string& message, AbortKind kind) noexcept {
