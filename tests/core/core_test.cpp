@@ -10,6 +10,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
+#include <set>
+#include <string>
 #include <thread>
 
 #include "core/futex.h"
@@ -19,6 +22,7 @@
 #include "core/signals.h"
 #include "core/waiter.h"
 #include "support/child.h"
+#include "torchpar/core/env.h"
 
 namespace tp = torchpar;
 using namespace tp::detail;
@@ -368,4 +372,137 @@ TEST(MemInfo, ReadsTotalAndAvailable) {
   EXPECT_FALSE(read_meminfo(path));
   ::unlink(path);
   EXPECT_FALSE(read_meminfo(path));
+}
+
+// ---- The environment table and its accessors (torchpar/core/env.h) --------------------------
+
+/// Sets (or with nullptr unsets) an environment variable for a scope; restores it after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+/// The message of the ValueError `f` throws ("" when it throws none).
+template <class F>
+std::string value_error_of(F&& f) {
+  try {
+    f();
+  } catch (const tp::ValueError& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(Env, UnsetOrEmptyGivesTheDefault) {
+  for (const char* v : {static_cast<const char*>(nullptr), ""}) {
+    ScopedEnv a("TORCHPAR_RPC_SHM", v), b("TORCHPAR_SHM_SLOT_BYTES", v), c("RANK", v),
+        d("TORCHPAR_RPC_ADDR", v);
+    EXPECT_FALSE(tp::env_flag("TORCHPAR_RPC_SHM", false));
+    EXPECT_TRUE(tp::env_flag("TORCHPAR_RPC_SHM", true));
+    EXPECT_EQ(tp::env_unsigned("TORCHPAR_SHM_SLOT_BYTES", 262144), 262144U);
+    EXPECT_EQ(tp::env_int("RANK"), std::nullopt);
+    EXPECT_EQ(tp::env_text("TORCHPAR_RPC_ADDR"), std::nullopt);
+    // env_value tells set-but-empty from unset (TORCHPAR_AUTHKEY="" is an error, unset not).
+    EXPECT_EQ(tp::env_value("TORCHPAR_RPC_ADDR"),
+              v ? std::optional<std::string>("") : std::nullopt);
+  }
+}
+
+TEST(Env, ValidValuesAreRead) {
+  ScopedEnv a("TORCHPAR_RPC_SHM", "1"), b("TORCHPAR_MANAGER_SHM", "0"),
+      c("TORCHPAR_SHM_CACHE_BYTES", "18446744073709551615"), d("MASTER_PORT", "29500"),
+      e("RANK", "-3"), f("TORCHPAR_GLOO_ADDR", "10.0.0.2"), g("TORCHPAR_TOOLS_DIR", "/x y");
+  EXPECT_TRUE(tp::env_flag("TORCHPAR_RPC_SHM", false));
+  EXPECT_FALSE(tp::env_flag("TORCHPAR_MANAGER_SHM", true));
+  EXPECT_EQ(tp::env_unsigned("TORCHPAR_SHM_CACHE_BYTES", 1), UINT64_MAX);
+  EXPECT_EQ(tp::env_int("MASTER_PORT"), 29500);
+  EXPECT_EQ(tp::env_int("RANK"), -3);  // the range is the caller's to check
+  EXPECT_EQ(tp::env_text("TORCHPAR_GLOO_ADDR"), "10.0.0.2");
+  EXPECT_EQ(tp::env_value("TORCHPAR_TOOLS_DIR"), "/x y");
+}
+
+TEST(Env, InvalidValuesThrowValueErrorNamingTheVariableAndValue) {
+  {
+    ScopedEnv a("TORCHPAR_RPC_SHM", "yes");
+    const std::string m = value_error_of([] { tp::env_flag("TORCHPAR_RPC_SHM", false); });
+    EXPECT_NE(m.find("TORCHPAR_RPC_SHM must be 0 or 1"), std::string::npos) << m;
+    EXPECT_NE(m.find("'yes'"), std::string::npos) << m;
+  }
+  for (const char* bad : {"12abc", "-1", " 5", "+5", "0x10", "18446744073709551616"}) {
+    ScopedEnv a("TORCHPAR_SHM_CACHE_BYTES", bad);
+    const std::string m = value_error_of([] { tp::env_unsigned("TORCHPAR_SHM_CACHE_BYTES", 1); });
+    EXPECT_NE(m.find("TORCHPAR_SHM_CACHE_BYTES"), std::string::npos) << bad << ": " << m;
+    EXPECT_NE(m.find(bad), std::string::npos) << bad << ": " << m;
+  }
+  {
+    ScopedEnv a("TORCHPAR_SHM_SLOT_BYTES", "100");  // below the caller's minimum
+    EXPECT_NE(value_error_of([] {
+                tp::env_unsigned("TORCHPAR_SHM_SLOT_BYTES", 1, 4096);
+              }).find("TORCHPAR_SHM_SLOT_BYTES must be a whole decimal number in [4096, "),
+              std::string::npos);
+  }
+  for (const char* bad : {"zero", "1.5", "2147483648", "3 "}) {
+    ScopedEnv a("WORLD_SIZE", bad);
+    const std::string m = value_error_of([] { tp::env_int("WORLD_SIZE"); });
+    EXPECT_NE(m.find("WORLD_SIZE must be a whole number"), std::string::npos) << bad << ": " << m;
+  }
+}
+
+TEST(Env, ANameOutsideTheTableOrTheWrongAccessorIsRefused) {
+  EXPECT_NE(value_error_of([] {
+              tp::env_flag("TORCHPAR_NO_SUCH_KNOB", false);
+            }).find("TORCHPAR_NO_SUCH_KNOB is not in torchpar's table"),
+            std::string::npos);
+  EXPECT_NE(value_error_of([] {
+              tp::env_flag("TORCHPAR_SHM_CACHE_BYTES", false);
+            }).find("TORCHPAR_SHM_CACHE_BYTES is an unsigned number, not a flag"),
+            std::string::npos);
+  EXPECT_THROW(tp::environment_variable("PATH"), tp::ValueError);
+}
+
+// docs/environment.md lists the table's variables, and the table every TORCHPAR_* variable the
+// page names (but the tests' own); read from the source tree beside this file.
+TEST(Env, TheTableAndDocsEnvironmentMdNameTheSameVariables) {
+  const std::string doc_path =
+      std::string(__FILE__).substr(0, std::string(__FILE__).rfind("/tests/")) +
+      "/docs/environment.md";
+  std::ifstream f(doc_path);
+  if (!f) GTEST_SKIP() << "no source tree at " << doc_path;
+  const std::string doc((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::set<std::string> names;
+  for (const auto& v : tp::environment_variables()) {
+    EXPECT_TRUE(names.insert(std::string(v.name)).second) << v.name << " twice";
+    EXPECT_NE(doc.find("`" + std::string(v.name) + "`"), std::string::npos)
+        << v.name << " is in the table but not in docs/environment.md";
+    EXPECT_EQ(v.ours, v.name.rfind("TORCHPAR_", 0) == 0) << v.name;
+  }
+  for (size_t at = doc.find("`TORCHPAR_"); at != std::string::npos;
+       at = doc.find("`TORCHPAR_", at + 1)) {
+    const std::string name = doc.substr(at + 1, doc.find('`', at + 1) - at - 1);
+    if (name.rfind("TORCHPAR_TEST_", 0) == 0) continue;  // read by tests/support only
+    if (name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") != std::string::npos) {
+      continue;  // "TORCHPAR_*", a pattern
+    }
+    EXPECT_TRUE(names.count(name)) << name << " is in docs/environment.md but not in the table";
+  }
 }
