@@ -15,6 +15,7 @@
 
 #include "core/futex.h"
 #include "core/liveness.h"
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 #include "torchpar/ipc/listener.h"
 #include "torchpar/manager/proxy.h"
@@ -36,10 +37,7 @@ constexpr auto kFirstRetryPause = std::chrono::milliseconds(10);
 constexpr auto kMaxRetryPause = std::chrono::milliseconds(200);
 
 // TORCHPAR_MANAGER_SHM=0 keeps calls on their sockets (benchmarks compare both paths).
-bool shm_channel_enabled() {
-  const char* v = std::getenv("TORCHPAR_MANAGER_SHM");
-  return v == nullptr || std::string_view(v) != "0";
-}
+bool shm_channel_enabled() { return env_flag("TORCHPAR_MANAGER_SHM", true); }
 
 // Connections by address, for this process (a fork child finds its parent's entries and
 // skips them: their pid is not its own).
