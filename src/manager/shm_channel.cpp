@@ -50,21 +50,13 @@ ShmChannel::ShmChannel(ShmRegion region, std::string name, bool creator)
 ShmChannel::~ShmChannel() { unlink(); }
 
 std::unique_ptr<ShmChannel> ShmChannel::create() {
-  ensure_cleaner();
-  for (int attempt = 0;; ++attempt) {
-    std::string name = channel_name();
-    ShmRegion region;
-    try {
-      region = ShmRegion::create_named(name, kTotalBytes);
-    } catch (const ShmError& e) {
-      if (e.error_code() != EEXIST || attempt >= 10) throw;
-      continue;  // 128 random bits collided: take others
-    }
-    auto* h = reinterpret_cast<ShmChannelHeader*>(region.data());
-    h->data_bytes = kDataBytes;
-    word64(h->magic).store(kMagic, std::memory_order_release);
-    return std::unique_ptr<ShmChannel>(new ShmChannel(std::move(region), std::move(name), true));
-  }
+  // Owned by our cleaner: the name goes with this process, however it exits.
+  ShmRegion region = ShmRegion::create_owned(kTotalBytes, channel_name);
+  auto& h = region.as<ShmChannelHeader>();
+  h.data_bytes = kDataBytes;
+  word64(h.magic).store(kMagic, std::memory_order_release);
+  std::string name = region.name();
+  return std::unique_ptr<ShmChannel>(new ShmChannel(std::move(region), std::move(name), true));
 }
 
 std::unique_ptr<ShmChannel> ShmChannel::open(const std::string& name) {
@@ -72,9 +64,9 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const std::string& name) {
     throw ProtocolError(fmt::format("'{}' is no manager call channel name", name));
   }
   ShmRegion region = ShmRegion::open_named(name, /*writable=*/true, kTotalBytes);
-  auto* h = reinterpret_cast<ShmChannelHeader*>(region.data());
-  if (word64(h->magic).load(std::memory_order_acquire) != kMagic ||
-      word64(h->data_bytes).load(std::memory_order_relaxed) != kDataBytes) {
+  auto& h = region.as<ShmChannelHeader>();
+  if (word64(h.magic).load(std::memory_order_acquire) != kMagic ||
+      word64(h.data_bytes).load(std::memory_order_relaxed) != kDataBytes) {
     throw ProtocolError(fmt::format("shared object {} is no manager call channel", name));
   }
   return std::unique_ptr<ShmChannel>(new ShmChannel(std::move(region), name, false));

@@ -13,7 +13,7 @@
 #include <string_view>
 
 #include "core/futex.h"
-#include "shm/segment.h"
+#include "shm/region.h"
 #include "torchpar/ipc/connection.h"
 
 namespace torchpar::detail {
@@ -105,7 +105,7 @@ class ShmChannel {
 
  private:
   ShmChannel(ShmRegion region, std::string name, bool creator);
-  ShmChannelHeader* header() const { return reinterpret_cast<ShmChannelHeader*>(region_.data()); }
+  ShmChannelHeader* header() const { return &region_.as<ShmChannelHeader>(); }
   ShmChannelLane& lane(int i) const { return header()->lanes[i]; }
   char* data(int i) const { return region_.data() + kDataOffset + kDataBytes * i; }
   /// Returns once lane `in`'s seq differs from seen_; throws as recv.

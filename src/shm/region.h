@@ -17,6 +17,9 @@
 
 namespace torchpar::detail {
 
+/// The page regions and segments are laid out in (headers take whole pages).
+inline constexpr size_t kPageSize = 4096;
+
 /// Raw shared memory: one memfd or named POSIX shm object, reserved and mapped once.
 ///
 /// Guarantees: the bytes are reserved with posix_fallocate before mapping, so a full
@@ -52,9 +55,6 @@ class ShmRegion {
   /// The caller unlinks the name (name()) when it is no longer needed. Errors: ShmError
   /// (out of /dev/shm space: asked and free; EEXIST after 100 names that all existed).
   static ShmRegion create_owned(uint64_t bytes, const NameMaker& make_name = {});
-  /// create_owned's step for one name, without the cleaner or a retry (O_EXCL: ShmError
-  /// with errno EEXIST when it exists). Use create_owned.
-  static ShmRegion create_named(const std::string& name, uint64_t bytes);
   /// Maps a memfd received from a peer. Errors: ShmError (EINVAL) when it is not a regular
   /// file, lacks the seals, or is smaller than `min_bytes`.
   static ShmRegion open_fd(UniqueFd fd, uint64_t min_bytes, const char* what);
@@ -98,6 +98,8 @@ class ShmRegion {
   }
 
  private:
+  // create_owned's step for one name (O_EXCL: ShmError with errno EEXIST when it exists).
+  static ShmRegion create_named(const std::string& name, uint64_t bytes);
   void map(int fd, uint64_t size, bool writable, const std::string& what);
   void identify(int fd, const std::string& what);
   void check_view(uint64_t offset, uint64_t elem_bytes, uint64_t count, uint64_t align) const;

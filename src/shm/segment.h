@@ -31,7 +31,6 @@ namespace torchpar::detail {
 
 inline constexpr uint64_t kSegmentMagic = 0x314d485352415054ULL;  // "TPARSHM1"
 inline constexpr uint32_t kSegmentVersion = 1;
-inline constexpr size_t kPageSize = 4096;
 /// The top bit of a block's exports word: the block has an export that pins it for
 /// borrowers (DumpsOptions::pin_shared, a manager's stored value) rather than one in flight.
 /// It is set, never cleared and never counted: the block is not reused while it is set, and

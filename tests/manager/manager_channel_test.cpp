@@ -230,7 +230,7 @@ TEST(ShmChannel, ALengthOverTheDataAreaIsAProtocolError) {
   auto region = tp::detail::ShmRegion::open_named(creator->name(), /*writable=*/true,
                                                   ShmChannel::kTotalBytes);
   creator->unlink();
-  auto* h = reinterpret_cast<tp::detail::ShmChannelHeader*>(region.data());
+  auto* h = &region.as<tp::detail::ShmChannelHeader>();
   for (const uint64_t bad :
        {ShmChannel::kDataBytes + 1, uint64_t{1} << 40, ShmChannel::kOnSocket - 1}) {
     std::atomic_ref<uint64_t>(h->lanes[0].length).store(bad);
