@@ -13,9 +13,8 @@
 
 #include <fmt/format.h>
 
-#include "core/cpu_relax.h"
-#include "core/futex.h"
 #include "core/robust_mutex.h"
+#include "core/waiter.h"
 #include "shm/cleaner.h"
 #include "shm/region.h"
 #include "torchpar/core/error.h"
@@ -68,6 +67,23 @@ std::atomic_ref<uint64_t> word64(uint64_t& w) { return std::atomic_ref<uint64_t>
 // internal lock, which a running peer holds for a memcpy at most. A stopped or hung holder
 // makes the call raise Empty/Full after this instead of blocking.
 constexpr auto kNowaitLockWait = std::chrono::milliseconds(10);
+
+// One step of put's or get's wait, which then looks again under the lock: until `seq` leaves
+// `seen` or the queue closes, spinning while this call's `spins` are under kSpinIterations,
+// else for one futex slice, counted in `sleepers` (the other side bumps `seq`, then wakes
+// only when that count is non-zero, both seq_cst: either it sees the count or this the bump).
+void wait_for_change(QueueControl* c, uint32_t* seq, uint32_t seen, uint32_t* sleepers,
+                     const Deadline& deadline, int& spins) {
+  const auto changed = [c, seen](uint32_t v) {
+    return v != seen || atomic_word(c->closed).load() != 0;
+  };
+  if (spins < kSpinIterations) {
+    spin_until(seq, changed, SpinPolicy{.looks = kSpinIterations - spins}, &spins);
+    return;
+  }
+  wait_until(seq, changed, deadline,
+             WaitOptions{.sleeper = SleeperMark::count(sleepers), .max_slices = 1});
+}
 
 // The deadline for the internal lock: the call's own, or kNowaitLockWait for timeout 0.
 Deadline lock_deadline_of(const Timeout& t, const Deadline& deadline) {
@@ -258,24 +274,15 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
         guard.done = true;
         break;
       }
-      if (timeout && (timeout->count() <= 0 || past(deadline)))
+      if (deadline.expired())  // timeout 0 included: its deadline is the call's start
         throw Full(ctl_->maxsize != 0 && full_items
                        ? fmt::format("queue full ({} items)", ctl_->maxsize)
                        : fmt::format("queue full ({} of its {} bytes in use)",
                                      ctl_->tail - ctl_->head, ctl_->capacity));
       seen = atomic_word(ctl_->seq_get).load();
-      if (spins >= kSpinIterations) atomic_word(ctl_->sleeping_putters).fetch_add(1);
     }
-    if (spins < kSpinIterations) {
-      while (spins < kSpinIterations && atomic_word(ctl_->seq_get).load() == seen &&
-             atomic_word(ctl_->closed).load() == 0) {
-        ++spins;
-        cpu_relax();
-      }
-      continue;
-    }
-    futex_wait_until(&ctl_->seq_get, seen, deadline);
-    atomic_word(ctl_->sleeping_putters).fetch_sub(1);  // atomic: no lock needed (it may be held)
+    // Room may have come: look again under the lock after the spin, and after each slice.
+    wait_for_change(ctl_, &ctl_->seq_get, seen, &ctl_->sleeping_putters, deadline, spins);
   }
   if (wake) futex_wake_n(&ctl_->seq_put, 1);
 }
@@ -317,20 +324,10 @@ std::string ShmQueue::get(Timeout timeout) {
         break;
       }
       if (ctl_->closed) throw ClosedError("get on a closed, empty queue");
-      if (timeout && (timeout->count() <= 0 || past(deadline))) throw Empty("queue empty");
+      if (deadline.expired()) throw Empty("queue empty");
       seen = atomic_word(ctl_->seq_put).load();
-      if (spins >= kSpinIterations) atomic_word(ctl_->sleeping_getters).fetch_add(1);
     }
-    if (spins < kSpinIterations) {
-      while (spins < kSpinIterations && atomic_word(ctl_->seq_put).load() == seen &&
-             atomic_word(ctl_->closed).load() == 0) {
-        ++spins;
-        cpu_relax();
-      }
-      continue;
-    }
-    futex_wait_until(&ctl_->seq_put, seen, deadline);
-    atomic_word(ctl_->sleeping_getters).fetch_sub(1);
+    wait_for_change(ctl_, &ctl_->seq_put, seen, &ctl_->sleeping_getters, deadline, spins);
   }
   if (wake) futex_wake_n(&ctl_->seq_get, 1);
   if (small_len != SIZE_MAX) out.assign(small, small_len);
@@ -373,10 +370,12 @@ bool ShmQueue::join(Timeout timeout) {
       Lock lock(ctl_, deadline);
       if (!lock.locked()) return false;
       if (ctl_->unfinished <= 0) return true;  // closing does not end a join: consumers may drain
-      if (past(deadline)) return false;
+      if (deadline.expired()) return false;
       seen = atomic_word(ctl_->seq_done).load();
     }
-    futex_wait_until(&ctl_->seq_done, seen, deadline);
+    wait_until(
+        &ctl_->seq_done, [seen](uint32_t v) { return v != seen; }, deadline,
+        WaitOptions{.max_slices = 1});
   }
 }
 
