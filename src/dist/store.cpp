@@ -260,49 +260,98 @@ void StoreServer::serve(Conn* c) {
   c->done = true;
 }
 
+namespace {
+
+/// Sends one reply: the status byte, then `out`.
+bool send_reply(int fd, Status st, const std::string& out) {
+  std::string body(1, static_cast<char>(st));
+  body += out;
+  const std::string f = frame(std::move(body));
+  send_all(fd, f.data(), f.size(), Clock::now() + std::chrono::seconds(30), "store reply");
+  return true;
+}
+
+std::string read_key(Reader& in) { return std::string(in.bytes(kStoreMaxKeyBytes)); }
+
+/// A count, then that many keys (at most kStoreMaxKeys, else the reader fails).
+std::vector<std::string> read_keys(Reader& in) {
+  std::vector<std::string> ks;
+  const uint32_t n = in.u32();
+  if (n > kStoreMaxKeys) in.ok = false;
+  for (uint32_t i = 0; in.ok && i < n; ++i) ks.push_back(read_key(in));
+  return ks;
+}
+
+}  // namespace
+
+bool StoreServer::all_present(const std::vector<std::string>& ks) const {
+  for (const auto& k : ks) {
+    if (!data_.count(k)) return false;
+  }
+  return true;
+}
+
+bool StoreServer::wait_keys(std::unique_lock<std::mutex>& lk, const std::vector<std::string>& ks,
+                            int64_t timeout_ms) {
+  const auto deadline = after(std::chrono::milliseconds(timeout_ms));
+  while (!all_present(ks)) {
+    if (stop_) return false;
+    if (deadline == kForever) {
+      cv_.wait(lk);
+    } else if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !all_present(ks)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+int64_t StoreServer::add_to(const std::string& k, int64_t delta) {
+  int64_t value = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto& v = data_[k];
+    if (!v.empty()) value = std::strtoll(std::string(v.begin(), v.end()).c_str(), nullptr, 10);
+    value += delta;
+    const std::string s = std::to_string(value);
+    v.assign(s.begin(), s.end());
+  }
+  cv_.notify_all();
+  return value;
+}
+
+std::string StoreServer::compare_set(const std::string& k, std::string_view expected,
+                                     std::string_view desired) {
+  std::string out;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    // c10d TCPStore's semantics: a missing key is created only when `expected` is empty.
+    auto it = data_.find(k);
+    if (it == data_.end()) {
+      if (expected.empty()) {
+        data_[k].assign(desired.begin(), desired.end());
+        put_bytes(out, desired.data(), desired.size());
+      } else {
+        put_bytes(out, expected.data(), expected.size());
+      }
+    } else {
+      if (std::string_view(reinterpret_cast<const char*>(it->second.data()), it->second.size()) ==
+          expected) {
+        it->second.assign(desired.begin(), desired.end());
+      }
+      put_vec(out, it->second);
+    }
+  }
+  cv_.notify_all();
+  return out;
+}
+
 bool StoreServer::handle(int fd, const std::string& req) {
   Reader in{req};
   const uint8_t cmd = in.u8();
   std::string out;
-  auto reply = [&](Status st) {
-    std::string body(1, static_cast<char>(st));
-    body += out;
-    const std::string f = frame(std::move(body));
-    send_all(fd, f.data(), f.size(), Clock::now() + std::chrono::seconds(30), "store reply");
-    return true;
-  };
-  auto key = [&] { return std::string(in.bytes(kStoreMaxKeyBytes)); };
-  auto keys = [&] {
-    std::vector<std::string> ks;
-    const uint32_t n = in.u32();
-    if (n > kStoreMaxKeys) in.ok = false;
-    for (uint32_t i = 0; in.ok && i < n; ++i) ks.push_back(key());
-    return ks;
-  };
-  auto all_present = [&](const std::vector<std::string>& ks) {
-    for (const auto& k : ks) {
-      if (!data_.count(k)) return false;
-    }
-    return true;
-  };
-  /// Waits under `lk` until every key exists; false on timeout or shutdown.
-  auto wait_keys = [&](std::unique_lock<std::mutex>& lk, const std::vector<std::string>& ks,
-                       int64_t timeout_ms) {
-    const auto deadline = after(std::chrono::milliseconds(timeout_ms));
-    while (!all_present(ks)) {
-      if (stop_) return false;
-      if (deadline == kForever) {
-        cv_.wait(lk);
-      } else if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !all_present(ks)) {
-        return false;
-      }
-    }
-    return true;
-  };
-
   switch (cmd) {
     case kSet: {
-      auto k = key();
+      auto k = read_key(in);
       auto v = in.bytes(kStoreMaxValueBytes);
       if (!in.ok) return false;
       {
@@ -310,90 +359,59 @@ bool StoreServer::handle(int fd, const std::string& req) {
         data_[k].assign(v.begin(), v.end());
       }
       cv_.notify_all();
-      return reply(kOk);
+      return send_reply(fd, kOk, out);
     }
     case kGet: {
-      auto k = key();
+      auto k = read_key(in);
       const int64_t timeout_ms = in.i64();
       if (!in.ok) return false;
       std::unique_lock<std::mutex> lk(mu_);
-      if (!wait_keys(lk, {k}, timeout_ms)) return reply(kTimedOut);
-      const auto& v = data_[k];
-      put_vec(out, v);
+      if (!wait_keys(lk, {k}, timeout_ms)) return send_reply(fd, kTimedOut, out);
+      put_vec(out, data_[k]);
       lk.unlock();
-      return reply(kOk);
+      return send_reply(fd, kOk, out);
     }
     case kAdd: {
-      auto k = key();
+      auto k = read_key(in);
       const int64_t delta = in.i64();
       if (!in.ok) return false;
-      int64_t value = 0;
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        auto& v = data_[k];
-        if (!v.empty()) value = std::strtoll(std::string(v.begin(), v.end()).c_str(), nullptr, 10);
-        value += delta;
-        const std::string s = std::to_string(value);
-        v.assign(s.begin(), s.end());
-      }
-      cv_.notify_all();
-      put_i64(out, value);
-      return reply(kOk);
+      put_i64(out, add_to(k, delta));
+      return send_reply(fd, kOk, out);
     }
     case kCompareSet: {
-      auto k = key();
+      auto k = read_key(in);
       auto expected = in.bytes(kStoreMaxValueBytes);
       auto desired = in.bytes(kStoreMaxValueBytes);
       if (!in.ok) return false;
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        // c10d TCPStore's semantics: a missing key is created only when `expected` is empty.
-        auto it = data_.find(k);
-        if (it == data_.end()) {
-          if (expected.empty()) {
-            data_[k].assign(desired.begin(), desired.end());
-            put_bytes(out, desired.data(), desired.size());
-          } else {
-            put_bytes(out, expected.data(), expected.size());
-          }
-        } else {
-          if (std::string_view(reinterpret_cast<const char*>(it->second.data()),
-                               it->second.size()) == expected) {
-            it->second.assign(desired.begin(), desired.end());
-          }
-          put_vec(out, it->second);
-        }
-      }
-      cv_.notify_all();
-      return reply(kOk);
+      return send_reply(fd, kOk, compare_set(k, expected, desired));
     }
     case kCheck: {
-      auto ks = keys();
+      auto ks = read_keys(in);
       if (!in.ok) return false;
       std::lock_guard<std::mutex> g(mu_);
       out.push_back(all_present(ks) ? 1 : 0);
-      return reply(kOk);
+      return send_reply(fd, kOk, out);
     }
     case kWait: {
-      auto ks = keys();
+      auto ks = read_keys(in);
       const int64_t timeout_ms = in.i64();
       if (!in.ok) return false;
       std::unique_lock<std::mutex> lk(mu_);
       const bool ok = wait_keys(lk, ks, timeout_ms);
       lk.unlock();
-      return reply(ok ? kOk : kTimedOut);
+      return send_reply(fd, ok ? kOk : kTimedOut, out);
     }
     case kDelete: {
-      auto k = key();
+      auto k = read_key(in);
       if (!in.ok) return false;
       std::lock_guard<std::mutex> g(mu_);
       out.push_back(data_.erase(k) ? 1 : 0);
-      return reply(kOk);
+      return send_reply(fd, kOk, out);
     }
     case kNumKeys: {
       std::lock_guard<std::mutex> g(mu_);
       put_i64(out, static_cast<int64_t>(data_.size()));
-      return reply(kOk);
+      return send_reply(fd, kOk, out);
     }
     default:
       return false;

@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -62,6 +63,17 @@ class StoreServer {
   void serve(Conn* c);
   /// Handles one request; false ends the connection (protocol violation).
   bool handle(int fd, const std::string& req);
+  /// Under mu_: every key of `ks` exists.
+  bool all_present(const std::vector<std::string>& ks) const;
+  /// Waits under `lk` (on mu_) until every key exists; false on timeout or shutdown.
+  bool wait_keys(std::unique_lock<std::mutex>& lk, const std::vector<std::string>& ks,
+                 int64_t timeout_ms);
+  /// Adds `delta` to the integer at `k` (missing: 0); the new value.
+  int64_t add_to(const std::string& k, int64_t delta);
+  /// c10d's compareSet on `k`; the reply's body (the value now, or `expected` for a
+  /// missing key left missing).
+  std::string compare_set(const std::string& k, std::string_view expected,
+                          std::string_view desired);
   void reap(bool all);
 
   AuthKey key_;

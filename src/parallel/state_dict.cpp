@@ -249,11 +249,22 @@ class ViewScan {
     return other_;
   }
 
-  /// One opcode; false at STOP or where the scan stops following.
+  /// One opcode; false at STOP or where the scan stops following. The opcodes come in
+  /// four families, each read by its own part (nullopt: not one of its opcodes).
   bool step() {
     const char* op = nullptr;
     if (!take(1, &op)) return false;
-    switch (static_cast<unsigned char>(*op)) {
+    const auto c = static_cast<unsigned char>(*op);
+    if (auto r = value_op(c)) return *r;
+    if (auto r = container_op(c)) return *r;
+    if (auto r = memo_op(c)) return *r;
+    if (auto r = object_op(c)) return *r;
+    return false;  // an opcode LibTorch's unpickler does not read either
+  }
+
+  /// Framing, stack marks and scalar values.
+  std::optional<bool> value_op(unsigned char op) {
+    switch (op) {
       case 0x80: {  // PROTO
         const char* v = nullptr;
         return take(1, &v);
@@ -306,8 +317,17 @@ class ViewScan {
       case 'N':   // NONE
       case 0x88:  // NEWTRUE
       case 0x89:  // NEWFALSE
-      case '}':   // EMPTY_DICT
-      case ']':   // EMPTY_LIST
+        return push_other();
+      default:
+        return std::nullopt;
+    }
+  }
+
+  /// Tuples, lists and dicts (a dict's entries feed the key scan: entries()).
+  std::optional<bool> container_op(unsigned char op) {
+    switch (op) {
+      case '}':  // EMPTY_DICT
+      case ']':  // EMPTY_LIST
         return push_other();
       case ')':  // EMPTY_TUPLE
         return push_tuple({});
@@ -325,14 +345,14 @@ class ViewScan {
       case 'd': {  // DICT
         std::vector<PickleValue> v;
         if (!pop_mark(&v)) return false;
-        if (*op == 'd') entries(v.data(), v.size());
+        if (op == 'd') entries(v.data(), v.size());
         return push_other();
       }
       case 'e':    // APPENDS
       case 'u': {  // SETITEMS
         std::vector<PickleValue> v;
         if (!pop_mark(&v) || stack_.empty()) return false;
-        if (*op == 'u') entries(v.data(), v.size());
+        if (op == 'u') entries(v.data(), v.size());
         return true;
       }
       case 'a': {  // APPEND
@@ -345,6 +365,14 @@ class ViewScan {
         stack_.resize(stack_.size() - 2);
         return true;
       }
+      default:
+        return std::nullopt;
+    }
+  }
+
+  /// The memo: values stored and fetched again by id.
+  std::optional<bool> memo_op(unsigned char op) {
+    switch (op) {
       case 'q': {  // BINPUT
         uint8_t id = 0;
         return take_le(&id) && put(id);
@@ -361,6 +389,14 @@ class ViewScan {
         uint32_t id = 0;
         return take_le(&id) && get(id);
       }
+      default:
+        return std::nullopt;
+    }
+  }
+
+  /// Globals, object construction (where tensors are rebuilt: reduce()) and storages.
+  std::optional<bool> object_op(unsigned char op) {
+    switch (op) {
       case 'c': {  // GLOBAL: "module\\nname\\n"
         std::string module, name;
         if (!take_line(&module) || !take_line(&name)) return false;
@@ -391,8 +427,8 @@ class ViewScan {
         }
         return push_other();
       }
-      default:  // an opcode LibTorch's unpickler does not read either
-        return false;
+      default:
+        return std::nullopt;
     }
   }
 

@@ -21,6 +21,7 @@
 #include <sstream>
 #include <thread>
 
+#include "dist/store.h"
 #include "support/child.h"
 #include "support/ranks.h"
 #include "torchpar/dist/launch_env.h"
@@ -471,6 +472,42 @@ TEST(LaunchEnv, ReadsChecksAndNamesTheVariables) {
     else
       ::unsetenv(n.c_str());
   }
+}
+
+// The store server's commands, each answered as c10d's TCPStore does (src/dist/store.cpp).
+TEST(StoreServer, EveryCommandAnswersAsTCPStoreDoes) {
+  using Bytes = std::vector<uint8_t>;
+  auto bytes = [](const std::string& s) { return Bytes(s.begin(), s.end()); };
+  const tp::AuthKey key = "store-test";
+  tp::detail::StoreServer server("127.0.0.1", 0, key, std::chrono::milliseconds(5000));
+  tp::detail::StoreClient s("127.0.0.1", server.port(), key, std::chrono::milliseconds(10000));
+  s.set("a", bytes("1"));
+  EXPECT_EQ(s.get("a"), bytes("1"));
+  EXPECT_EQ(s.add("n", 5), 5);
+  EXPECT_EQ(s.add("n", -2), 3);
+  EXPECT_EQ(s.get("n"), bytes("3"));
+  // compareSet: a missing key is created only when `expected` is empty.
+  EXPECT_EQ(s.compareSet("c", bytes("x"), bytes("y")), bytes("x"));
+  EXPECT_FALSE(s.check({"c"}));
+  EXPECT_EQ(s.compareSet("c", {}, bytes("y")), bytes("y"));
+  EXPECT_EQ(s.compareSet("c", bytes("nope"), bytes("z")), bytes("y"));
+  EXPECT_EQ(s.compareSet("c", bytes("y"), bytes("z")), bytes("z"));
+  EXPECT_TRUE(s.check({"a", "n", "c"}));
+  EXPECT_FALSE(s.check({"a", "missing"}));
+  EXPECT_EQ(s.getNumKeys(), 3);
+  EXPECT_TRUE(s.deleteKey("a"));
+  EXPECT_FALSE(s.deleteKey("a"));
+  EXPECT_EQ(s.getNumKeys(), 2);
+  s.wait({"n", "c"}, std::chrono::milliseconds(1000));
+  EXPECT_THROW(s.wait({"never"}, std::chrono::milliseconds(50)), tp::TimeoutError);
+  // A get waits for a key another client sets.
+  std::thread setter([&] {
+    tp::detail::StoreClient other("127.0.0.1", server.port(), key,
+                                  std::chrono::milliseconds(10000));
+    other.set("late", bytes("v"));
+  });
+  EXPECT_EQ(s.get("late"), bytes("v"));
+  setter.join();
 }
 
 int main(int argc, char** argv) {
