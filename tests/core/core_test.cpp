@@ -7,13 +7,18 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
+#include <vector>
 
 #include "core/futex.h"
 #include "core/liveness.h"
@@ -23,6 +28,8 @@
 #include "core/waiter.h"
 #include "support/child.h"
 #include "torchpar/core/env.h"
+#include "torchpar/pool/pool.h"
+#include "torchpar/process/spawn.h"
 
 namespace tp = torchpar;
 using namespace tp::detail;
@@ -504,5 +511,125 @@ TEST(Env, TheTableAndDocsEnvironmentMdNameTheSameVariables) {
       continue;  // "TORCHPAR_*", a pattern
     }
     EXPECT_TRUE(names.count(name)) << name << " is in docs/environment.md but not in the table";
+  }
+}
+
+// ---- error families (core/error.h) -----------------------------------------------------------
+
+namespace {
+
+int raise_domain_error(int) { throw std::domain_error("no such domain"); }
+int kill_self(int) {
+  ::raise(SIGKILL);
+  return 0;
+}
+void child_raises(int) { throw std::invalid_argument("child says no"); }
+void child_exits(int) { ::_exit(3); }
+
+tp::SpawnOptions fork_children() {
+  tp::SpawnOptions o;
+  o.start_method = tp::StartMethod::kFork;
+  o.join = false;
+  return o;
+}
+
+tp::PoolOptions one_forked_worker() {
+  tp::PoolOptions o;
+  o.processes = 1;
+  o.start_method = tp::StartMethod::kFork;
+  return o;
+}
+
+}  // namespace
+
+// "A peer is gone" and "the remote side raised": every class of each family derives from its
+// base, and both bases are torchpar::Error.
+static_assert(std::is_base_of_v<tp::Error, tp::PeerLostError>);
+static_assert(std::is_base_of_v<tp::PeerLostError, tp::WorkerLostError>);
+static_assert(std::is_base_of_v<tp::PeerLostError, tp::RankLostError>);
+static_assert(std::is_base_of_v<tp::PeerLostError, tp::RpcPeerLostError>);
+static_assert(std::is_base_of_v<tp::PeerLostError, tp::ProcessExitedException>);
+static_assert(std::is_base_of_v<tp::PeerLostError, tp::WorkerError>);
+static_assert(std::is_base_of_v<tp::Error, tp::RemoteRaisedError>);
+static_assert(std::is_base_of_v<tp::RemoteRaisedError, tp::TaskError>);
+static_assert(std::is_base_of_v<tp::RemoteRaisedError, tp::RemoteError>);
+static_assert(std::is_base_of_v<tp::RemoteRaisedError, tp::RpcRemoteError>);
+static_assert(std::is_base_of_v<tp::RemoteRaisedError, tp::ProcessRaisedException>);
+static_assert(!std::is_base_of_v<tp::PeerLostError, tp::RemoteRaisedError> &&
+              !std::is_base_of_v<tp::RemoteRaisedError, tp::PeerLostError>);
+
+// The classes no cheap component here throws: caught through their base, with their fields.
+TEST(ErrorFamilies, EachClassIsCaughtThroughItsBase) {
+  const auto peer_lost = [](auto&& thrower) -> std::string {
+    try {
+      thrower();
+    } catch (const tp::PeerLostError& e) {
+      return e.what();
+    }
+    return "not caught";
+  };
+  EXPECT_EQ(peer_lost([] { throw tp::RankLostError(2, "rank 2 is gone"); }), "rank 2 is gone");
+  EXPECT_EQ(peer_lost([] { throw tp::RpcPeerLostError("w1", "member 'w1' is gone"); }),
+            "member 'w1' is gone");
+  EXPECT_NE(
+      peer_lost([] { throw tp::WorkerError("TensorParallel.forward", 1, 42, -9); }).find("SIGKILL"),
+      std::string::npos);
+  try {
+    throw tp::RpcRemoteError("std::runtime_error", "bad input", "w1");
+  } catch (const tp::RemoteRaisedError& e) {
+    EXPECT_EQ(e.type(), "std::runtime_error");
+    EXPECT_EQ(e.message(), "bad input");
+    EXPECT_NE(std::string(e.what()).find("member 'w1'"), std::string::npos) << e.what();
+  }
+  try {
+    throw tp::RemoteError("KeyError", "'x'");
+  } catch (const tp::RemoteRaisedError& e) {
+    EXPECT_EQ(e.type(), "KeyError");
+    EXPECT_NE(std::string(e.what()).find("the manager's server process"), std::string::npos);
+  }
+}
+
+TEST(ErrorFamilies, APoolTaskThatRaisesIsARemoteRaisedError) {
+  tp::Pool pool(one_forked_worker());
+  try {
+    pool.apply(raise_domain_error, std::make_tuple(1));
+    ADD_FAILURE() << "the task's exception did not arrive";
+  } catch (const tp::RemoteRaisedError& e) {
+    EXPECT_NE(dynamic_cast<const tp::TaskError*>(&e), nullptr) << e.what();
+    EXPECT_NE(e.type().find("domain_error"), std::string::npos) << e.type();
+    EXPECT_EQ(e.message(), "no such domain");
+  }
+}
+
+TEST(ErrorFamilies, APoolWorkerKilledMidTaskIsAPeerLostError) {
+  tp::Pool pool(one_forked_worker());
+  try {
+    pool.apply(kill_self, std::make_tuple(1));
+    ADD_FAILURE() << "a killed worker's task returned";
+  } catch (const tp::PeerLostError& e) {
+    const auto* lost = dynamic_cast<const tp::WorkerLostError*>(&e);
+    ASSERT_NE(lost, nullptr) << e.what();
+    EXPECT_EQ(lost->exit_code(), -SIGKILL);
+  }
+}
+
+TEST(ErrorFamilies, AChildThatRaisesOrExitsIsRemoteRaisedOrPeerLost) {
+  auto raising = tp::start_processes(child_raises, std::tuple<>(), 1, fork_children());
+  try {
+    raising.join(std::chrono::seconds(60));
+    ADD_FAILURE() << "no exception from the raising child";
+  } catch (const tp::RemoteRaisedError& e) {
+    EXPECT_NE(dynamic_cast<const tp::ProcessRaisedException*>(&e), nullptr) << e.what();
+    EXPECT_NE(e.type().find("invalid_argument"), std::string::npos) << e.type();
+    EXPECT_EQ(e.message(), "child says no");
+  }
+  auto exiting = tp::start_processes(child_exits, std::tuple<>(), 1, fork_children());
+  try {
+    exiting.join(std::chrono::seconds(60));
+    ADD_FAILURE() << "no exception from the exiting child";
+  } catch (const tp::PeerLostError& e) {
+    const auto* exited = dynamic_cast<const tp::ProcessExitedException*>(&e);
+    ASSERT_NE(exited, nullptr) << e.what();
+    EXPECT_EQ(exited->exit_code(), 3);
   }
 }

@@ -95,10 +95,41 @@ class SerializationError : public Error {
   using Error::Error;
 };
 
+/// Base of "a peer is gone": a process, worker, rank or RPC member that a call depended on
+/// died, exited, or lost its connection, so the call cannot complete. Its subclasses say which
+/// kind of peer and carry its details: WorkerLostError (a pool worker), RankLostError (a
+/// collective group's rank, the store's host), ProcessExitedException (a child process),
+/// WorkerError (a TensorParallel worker), RpcPeerLostError (an RPC member). Catch it to treat
+/// them alike; docs/errors.md says what state each leaves.
+class PeerLostError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Base of "the remote side raised": code running in another process (a pool task, a child
+/// process, a Manager method, an RPC callee) threw; the exception object stays there and its
+/// type name (type()) and message (message()) travel. Subclasses: TaskError, RemoteError
+/// (and RpcRemoteError), ProcessRaisedException. The peer itself goes on (except a child
+/// process, which ended).
+class RemoteRaisedError : public Error {
+ public:
+  /// `what` is the whole message; `type` and `message` the remote exception's.
+  RemoteRaisedError(std::string what, std::string type, std::string message)
+      : Error(std::move(what)), type_(std::move(type)), message_(std::move(message)) {}
+  /// The remote exception's type name ("std::domain_error", "KeyError").
+  const std::string& type() const noexcept { return type_; }
+  /// Its message (its what(), without a backtrace).
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  std::string type_;
+  std::string message_;
+};
+
 /// A pool worker died (killed, crashed, exited) while it held this task. Carries the
 /// worker's pid and Python-style exit code (minus the signal number). The pool replaced
 /// the worker and goes on. (CPython's Pool hangs instead.)
-class WorkerLostError : public Error {
+class WorkerLostError : public PeerLostError {
  public:
   WorkerLostError(int pid, int exit_code);
   int pid() const noexcept { return pid_; }
@@ -116,7 +147,7 @@ class WorkerLostError : public Error {
 /// threw is broken: its other workers were killed, and every later call raises this error
 /// again. Source: what parallelformers' ParallelProcess should raise instead of hanging
 /// (its issues #16, #19, #24).
-class WorkerError : public Error {
+class WorkerError : public PeerLostError {
  public:
   /// The worker raised `type`: `message`. `where` names the call ("TensorParallel.generate").
   WorkerError(const std::string& where, int rank, int pid, std::string type, std::string message);
@@ -141,9 +172,9 @@ class WorkerError : public Error {
 
 /// A rank of a collective group died or failed mid-operation (the others raise it within
 /// the group timeout instead of hanging). rank() is relative to the group, -1 if unknown.
-class RankLostError : public Error {
+class RankLostError : public PeerLostError {
  public:
-  RankLostError(int rank, std::string msg) : Error(std::move(msg)), rank_(rank) {}
+  RankLostError(int rank, std::string msg) : PeerLostError(std::move(msg)), rank_(rank) {}
   int rank() const noexcept { return rank_; }
 
  private:
@@ -151,15 +182,9 @@ class RankLostError : public Error {
 };
 
 /// A task raised in a pool worker process: its exception type name and message.
-class TaskError : public Error {
+class TaskError : public RemoteRaisedError {
  public:
   TaskError(std::string type, std::string message);
-  const std::string& type() const noexcept { return type_; }
-  const std::string& message() const noexcept { return message_; }
-
- private:
-  std::string type_;
-  std::string message_;
 };
 
 /// A method called through a Manager proxy raised in the manager's server process: the
@@ -167,17 +192,11 @@ class TaskError : public Error {
 /// multiprocessing.managers.RemoteError). The exception object itself does not cross
 /// processes. The server and the object go on; the object holds what the method did
 /// before it raised.
-class RemoteError : public Error {
+class RemoteError : public RemoteRaisedError {
  public:
   RemoteError(std::string type, std::string message);
   /// `where` replaces "the manager's server process" in what() (e.g. "member 'w1'").
   RemoteError(std::string type, std::string message, const std::string& where);
-  const std::string& type() const noexcept { return type_; }
-  const std::string& message() const noexcept { return message_; }
-
- private:
-  std::string type_;
-  std::string message_;
 };
 
 /// get() found no item within its timeout (Python: queue.Empty).
@@ -194,25 +213,21 @@ class Full : public Error {
 
 /// A child process ended by throwing: carries its index (rank), pid, the exception's type
 /// name and message. Source: torch.multiprocessing.ProcessRaisedException.
-class ProcessRaisedException : public Error {
+class ProcessRaisedException : public RemoteRaisedError {
  public:
   ProcessRaisedException(int index, int pid, std::string type, std::string message);
   int error_index() const noexcept { return index_; }
   int pid() const noexcept { return pid_; }
-  const std::string& type() const noexcept { return type_; }
-  const std::string& message() const noexcept { return message_; }
 
  private:
   int index_;
   int pid_;
-  std::string type_;
-  std::string message_;
 };
 
 /// A child process exited with a non-zero code or was killed by a signal. `exit_code()` is
 /// Python's exitcode: the code, or minus the signal number. `signal_name()` is e.g.
 /// "SIGKILL" (empty for a plain exit). Source: torch.multiprocessing.ProcessExitedException.
-class ProcessExitedException : public Error {
+class ProcessExitedException : public PeerLostError {
  public:
   ProcessExitedException(int index, int pid, int exit_code);
   int error_index() const noexcept { return index_; }
@@ -224,6 +239,65 @@ class ProcessExitedException : public Error {
   int index_;
   int pid_;
   int exit_code_;
+};
+
+// ---- RPC (torchpar/rpc/rpc_group.h) -------------------------------------------------------
+
+/// register_service / pair: the key is taken in this group (machin: "... has already been
+/// registered/paired to Group ..."). key(): the key; owner(): the member holding it.
+class RpcKeyTakenError : public Error {
+ public:
+  RpcKeyTakenError(std::string key, std::string owner, std::string msg)
+      : Error(std::move(msg)), key_(std::move(key)), owner_(std::move(owner)) {}
+  const std::string& key() const noexcept { return key_; }
+  const std::string& owner() const noexcept { return owner_; }
+
+ private:
+  std::string key_, owner_;
+};
+
+/// deregister_service / unpair of a key another member owns (machin: "... not
+/// registered/paired to ..."). owner(): the member holding it, empty when nobody does.
+class RpcKeyNotOwnedError : public Error {
+ public:
+  RpcKeyNotOwnedError(std::string key, std::string owner, std::string msg)
+      : Error(std::move(msg)), key_(std::move(key)), owner_(std::move(owner)) {}
+  const std::string& key() const noexcept { return key_; }
+  const std::string& owner() const noexcept { return owner_; }
+
+ private:
+  std::string key_, owner_;
+};
+
+/// registered_* / get_paired of a key nobody holds (machin: "... not found on Group ...").
+class RpcKeyNotFoundError : public Error {
+ public:
+  RpcKeyNotFoundError(std::string key, std::string msg)
+      : Error(std::move(msg)), key_(std::move(key)) {}
+  const std::string& key() const noexcept { return key_; }
+
+ private:
+  std::string key_;
+};
+
+/// The callee threw: type() is its exception's demangled type name, message() its message
+/// (what() without a backtrace); what() adds "(raised on member '<name>')".
+class RpcRemoteError : public RemoteError {
+ public:
+  RpcRemoteError(std::string type, std::string message, const std::string& member)
+      : RemoteError(std::move(type), std::move(message), "member '" + member + "'") {}
+};
+
+/// A call could not reach its member: it died, closed its group, or its connection broke.
+/// member(): the callee's name.
+class RpcPeerLostError : public PeerLostError {
+ public:
+  RpcPeerLostError(std::string member, std::string msg)
+      : PeerLostError(std::move(msg)), member_(std::move(member)) {}
+  const std::string& member() const noexcept { return member_; }
+
+ private:
+  std::string member_;
 };
 
 /// Name of a signal number ("SIGKILL"), or "signal N".

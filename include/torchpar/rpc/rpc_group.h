@@ -39,62 +39,8 @@ namespace torchpar {
 /// torch.distributed.rpc's default timeout of one call (seconds).
 inline constexpr std::chrono::duration<double> kDefaultRpcTimeout{60.0};
 
-/// register_service / pair: the key is taken in this group (machin: "... has already been
-/// registered/paired to Group ..."). key(): the key; owner(): the member holding it.
-class RpcKeyTakenError : public Error {
- public:
-  RpcKeyTakenError(std::string key, std::string owner, std::string msg)
-      : Error(std::move(msg)), key_(std::move(key)), owner_(std::move(owner)) {}
-  const std::string& key() const noexcept { return key_; }
-  const std::string& owner() const noexcept { return owner_; }
-
- private:
-  std::string key_, owner_;
-};
-
-/// deregister_service / unpair of a key another member owns (machin: "... not
-/// registered/paired to ..."). owner(): the member holding it, empty when nobody does.
-class RpcKeyNotOwnedError : public Error {
- public:
-  RpcKeyNotOwnedError(std::string key, std::string owner, std::string msg)
-      : Error(std::move(msg)), key_(std::move(key)), owner_(std::move(owner)) {}
-  const std::string& key() const noexcept { return key_; }
-  const std::string& owner() const noexcept { return owner_; }
-
- private:
-  std::string key_, owner_;
-};
-
-/// registered_* / get_paired of a key nobody holds (machin: "... not found on Group ...").
-class RpcKeyNotFoundError : public Error {
- public:
-  RpcKeyNotFoundError(std::string key, std::string msg)
-      : Error(std::move(msg)), key_(std::move(key)) {}
-  const std::string& key() const noexcept { return key_; }
-
- private:
-  std::string key_;
-};
-
-/// The callee threw: type() is its exception's demangled type name, message() its message
-/// (what() without a backtrace); what() adds "(raised on member '<name>')".
-class RpcRemoteError : public RemoteError {
- public:
-  RpcRemoteError(std::string type, std::string message, const std::string& member)
-      : RemoteError(std::move(type), std::move(message), "member '" + member + "'") {}
-};
-
-/// A call could not reach its member: it died, closed its group, or its connection broke.
-/// member(): the callee's name.
-class RpcPeerLostError : public Error {
- public:
-  RpcPeerLostError(std::string member, std::string msg)
-      : Error(std::move(msg)), member_(std::move(member)) {}
-  const std::string& member() const noexcept { return member_; }
-
- private:
-  std::string member_;
-};
+// The RPC errors (RpcKeyTakenError, RpcKeyNotOwnedError, RpcKeyNotFoundError, RpcRemoteError,
+// RpcPeerLostError) are in torchpar/core/error.h with the rest of the family.
 
 // What the templates below instantiate in the caller's code: encoding, decoding and handler
 // wrapping. Internal, not API; the call and RRef state they point to is private
