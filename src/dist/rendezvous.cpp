@@ -59,13 +59,6 @@ int env_int(const char* name, int fallback, bool required, const char* what) {
   return *v;
 }
 
-std::string read_first_line(const char* path) {
-  std::ifstream f(path);
-  std::string s;
-  std::getline(f, s);
-  return s;
-}
-
 bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
 }
@@ -96,21 +89,6 @@ std::string local_address_towards(const std::string& addr, int port) {
 }
 
 }  // namespace
-
-std::string host_key() {
-  struct stat ns {};
-  struct stat net {};
-  struct stat shm {};
-  ::stat("/proc/self/ns/pid", &ns);
-  ::stat("/proc/self/ns/net", &net);
-  ::stat("/dev/shm", &shm);
-  char host[256] = {0};
-  ::gethostname(host, sizeof(host) - 1);
-  return fmt::format("{}/{}/{:x}/{:x}/{:x}", host,
-                     read_first_line("/proc/sys/kernel/random/boot_id"),
-                     static_cast<uint64_t>(ns.st_ino), static_cast<uint64_t>(net.st_ino),
-                     static_cast<uint64_t>(shm.st_dev));
-}
 
 Rendezvous::Rendezvous(WorldOptions options) : opts(std::move(options)) {
   // Gloo and the store write to sockets without MSG_NOSIGNAL.

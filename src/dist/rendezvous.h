@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/host_identity.h"  // host_key(): ranks with equal keys share a host
 #include "dist/backend/backend.h"
 #include "dist/backend/gloo/backend.h"
 #include "dist/lost_ranks.h"
@@ -15,13 +16,6 @@
 #include "torchpar/dist/world.h"
 
 namespace torchpar::detail {
-
-/// Ranks with equal keys share /dev/shm, a pid and a network namespace: the shm backend
-/// works among them, and they count as one host (Backend::kAuto, kHierarchical). As
-/// TensorPipe's shm domain, a network namespace is a host of its own, so namespaces joined
-/// by a veth pair stand in for hosts in the tests. "<host name>/<boot id>/<pid namespace
-/// inode>/<network namespace inode>/<the device of /dev/shm>", numbers in hex.
-std::string host_key();
 
 /// This rank's view of the job once every rank joined.
 ///

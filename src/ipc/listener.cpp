@@ -14,7 +14,7 @@
 #include <mutex>
 
 #include "core/futex.h"
-#include "ipc/socket_address.h"
+#include "core/socket_address.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "core/liveness.h"
-#include "ipc/socket_address.h"
+#include "core/socket_address.h"
 #include "manager/shm_channel.h"
 #include "torchpar/core/error.h"
 #include "torchpar/serialize/serialize.h"

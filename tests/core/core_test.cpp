@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "core/futex.h"
+#include "core/host_identity.h"
 #include "core/liveness.h"
 #include "core/meminfo.h"
 #include "core/robust_mutex.h"
@@ -632,4 +634,61 @@ TEST(ErrorFamilies, AChildThatRaisesOrExitsIsRemoteRaisedOrPeerLost) {
     ASSERT_NE(exited, nullptr) << e.what();
     EXPECT_EQ(exited->exit_code(), 3);
   }
+}
+
+// ---- host identity (core/host_identity.h) ----------------------------------------------------
+
+TEST(HostIdentity, KeyAndTokenNameThisHostAndChangeWithEveryField) {
+  const HostIdentity me = this_host();
+  EXPECT_EQ(me.key(), host_key());
+  EXPECT_EQ(me.key(), this_host().key()) << "stable between calls";
+  ASSERT_FALSE(me.boot_id.empty()) << "no boot id here";
+  const std::string token = me.token();
+  ASSERT_FALSE(token.empty());
+  EXPECT_TRUE(is_host_token(token)) << token;
+  EXPECT_EQ(token.rfind(me.boot_id + "_", 0), 0u) << token;
+  EXPECT_EQ(std::count(token.begin(), token.end(), '_'), 1) << token;
+  EXPECT_NE(me.key().find(me.boot_id), std::string::npos) << me.key();
+  // Any field that differs makes another host, for the rendezvous and the transport alike.
+  const std::vector<std::function<void(HostIdentity&)>> changes = {
+      [](HostIdentity& h) { h.host_name += "x"; }, [](HostIdentity& h) { h.pid_ns += 1; },
+      [](HostIdentity& h) { h.net_ns += 1; }, [](HostIdentity& h) { h.shm_dev += 1; },
+      [](HostIdentity& h) { h.boot_id[0] = h.boot_id[0] == '0' ? '1' : '0'; }};
+  for (const auto& change : changes) {
+    HostIdentity other = me;
+    change(other);
+    EXPECT_NE(other.key(), me.key());
+    EXPECT_NE(other.token(), token) << other.key();
+  }
+  HostIdentity unreadable = me;
+  unreadable.net_ns = 0;
+  EXPECT_EQ(unreadable.token(), "") << "no network namespace: never the same host over RPC";
+  unreadable = me;
+  unreadable.boot_id.clear();
+  EXPECT_EQ(unreadable.token(), "");
+  EXPECT_FALSE(is_host_token(""));
+  EXPECT_FALSE(is_host_token("XYZ!"));
+  EXPECT_FALSE(is_host_token(std::string(kMaxHostToken + 1, 'a')));
+}
+
+TEST(HostIdentity, AForkedChildIsOnTheSameHost) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const std::string key = host_key() + "\n" + this_host().token();
+    const bool ok = ::write(fds[1], key.data(), key.size()) == static_cast<ssize_t>(key.size());
+    ::_exit(ok ? 0 : 1);
+  }
+  ::close(fds[1]);
+  std::string got;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;)
+    got.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(got, host_key() + "\n" + this_host().token());
 }

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "rpc/transport/transport.h"
-#include "ipc/socket_address.h"
+#include "core/socket_address.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar::rpc::detail {

@@ -5,14 +5,13 @@
 
 #include <fmt/format.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <exception>
-#include <fstream>
 #include <utility>
 
+#include "core/host_identity.h"
 #include "rpc/transport/support.h"
 #include "rpc/transport/tcp/factory.h"
 #include "rpc/transport/tensorpipe/factory.h"
@@ -26,22 +25,11 @@ using detail::printable;
 
 constexpr std::string_view kShmField = ";shm=";
 constexpr std::string_view kHostField = ";host=";
-/// Longest host identity accepted: a 36-byte boot id and two 64-bit numbers in hex.
-constexpr size_t kMaxHostIdentity = 128;
-
 /// The soft RLIMIT_NOFILE (RLIM_INFINITY as the largest value; 0 if unreadable).
 uint64_t open_files_limit() {
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
   return limit.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(limit.rlim_cur);
-}
-
-/// Whether `id` may be a host identity: 1 to kMaxHostIdentity bytes of [0-9a-f_-].
-bool is_host_identity(std::string_view id) {
-  return !id.empty() && id.size() <= kMaxHostIdentity &&
-         std::all_of(id.begin(), id.end(), [](char c) {
-           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || c == '_' || c == '-';
-         });
 }
 
 /// TCP to every peer; TensorPipe shm to those whose address has this host's identity.
@@ -54,7 +42,7 @@ class CompositeTransport final : public Transport {
     const std::string name = options.name;
     std::string host;
     if (options.shm) {
-      host = host_identity();
+      host = torchpar::detail::this_host().token();
       if (host.empty()) {
         log_line(fmt::format(
             "rpc transport {}: cannot read this host's boot id or network namespace; shared "
@@ -121,20 +109,6 @@ class CompositeTransport final : public Transport {
 
 }  // namespace
 
-std::string host_identity() {
-  std::string boot_id;
-  {
-    std::ifstream f("/proc/sys/kernel/random/boot_id");
-    if (!f || !std::getline(f, boot_id)) return {};
-  }
-  while (!boot_id.empty() && (boot_id.back() == '\n' || boot_id.back() == ' ')) boot_id.pop_back();
-  struct stat st {};
-  if (boot_id.empty() || ::stat("/proc/self/ns/net", &st) != 0) return {};
-  std::string id = fmt::format("{}_{:x}_{:x}", boot_id, static_cast<uint64_t>(st.st_dev),
-                               static_cast<uint64_t>(st.st_ino));
-  return is_host_identity(id) ? id : std::string();
-}
-
 TransportAddress parse_transport_address(std::string_view address) {
   auto refuse = [&](std::string_view why) {
     return ValueError(fmt::format(
@@ -157,7 +131,8 @@ TransportAddress parse_transport_address(std::string_view address) {
   out.shm = std::string(rest.substr(0, host_at));
   out.host = std::string(rest.substr(host_at + kHostField.size()));
   if (!detail::is_shm_url(out.shm)) throw refuse("the shm field is not \"shm://<name>\"");
-  if (!is_host_identity(out.host)) throw refuse("the host field is not a host identity");
+  if (!torchpar::detail::is_host_token(out.host))
+    throw refuse("the host field is not a host identity");
   return out;
 }
 

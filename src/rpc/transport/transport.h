@@ -155,11 +155,11 @@ inline constexpr uint64_t kMinFilesForShm = 1024;
 
 /// The parts of an address of create_transport (docs/wire_format.md, "RPC transport"):
 ///   tcp://<ip>:<port>                                          shm off (or unusable)
-///   tcp://<ip>:<port>;shm=shm://<name>;host=<boot-id>_<dev>_<ino>   shm on
+///   tcp://<ip>:<port>;shm=shm://<name>;host=<boot-id>_<hash>   shm on (HostIdentity::token())
 struct TransportAddress {
   std::string tcp;   ///< "tcp://<ip>:<port>"
   std::string shm;   ///< "shm://<name>" (the abstract socket of TensorPipe's shm), or empty
-  std::string host;  ///< host identity (host_identity()), empty exactly when `shm` is
+  std::string host;  ///< the host's token (core/host_identity.h), empty exactly when `shm` is
 };
 
 /// Parses an address of create_transport (and so also a plain "tcp://<ip>:<port>").
@@ -167,12 +167,5 @@ struct TransportAddress {
 /// of an IP, a missing or zero port, unknown or misplaced fields, a bad shm name or host
 /// identity. Addresses come from the store: nothing here trusts them.
 TransportAddress parse_transport_address(std::string_view address);
-
-/// This process's host identity as TensorPipe's shm transport sees it: the kernel's boot id
-/// (/proc/sys/kernel/random/boot_id) and the device and inode of its network namespace
-/// (stat /proc/self/ns/net), as "<boot-id>_<dev hex>_<ino hex>". Two processes with the same
-/// identity can reach each other's abstract Unix sockets and shared memory. Empty when either
-/// cannot be read. Thread-safe; reads the files on every call.
-std::string host_identity();
 
 }  // namespace torchpar::rpc

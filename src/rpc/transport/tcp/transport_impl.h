@@ -69,7 +69,7 @@
 #include <utility>
 #include <vector>
 
-#include "ipc/socket_address.h"
+#include "core/socket_address.h"
 #include "rpc/transport/support.h"
 #include "torchpar/core/auth.h"
 #include "torchpar/core/error.h"

@@ -34,7 +34,7 @@
 #include "rpc/transport/tensorpipe/pipe_channel.h"
 #include "rpc/transport/tensorpipe/factory.h"
 #include "rpc/transport/transport.h"
-#include "ipc/socket_address.h"
+#include "core/socket_address.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar::rpc {

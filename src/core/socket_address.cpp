@@ -1,4 +1,4 @@
-#include "ipc/socket_address.h"
+#include "core/socket_address.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -1,6 +1,7 @@
 #pragma once
-// Addresses of Listener and Client: parsing the text forms, binding, connecting, and naming
-// a peer in messages. Used by src/ipc/listener.cpp; private to the library.
+// Socket addresses: parsing the text forms, binding, connecting, and naming a peer in
+// messages. Used by ipc's Listener and Client, the Manager's server and the RPC transports;
+// private to the library.
 
 #include <sys/types.h>
 
