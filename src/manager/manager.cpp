@@ -89,6 +89,12 @@ Manager Manager::connect(const std::string& address, ManagerOptions options) {
                  address);
 }
 
+Manager Manager::connect(const std::string& address, const AuthKey& authkey,
+                         ManagerOptions options) {
+  options.authkey = authkey;
+  return connect(address, std::move(options));
+}
+
 Manager::~Manager() {
   if (!server_) return;
   try {

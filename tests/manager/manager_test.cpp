@@ -314,6 +314,20 @@ TEST(Manager, WrongKeyIsRefused) {
   EXPECT_THROW(ok.shutdown(), tp::Error);  // it does not own the server
 }
 
+TEST(Manager, ConnectTakesTheAddressAndTheKey) {  // BaseManager(address, authkey).connect()
+  tp::ManagerOptions o = manager_options();
+  o.authkey = tp::AuthKey("a shared secret");
+  tp::Manager m(o);
+  auto d = m.dict<std::string, int64_t>();
+  d.set("k", 7);
+  EXPECT_THROW(tp::Manager::connect(m.address(), "another secret"), tp::AuthenticationError);
+  tp::Manager by_string = tp::Manager::connect(m.address(), "a shared secret");
+  EXPECT_EQ(by_string.number_of_objects(), 1u);
+  tp::Manager by_bytes = tp::Manager::connect(
+      m.address(), tp::AuthKey(std::string("a shared secret")), manager_options());
+  EXPECT_EQ(by_bytes.number_of_objects(), 1u);
+}
+
 TEST(Manager, ShutdownEndsTheServerAndFailsLaterCalls) {
   tp::Manager m(manager_options());
   auto d = m.dict<std::string, int64_t>();

@@ -117,6 +117,12 @@ class Manager {
   ///         listens there, TimeoutError).
   /// Source: BaseManager.connect.
   static Manager connect(const std::string& address, ManagerOptions options = {});
+  /// Connects to a running manager at `address` proving `authkey` (bytes, or a string's
+  /// bytes: "secret" and AuthKey{...} both work); options.authkey and options.address are
+  /// ignored. The form of Python's BaseManager(address, authkey).connect().
+  /// Errors: as the form above (AuthenticationError when the server holds another key).
+  static Manager connect(const std::string& address, const AuthKey& authkey,
+                         ManagerOptions options = {});
 
   Manager(Manager&&) noexcept;
   Manager& operator=(Manager&&) noexcept;
