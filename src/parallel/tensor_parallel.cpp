@@ -498,6 +498,22 @@ TensorParallel::TensorParallel(const TensorParallelModelName& model, TensorParal
   impl_->start(nullptr);
 }
 
+namespace {
+TensorParallelOptions in_memory_options(TensorParallelOptions options) {
+  if (!options.start_method) options.start_method = StartMethod::kFork;
+  if (*options.start_method != StartMethod::kFork)
+    throw ValueError(
+        "TensorParallel(model): a Gpt in memory reaches the workers only through fork (start "
+        "method 'fork'); for spawn or forkserver save it with save_gpt_checkpoint and use "
+        "TensorParallel(model_path)");
+  return options;
+}
+}  // namespace
+
+TensorParallel::TensorParallel(GptImpl& model, TensorParallelOptions options)
+    : TensorParallel(gpt_tensor_parallel_factory(model, options.vocab_parallel),
+                     in_memory_options(options)) {}
+
 TensorParallel::TensorParallel(TensorParallelFactory factory, TensorParallelOptions options)
     : impl_(std::make_unique<Impl>()) {
   if (!factory) throw ValueError("TensorParallel: the factory is empty");

@@ -18,6 +18,7 @@
 #include "parallel/tensor_parallel_impl.h"
 #include "torchpar/core/error.h"
 #include "torchpar/dist/world.h"
+#include "torchpar/parallel/gpt_checkpoint.h"
 #include "torchpar/parallel/state_dict.h"
 
 namespace torchpar {
@@ -35,18 +36,6 @@ std::map<std::string, TensorParallelFactory>& registry() {
   return r;
 }
 
-/// The Gpt of a state dict file, as a TensorParallelModel.
-class GptModel final : public TensorParallelModel {
- public:
-  explicit GptModel(Gpt gpt) : gpt_(std::move(gpt)) { gpt_->eval(); }
-  at::Tensor forward(const at::Tensor& input_ids, GptKvCache* cache) override {
-    return gpt_->forward(input_ids, cache);
-  }
-
- private:
-  Gpt gpt_;
-};
-
 std::shared_ptr<TensorParallelModel> build_model(const TpWorkerSpec& spec,
                                                  const TensorParallelComm& comm,
                                                  const TensorParallelFactory* factory) {
@@ -59,7 +48,7 @@ std::shared_ptr<TensorParallelModel> build_model(const TpWorkerSpec& spec,
       GptOptions options{.comm = comm, .vocab_parallel = spec.vocab_parallel};
       if (spec.has_policy) options.policy = spec.policy;
       // Mapped, not read: each rank's private memory is about its shard.
-      return std::make_shared<GptModel>(
+      return std::make_shared<GptTensorParallelModel>(
           load_gpt(config, load_state_dict_file(spec.path), std::move(options)));
     }
     case TpSource::kRegistered:
@@ -282,6 +271,27 @@ void tensor_parallel_worker(int rank, TpWorkerSpec spec, Queue<TpRequest> in,
 }
 
 }  // namespace detail
+
+GptTensorParallelModel::GptTensorParallelModel(Gpt gpt) : gpt_(std::move(gpt)) {
+  if (!gpt_) throw ValueError("GptTensorParallelModel: the Gpt is empty (nullptr)");
+  gpt_->eval();
+}
+
+at::Tensor GptTensorParallelModel::forward(const at::Tensor& input_ids, GptKvCache* cache) {
+  return gpt_->forward(input_ids, cache);
+}
+
+TensorParallelFactory gpt_tensor_parallel_factory(GptImpl& model, bool vocab_parallel) {
+  // "linear": the parameters themselves, no transposed copies; the policy says so.
+  const GptCheckpointInfo info{.config = model.config(), .weight_layout = "linear"};
+  auto full = std::make_shared<const StateDict>(gpt_checkpoint_state_dict(model, "linear"));
+  return [full, info, vocab_parallel](const TensorParallelContext& ctx) {
+    GptConfig config = info.config;
+    config.dtype = ctx.dtype;
+    GptOptions options{.comm = ctx.comm, .policy = info.policy(), .vocab_parallel = vocab_parallel};
+    return std::make_shared<GptTensorParallelModel>(load_gpt(config, *full, std::move(options)));
+  };
+}
 
 bool register_tensor_parallel_model(const std::string& name, TensorParallelFactory factory) {
   if (name.empty()) throw ValueError("register_tensor_parallel_model: the name is empty");

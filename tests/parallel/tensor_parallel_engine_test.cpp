@@ -303,6 +303,41 @@ TEST(GptCheckpoint, BadSidecarsAreRefusedNamingTheKey) {
 
 // ---- results ----------------------------------------------------------------------------------
 
+// Issue 37: an in-memory Gpt runs in TensorParallel without a wrapper or a file (parallelformers'
+// parallelize(model) of a model object). Changing the model afterwards does not reach the workers.
+TEST(TensorParallelEngine, AnInMemoryGptRunsWithoutAWrapper) {
+  auto& c = Checkpoint::get();
+  const auto ids = random_ids(2, 7, 5);
+  const at::Tensor want = c.logits(ids);
+  tp::Gpt gpt(kConfig);
+  gpt->load_state_dict(tp::load_state_dict_file(c.path()));  // the checkpoint's weights
+  tp::TensorParallel two(*gpt, {.world_size = 2, .timeout = kTimeout});
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : gpt->parameters()) p.zero_();  // the workers took their shards already
+  }
+  const auto logits = two.forward(ids);
+  ASSERT_EQ(logits.sizes().vec(), Shape({2, 7, 97}));
+  EXPECT_LE(max_abs_diff(logits, want), kTolerance);
+  const auto out = two.generate(ids, {.max_new_tokens = 3, .greedy = true});
+  EXPECT_EQ(out.sizes().vec(), Shape({2, 10}));
+  // GptTensorParallelModel is the wrapper a factory returns for a Gpt it built.
+  tp::TensorParallel via_factory(
+      [path = c.path()](const tp::TensorParallelContext& ctx) {
+        return std::make_shared<tp::GptTensorParallelModel>(
+            tp::load_gpt(kConfig, tp::load_state_dict_file(path), {.comm = ctx.comm}));
+      },
+      {.world_size = 2, .start_method = tp::StartMethod::kFork, .timeout = kTimeout});
+  EXPECT_LE(max_abs_diff(via_factory.forward(ids), want), kTolerance);
+  // Another start method cannot carry the model: the error says what to do instead.
+  try {
+    tp::TensorParallel spawned(*gpt, {.world_size = 2, .start_method = tp::StartMethod::kSpawn});
+    ADD_FAILURE() << "spawn took an in-memory model";
+  } catch (const tp::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("save_gpt_checkpoint"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TensorParallelEngine, Tp1AndTp2LogitsEqualTheModelInThisProcess) {
   auto& c = Checkpoint::get();
   const auto ids = random_ids(2, 11, 2);

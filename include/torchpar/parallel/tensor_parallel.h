@@ -54,6 +54,20 @@ class TensorParallelModel {
   virtual bool uses_cache() const { return true; }
 };
 
+/// A Gpt as a TensorParallelModel: what a factory returns for a Gpt it built (load_gpt with
+/// ctx.comm), instead of a hand-written wrapper. Puts the model in eval mode.
+/// Safety: as TensorParallelModel (the worker's one thread).
+class GptTensorParallelModel final : public TensorParallelModel {
+ public:
+  explicit GptTensorParallelModel(Gpt gpt);
+  /// Gpt::forward (shapes, errors: GptImpl::forward).
+  at::Tensor forward(const at::Tensor& input_ids, GptKvCache* cache) override;
+  const Gpt& gpt() const { return gpt_; }
+
+ private:
+  Gpt gpt_;
+};
+
 /// What a factory gets in a worker.
 struct TensorParallelContext {
   /// This worker's rank and the group's communication (from_group of its CollectiveGroup;
@@ -89,6 +103,16 @@ struct TensorParallelModelName {
   std::string name;
   std::string argument{};
 };
+
+/// A factory that gives each rank its shard of `model`, a single-rank Gpt held in this
+/// process (trained or loaded here): the workers, forked, read the parameters in place
+/// (copy-on-write, no file), each copies its shard in TensorParallelOptions::dtype, and `model`
+/// is not changed. `vocab_parallel` as TensorParallelOptions::vocab_parallel. The parameters
+/// are taken when the factory is made: later training of `model` is not seen by it.
+/// Errors: ValueError for a Gpt with world_size > 1 (a shard is not a whole model); the
+///         workers' errors as load_gpt (a world size that does not divide n_head ...).
+/// Source: parallelformers.parallelize(model, num_gpus) on a model object in memory.
+TensorParallelFactory gpt_tensor_parallel_factory(GptImpl& model, bool vocab_parallel = true);
 
 // ---- the engine ---------------------------------------------------------------------------------
 
@@ -211,6 +235,14 @@ class TensorParallel {
                  TensorParallelOptions options = {});
   /// A model registered by name (register_tensor_parallel_model): any start method.
   explicit TensorParallel(const TensorParallelModelName& model, TensorParallelOptions options = {});
+  /// A single-rank Gpt in this process, split across the workers without a file:
+  /// TensorParallel(gpt_tensor_parallel_factory(model, options.vocab_parallel), options), so
+  /// the "fork" start method (the default here; another: ValueError naming
+  /// save_gpt_checkpoint and the path constructor, which every start method takes).
+  ///
+  ///   torchpar::Gpt gpt(config);  /* ... train ... */
+  ///   torchpar::TensorParallel tp(*gpt, {.world_size = 2});
+  explicit TensorParallel(GptImpl& model, TensorParallelOptions options = {});
   /// A factory called in each worker: needs the "fork" start method (a std::function cannot
   /// cross exec; register it by name for spawn). Errors: ValueError for another start method.
   explicit TensorParallel(TensorParallelFactory factory, TensorParallelOptions options = {});
