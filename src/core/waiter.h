@@ -29,9 +29,10 @@ struct SpinPolicy {
   /// Stop spinning once it took this long, too (0: `looks` alone bounds it). The clock is
   /// read once at the start and then every kClockEvery looks.
   std::chrono::nanoseconds budget{0};
-  /// Counted in pauses: sched_yield after a failed look every `yield_every` pauses (0:
-  /// never), so that a peer that shares this core can run; and ask the spin's yield hint
-  /// every `hint_every` pauses (0: never), yielding when it says so.
+  /// Counted in pauses: sched_yield after a failed look once `yield_every` pauses passed
+  /// since the last (0: never), so that a peer that shares this core can run; and ask the
+  /// spin's yield hint once `hint_every` passed (0: never), yielding when it says so. With
+  /// `pauses` dividing them (or above them: every look) this is every N pauses exactly.
   int yield_every = 0;
   int hint_every = 0;
   /// Once the spin ended: this many rounds of sched_yield, each followed by a look.
@@ -121,17 +122,25 @@ bool spin_until(uint32_t* word, Ready&& ready, const SpinPolicy& policy, int* lo
   if (policy.looks > 0) {
     const bool timed = policy.budget.count() > 0;
     const auto until = timed ? SteadyClock::now() + policy.budget : SteadyClock::time_point{};
-    int pauses = 0;  // counted, so that yield_every and hint_every count pauses, not looks
+    // Pauses left until the next yield and the next look at the hint: countdowns, so that
+    // the spin's hot path has no division.
+    int to_yield = policy.yield_every;
+    int to_hint = policy.hint_every;
     for (int i = 1; i <= policy.looks; ++i) {
       for (int p = 0; p < policy.pauses; ++p) cpu_relax();
-      pauses += policy.pauses;
       if (looks) ++*looks;
       if (ready(w.load(std::memory_order_acquire))) return true;
       if (timed && i % SpinPolicy::kClockEvery == 0 && SteadyClock::now() >= until) break;
-      if ((policy.yield_every > 0 && pauses % policy.yield_every == 0) ||
-          (policy.hint_every > 0 && pauses % policy.hint_every == 0 && yield_hint())) {
-        ::sched_yield();
+      bool give_way = false;
+      if (policy.yield_every > 0 && (to_yield -= policy.pauses) <= 0) {
+        to_yield = policy.yield_every;
+        give_way = true;
       }
+      if (policy.hint_every > 0 && (to_hint -= policy.pauses) <= 0) {
+        to_hint = policy.hint_every;
+        give_way = give_way || yield_hint();
+      }
+      if (give_way) ::sched_yield();
     }
   }
   for (int i = 0; i < policy.yields; ++i) {
