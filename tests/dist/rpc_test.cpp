@@ -9,9 +9,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -50,6 +52,35 @@ const bool kSleep = tp::register_function(
     "sleep", +[](double seconds) {
       std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
       return seconds;
+    });
+// "held": a call that runs until its process's test releases it (30 s at most); the test sees
+// it start and end (rpc_test's destroy case: a call in flight on the callee, no sleep as a
+// barrier).
+struct Held {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool started = false, released = false, ended = false;
+  /// Waits up to 30 s for `flag`; false when it did not come.
+  bool wait_for(bool Held::*flag) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(30), [&] { return this->*flag; });
+  }
+  void set(bool Held::*flag) {
+    std::lock_guard<std::mutex> lock(mu);
+    this->*flag = true;
+    cv.notify_all();
+  }
+};
+Held& held() {
+  static Held h;
+  return h;
+}
+const bool kHeld = tp::register_function(
+    "held", +[]() {
+      held().set(&Held::started);
+      const bool released = held().wait_for(&Held::released);
+      held().set(&Held::ended);
+      return released ? 1 : 0;
     });
 const bool kDie = tp::register_function(
     "die", +[]() -> int {
@@ -407,8 +438,10 @@ void destroy_rank(int rank, int port) {
   const int threads_before = thread_count();
   auto w = make_world(rank, 2, port);
   auto g = w.create_rpc_group("destroy", {"0", "1"});
+  auto& dg = w.default_group();
   if (rank == 0) {
-    auto slow = g.rpc_async<double>("1", "sleep", std::tuple{3.0}, 30s);
+    auto slow = g.rpc_async<int>("1", "held", std::tuple{}, 30s);
+    dg.barrier();  // rank 1 runs the call now
     const auto t0 = std::chrono::steady_clock::now();
     g.destroy();
     expect_throw<tp::RpcPeerLostError>([&] { slow.wait(); }, "a call in flight at destroy");
@@ -420,10 +453,15 @@ void destroy_rank(int rank, int port) {
           g.rpc_sync<int>("1", "add", std::tuple{1, 1});
         },
         "a call after destroy");
+    dg.barrier();  // rank 0's checks are done: rank 1 may let the call end
+  } else {
+    TORCHPAR_RCHECK(held().wait_for(&Held::started), "rank 0's call did not start in 30 s");
+    dg.barrier();
+    dg.barrier();
+    held().set(&Held::released);
+    TORCHPAR_RCHECK(held().wait_for(&Held::ended), "the held call did not end");
   }
-  // Both wait for rank 1's sleeping call to end before the World goes.
-  std::this_thread::sleep_for(rank == 1 ? 3.5s : 0s);
-  auto& dg = w.default_group();
+  // Both wait for rank 1's call to end before the World goes.
   dg.barrier();
   // The World's end stops the RPC agent: its transport, timer and pool threads are joined.
   w.destroy();
