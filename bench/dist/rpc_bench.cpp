@@ -58,11 +58,11 @@
 
 #include "support/bench_main.h"
 #include "torchpar/core/auth.h"
-#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
 #include "torchpar/process/process.h"
 #include "torchpar/process/start_method.h"
+#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/shm/share.h"
 
 namespace tp = torchpar;

@@ -56,11 +56,11 @@
 
 #include "support/bench_main.h"
 #include "torchpar/core/auth.h"
-#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
 #include "torchpar/process/process.h"
 #include "torchpar/process/start_method.h"
+#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/server/push_pull_grad_server.h"
 
 namespace tp = torchpar;

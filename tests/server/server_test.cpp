@@ -19,8 +19,8 @@
 
 #include "support/ranks.h"
 #include "support/rpc.h"
-#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/dist/world.h"
+#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/server/ordered_server.h"
 #include "torchpar/server/push_pull_grad_server.h"
 #include "torchpar/server/push_pull_model_server.h"

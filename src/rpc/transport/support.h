@@ -20,8 +20,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "rpc/transport/transport.h"
 #include "core/socket_address.h"
+#include "rpc/transport/transport.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar::rpc::detail {

@@ -30,11 +30,11 @@
 
 #include "core/auth_channel.h"
 #include "core/signals.h"
-#include "rpc/transport/support.h"
-#include "rpc/transport/tensorpipe/pipe_channel.h"
-#include "rpc/transport/tensorpipe/factory.h"
-#include "rpc/transport/transport.h"
 #include "core/socket_address.h"
+#include "rpc/transport/support.h"
+#include "rpc/transport/tensorpipe/factory.h"
+#include "rpc/transport/tensorpipe/pipe_channel.h"
+#include "rpc/transport/transport.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar::rpc {
