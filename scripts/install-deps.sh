@@ -24,7 +24,7 @@ PACKAGES=(
   fortunes                # English text for the GPT of torchpar train --model gpt
   libssl-dev              # OpenSSL libcrypto: HMAC of the auth handshake
   libgloo-dev             # headers of the Gloo that LibTorch's c10d links
-  libtensorpipe-dev       # TensorPipe: the RPC transport (src/dist/rpc/transport/tensorpipe/)
+  libtensorpipe-dev       # TensorPipe: the RPC transport (src/rpc/transport/tensorpipe/)
   iproute2                # ip netns for the two-host collective test
   python3-torch           # interop test (torch.distributed rank) and benchmark peers
   python3-matplotlib      # curves.png of torchpar train, benchmark plots
