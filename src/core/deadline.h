@@ -33,12 +33,17 @@ class Deadline {
   constexpr Deadline(SteadyClock::time_point at)  // NOLINT(google-explicit-constructor)
       : at_(at), finite_(true) {}
 
-  /// Now + `timeout` (zero or negative: now, so that the deadline has passed at the first
-  /// look); never for std::nullopt.
+  /// Timeouts longer than this (~31 years) wait without a limit: now + the timeout in
+  /// nanoseconds would overflow the clock's range.
+  static constexpr std::chrono::duration<double> kLongest{1e9};
+
+  /// Now + `timeout` (zero, negative or NaN: now, so that the deadline has passed at the
+  /// first look); never for std::nullopt or a timeout over kLongest.
   static Deadline after(Timeout timeout) {
-    if (!timeout) return {};
-    const auto t = std::max(*timeout, std::chrono::duration<double>(0));
-    return SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(t);
+    if (!timeout || timeout->count() > kLongest.count()) return {};
+    const double t = timeout->count() > 0 ? timeout->count() : 0.0;  // NaN compares false
+    return SteadyClock::now() +
+           std::chrono::duration_cast<SteadyClock::duration>(std::chrono::duration<double>(t));
   }
 
   /// True when there is a limit.

@@ -16,6 +16,7 @@
 #include <optional>
 #include <sstream>
 
+#include "core/deadline.h"
 #include "core/liveness.h"
 #include "core/signals.h"
 #include "torchpar/core/env.h"
@@ -30,11 +31,6 @@ using Seconds = std::chrono::duration<double>;
 
 std::chrono::milliseconds to_ms(Seconds s) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(s);
-}
-
-std::chrono::steady_clock::time_point deadline_in(Seconds s) {
-  return std::chrono::steady_clock::now() +
-         std::chrono::duration_cast<std::chrono::steady_clock::duration>(s);
 }
 
 /// A launcher variable (RANK, WORLD_SIZE, ...) as World reads it: the core table's parser,
@@ -249,7 +245,7 @@ void Rendezvous::join_world() {
   }
   store->set(fmt::format("torchpar/world/rank/{}", rank),
              store_bytes(fmt::format("{}\n{}\n{}\n{}", world_size, ::getpid(), host, name)));
-  const auto deadline = deadline_in(opts.timeout);
+  const auto deadline = Deadline::after(opts.timeout).at();
   for (int q = 0; q < world_size; ++q) {
     // Key by key, so that a rank announcing another world size is named at once.
     const std::string key = fmt::format("torchpar/world/rank/{}", q);
@@ -300,9 +296,10 @@ void Rendezvous::leave() noexcept {
           }
           return false;
         };
-        store_barrier(*store, key, world_size,
-                      deadline_in(std::min<Seconds>(std::chrono::seconds(10), opts.timeout)),
-                      keep_waiting);
+        store_barrier(
+            *store, key, world_size,
+            Deadline::after(std::min<Seconds>(std::chrono::seconds(10), opts.timeout)).at(),
+            keep_waiting);
       } else {
         store->set(left_key(rank), store_bytes("1"));
         store->add(key, 1);

@@ -15,6 +15,7 @@
 #include <set>
 #include <string_view>
 
+#include "core/deadline.h"
 #include "dist/backend/gloo/backend.h"
 #include "dist/backend/hierarchical/backend.h"
 #include "dist/backend/shm/backend.h"
@@ -29,11 +30,6 @@ namespace torchpar {
 namespace {
 
 using Seconds = std::chrono::duration<double>;
-
-std::chrono::steady_clock::time_point deadline_after(Seconds s) {
-  return std::chrono::steady_clock::now() +
-         std::chrono::duration_cast<std::chrono::steady_clock::duration>(s);
-}
 
 std::string join(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
 
@@ -90,7 +86,8 @@ struct World::Impl {
       gstore->set(fmt::format("host/{}", rel), detail::store_bytes(rdv.host));
       std::vector<std::string> host_keys;
       for (size_t q = 0; q < ranks.size(); ++q) host_keys.push_back(fmt::format("host/{}", q));
-      const int missing = detail::store_wait_keys(*gstore, host_keys, deadline_after(t));
+      const int missing =
+          detail::store_wait_keys(*gstore, host_keys, detail::Deadline::after(t).at());
       if (missing >= 0) {
         throw TimeoutError(fmt::format(
             "World::create_collective_group: rank {} did not join group [{}] within {:.1f} s",
@@ -175,7 +172,7 @@ struct World::Impl {
          .members = rdv.members,
          .my_host = rdv.host});
     if (!detail::store_barrier(*pg_store, "store_based_barrier_key:1", rdv.world_size,
-                               deadline_after(rdv.opts.timeout))) {
+                               detail::Deadline::after(rdv.opts.timeout).at())) {
       throw TimeoutError("World: not every rank created the default group in time");
     }
     detail::set_gloo_sequence_number(*gloo);

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -83,6 +84,11 @@ TEST(Deadline, NeverAndFinite) {
   EXPECT_TRUE(gone.expired());
   EXPECT_EQ(gone.remaining()->count(), 0.0);
   EXPECT_FALSE(gone.futex_slice(1s));  // passed: no sleep
+  EXPECT_TRUE(Deadline::after(std::chrono::duration<double>(NAN)).expired());
+  // Beyond the clock's range in nanoseconds: no limit, not a wrapped point in the past.
+  EXPECT_FALSE(Deadline::after(std::chrono::duration<double>(1e12)).finite());
+  EXPECT_FALSE(Deadline::after(std::chrono::duration<double>(INFINITY)).finite());
+  EXPECT_TRUE(Deadline::after(std::chrono::duration<double>(1e8)).finite());
 }
 
 TEST(Futex, WaitReturnsOnValueChangeWakeAndDeadline) {
