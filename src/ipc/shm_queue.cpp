@@ -178,7 +178,9 @@ std::string read_spill(const std::string& name) {
 }  // namespace
 
 ShmQueue::ShmQueue(uint64_t maxsize, uint64_t capacity_bytes) {
-  TORCH_CHECK(capacity_bytes >= 4096, "queue capacity must be at least 4096 bytes");
+  if (capacity_bytes < 4096)
+    throw ValueError(
+        fmt::format("queue capacity must be at least 4096 bytes, not {}", capacity_bytes));
   region_ = std::make_unique<ShmRegion>(
       ShmRegion::create_memfd(kHeaderBytes + capacity_bytes, "torchpar-queue"));
   ctl_ = &region_->as<QueueControl>();

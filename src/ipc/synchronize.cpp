@@ -9,6 +9,7 @@
 
 #include "core/robust_mutex.h"
 #include "core/waiter.h"
+#include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/archive.h"
 
@@ -283,7 +284,8 @@ Barrier::Barrier(uint32_t parties, std::function<void()> action, Timeout timeout
     : page_(detail::SharedPage::create(sizeof(detail::BarrierState), "torchpar-barrier")),
       action_(std::move(action)),
       default_timeout_(timeout) {
-  TORCH_CHECK(parties >= 1, "Barrier needs at least one party");
+  if (parties < 1)
+    throw ValueError(fmt::format("Barrier needs at least one party, not {}", parties));
   auto* s = state<detail::BarrierState>(page_);
   detail::init_robust_mutex(&s->mu, false);
   s->parties = parties;

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "torchpar/core/error.h"
 #include "torchpar/serialize/archive.h"
 
 namespace torchpar::detail {
@@ -145,9 +146,10 @@ void save_ivalue(OutputArchive& ar, const c10::IValue& v) {
     ar(cereal::make_size_tag(static_cast<cereal::size_type>(elems.size())));
     for (const auto& e : elems) ar(e);
   } else {
-    TORCH_CHECK(false, "dumps: IValue of kind ", v.tagKind(),
-                " is not supported (None, bool, int, double, complex, string, tensor, list, "
-                "dict, tuple are)");
+    throw ValueError(fmt::format(
+        "dumps: IValue of kind {} is not supported (None, bool, int, double, complex, string, "
+        "tensor, list, dict, tuple are)",
+        v.tagKind()));
   }
 }
 

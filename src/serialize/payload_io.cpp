@@ -155,8 +155,9 @@ void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bo
 }  // namespace
 
 void send_payload(int sock, const Payload& payload) {
-  TORCH_CHECK(payload.fds.size() <= kMaxFds, "send_payload: ", payload.fds.size(),
-              " fds exceed the limit of ", kMaxFds);
+  if (payload.fds.size() > kMaxFds)
+    throw ValueError(
+        fmt::format("send_payload: {} fds exceed the limit of {}", payload.fds.size(), kMaxFds));
   std::vector<int> raw;
   raw.reserve(payload.fds.size());
   for (const auto& fd : payload.fds) raw.push_back(fd.get());

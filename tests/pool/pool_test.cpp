@@ -309,6 +309,18 @@ TEST_P(PoolTest, CtxPoolOfIntsFromABracedList) {
   EXPECT_TRUE(pool.join(30s));
 }
 
+// Issue 37: a bad argument is a torchpar::ValueError everywhere (before, these were LibTorch's
+// TORCH_CHECK c10::Error, which `catch (const tp::ValueError&)` missed).
+TEST(ArgumentErrors, AreValueErrors) {
+  EXPECT_THROW(tp::CtxPool<int>(std::vector<int>{}, {.processes = 1}), tp::ValueError);
+  EXPECT_THROW(tp::CtxPool<int>({0, 1}, {.processes = 3}), tp::ValueError);
+  EXPECT_THROW(tp::start_processes(
+                   +[](int) {}, std::tuple<>{}, 0),
+               tp::ValueError);
+  EXPECT_THROW(tp::Barrier(0), tp::ValueError);
+  EXPECT_THROW(tp::Queue<int>(0, {.capacity_bytes = 100}), tp::ValueError);
+}
+
 // CtxPool has every Pool call, each passing the worker's context (before: imap, starmap and
 // their relatives were Pool's, calling fn without the context; they did not compile).
 TEST_P(PoolTest, CtxPoolHasThePoolSurfaceWithItsContext) {

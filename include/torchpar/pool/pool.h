@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "torchpar/core/error.h"
 #include "torchpar/ipc/queue.h"
 #include "torchpar/pool/async_result.h"
 // Internal machinery (the trampolines, PoolCall, PoolInit): installed because the
@@ -318,7 +319,7 @@ class Pool {
 template <class Ctx>
 class CtxPool : private Pool {
  public:
-  /// Errors: c10::Error when `worker_contexts` is empty or its size differs from a non-zero
+  /// Errors: ValueError when `worker_contexts` is empty or its size differs from a non-zero
   /// `options.processes`; else as Pool's constructor.
   CtxPool(std::vector<Ctx> worker_contexts, PoolOptions options = {})
       : CtxPool(SharedContexts{}, std::make_shared<std::vector<Ctx>>(std::move(worker_contexts)),
@@ -426,10 +427,11 @@ class CtxPool : private Pool {
                             detail::to_code_address(reinterpret_cast<const void*>(fp))};
   }
   static PoolOptions with_contexts(size_t ncontexts, PoolOptions o) {
-    TORCH_CHECK(ncontexts != 0, "CtxPool needs one context per worker");
+    if (ncontexts == 0) throw ValueError("CtxPool needs one context per worker, got none");
     if (o.processes == 0) o.processes = ncontexts;
-    TORCH_CHECK(o.processes == ncontexts, "CtxPool: ", ncontexts, " worker contexts for ",
-                o.processes, " processes");
+    if (o.processes != ncontexts)
+      throw ValueError("CtxPool: " + std::to_string(ncontexts) + " worker contexts for " +
+                       std::to_string(o.processes) + " processes");
     return o;
   }
   // The tag keeps `CtxPool<int> p({0, 1}, {...})` (machin's own test) unambiguous: without it

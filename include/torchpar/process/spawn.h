@@ -4,9 +4,11 @@
 
 #include <chrono>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "torchpar/core/error.h"
 #include "torchpar/process/process.h"
 
 namespace torchpar {
@@ -47,12 +49,14 @@ class ProcessContext {
 
 /// Starts `nprocs` children running fn(i, args...) for i in [0, nprocs) with the given
 /// start method (default: get_start_method()); joins them when options.join.
-/// Errors: as Process::start; from join: ProcessRaisedException / ProcessExitedException.
+/// Errors: ValueError for nprocs < 1; as Process::start; from join: ProcessRaisedException /
+///         ProcessExitedException.
 /// Source: torch.multiprocessing.start_processes.
 template <class Fn, class... Args>
 ProcessContext start_processes(Fn fn, std::tuple<Args...> args, int nprocs,
                                SpawnOptions options = {}) {
-  TORCH_CHECK(nprocs >= 1, "start_processes: nprocs must be >= 1, got ", nprocs);
+  if (nprocs < 1)
+    throw ValueError("start_processes: nprocs must be >= 1, got " + std::to_string(nprocs));
   std::vector<Process> procs;
   procs.reserve(static_cast<size_t>(nprocs));
   for (int i = 0; i < nprocs; ++i) {
