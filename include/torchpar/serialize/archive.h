@@ -7,7 +7,8 @@
 /// shared_ptr ids are type-checked, bools are range-checked, and every failure is a
 /// SerializationError. User enums are loaded as their underlying integer, unchecked.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
 #include <cereal/cereal.hpp>
 #include <cereal/details/helpers.hpp>
 #include <cereal/types/memory.hpp>
@@ -26,6 +27,10 @@
 
 #include "torchpar/core/error.h"
 #include "torchpar/serialize/payload.h"
+
+namespace c10 {
+struct IValue;  // <ATen/core/ivalue.h>: archived by value only where it is complete
+}  // namespace c10
 
 namespace torchpar {
 

@@ -1,7 +1,9 @@
 #pragma once
 /// Handles: what travels between processes so that a receiver aliases shared memory.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/Storage.h>
 
 #include <cstdint>
 #include <string>

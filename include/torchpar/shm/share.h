@@ -1,7 +1,10 @@
 #pragma once
 /// Tensors whose storage lives in shared memory (torch.multiprocessing's sharing).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/TensorOptions.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cstdint>
 
