@@ -20,6 +20,7 @@
 
 #include <fmt/format.h>
 
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 
@@ -49,9 +50,13 @@ constexpr size_t kMaxPending = 1 << 20;  // released-but-still-referenced blocks
 
 uint64_t cache_limit_bytes() {
   static const uint64_t limit = []() -> uint64_t {
-    if (const char* v = std::getenv("TORCHPAR_SHM_CACHE_BYTES"))
-      return std::strtoull(v, nullptr, 10);
-    return uint64_t{1} << 30;
+    // Read on a release path that must not throw: a value that is not a whole decimal number
+    // disables the cache, as 0 does.
+    try {
+      return env_unsigned("TORCHPAR_SHM_CACHE_BYTES", uint64_t{1} << 30);
+    } catch (const ValueError&) {
+      return 0;
+    }
   }();
   return limit;
 }

@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "segment_probe.h"
+#include "torchpar/core/env.h"
 
 extern char** environ;
 
@@ -50,7 +51,7 @@ void atexit_unlink() { unlink_own_segments(); }
 /// The cleaner program: $TORCHPAR_SHM_CLEANER, else libexec/torchpar/ beside the installed
 /// library, else the build tree's. Empty when none is executable.
 std::string cleaner_program() {
-  if (const char* p = std::getenv("TORCHPAR_SHM_CLEANER")) return p;
+  if (auto p = env_value("TORCHPAR_SHM_CLEANER")) return *p;
   std::vector<std::string> candidates;
   Dl_info info{};
   if (::dladdr(reinterpret_cast<void*>(&cleaner_program), &info) != 0 && info.dli_fname) {
