@@ -15,6 +15,7 @@
 #include "child.h"
 #include "launch.h"
 #include "shm/region.h"
+#include "torchpar/core/env.h"
 #include "torchpar/process/process.h"
 
 namespace torchpar {
@@ -89,9 +90,9 @@ void init(int argc, char** argv) {
   auto& saved = detail::saved_argv();
   saved.assign(argv, argv + argc);
   g_initialized.store(true);
-  if (const char* spec = std::getenv("TORCHPAR_SPAWN")) detail::run_spawned_child(spec);
-  if (const char* fd = std::getenv("TORCHPAR_FORKSERVER")) {
-    const int sock = std::atoi(fd);
+  if (const auto spec = env_value("TORCHPAR_SPAWN")) detail::run_spawned_child(spec->c_str());
+  if (const auto fd = env_value("TORCHPAR_FORKSERVER")) {
+    const int sock = std::atoi(fd->c_str());
     ::unsetenv("TORCHPAR_FORKSERVER");
     detail::run_forkserver(sock);
   }
