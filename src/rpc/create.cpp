@@ -16,6 +16,7 @@
 #include "dist/store.h"
 #include "rpc/agent.h"
 #include "rpc/rpc_group_impl.h"
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar::detail {
@@ -97,17 +98,18 @@ RpcAgentOptions agent_options(const Rendezvous& rdv, const std::string& group_na
   for (const auto& m : rdv.members) o.hosts.push_back(m.host);
   o.store = rdv.store;
   o.authkey = std::move(key);
-  const char* addr = std::getenv("TORCHPAR_RPC_ADDR");
-  o.bind_host = addr && *addr ? addr : "127.0.0.1";
+  o.bind_host = env_text("TORCHPAR_RPC_ADDR").value_or("127.0.0.1");
   // TensorPipe's shm transport only with TORCHPAR_RPC_SHM=1: its abstract socket dies on
   // any local user's garbage, its reactor busy-polls (docs/distributed.md); and never
   // above 16 members (pytorch/tensorpipe#397: more than ~18 processes fail on shm).
-  const char* shm_env = std::getenv("TORCHPAR_RPC_SHM");
-  if (shm_env && *shm_env && std::string_view(shm_env) != "0" && std::string_view(shm_env) != "1") {
+  bool shm = false;
+  try {
+    shm = env_flag("TORCHPAR_RPC_SHM", false);
+  } catch (const ValueError& e) {
     throw ValueError(
-        fmt::format("World::create_rpc_group('{}'): TORCHPAR_RPC_SHM must be 0 or 1", group_name));
+        fmt::format("World::create_rpc_group('{}'): {}", group_name, e.what_without_backtrace()));
   }
-  o.shm = rdv.world_size <= 16 && shm_env && std::string_view(shm_env) == "1";
+  o.shm = rdv.world_size <= 16 && shm;
   o.store_timeout = rdv.opts.timeout;
   return o;
 }
