@@ -19,6 +19,7 @@
 #include "torchpar/core/error.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/parallel/gpt_checkpoint.h"
+#include "torchpar/parallel/sampling.h"
 #include "torchpar/parallel/state_dict.h"
 
 namespace torchpar {
@@ -89,21 +90,11 @@ uint64_t agree_seed(const TpWorkerSpec& spec, int rank, CollectiveGroup* group) 
   return seed;
 }
 
-/// The next token of every row from the last position's logits `last` [B, V]: [B, 1] int64.
+/// The next token of every row from the last position's logits `last` [B, V]: [B, 1] int64,
+/// drawn by the library's one sampler.
 at::Tensor sample_next(const at::Tensor& last, const TpRequest& r, at::Generator& gen) {
-  at::Tensor l = last.to(at::kFloat);
-  if (r.greedy || r.temperature == 0) return l.argmax(-1, /*keepdim=*/true);
-  // In float64, as a float32 division would round a temperature below 1e-45 to 0 (and 0 / 0 is
-  // NaN); and the largest logit becomes 0 first, so that no positive temperature (1e-300, the
-  // smallest denormal) makes a NaN: the others become -inf at worst, greedy in effect.
-  l = l.to(at::kDouble);
-  l = (l - std::get<0>(l.max(-1, /*keepdim=*/true))) / r.temperature;
-  const int64_t vocab = l.size(-1);
-  if (r.top_k > 0 && r.top_k < vocab) {
-    const at::Tensor kth = std::get<0>(l.topk(r.top_k, -1)).narrow(-1, r.top_k - 1, 1);  // [B, 1]
-    l = l.masked_fill(l < kth, -std::numeric_limits<double>::infinity());
-  }
-  return at::multinomial(l.softmax(-1), 1, /*replacement=*/false, gen);
+  return sample_next_token(
+      last, {.temperature = r.temperature, .top_k = r.top_k, .greedy = r.greedy}, gen);
 }
 
 /// Every rank runs the same forwards; rank 0 picks each token and broadcasts it, so the ranks'

@@ -25,6 +25,7 @@
 
 #include "torchpar/parallel/gpt.h"
 #include "torchpar/parallel/gpt_checkpoint.h"
+#include "torchpar/parallel/sampling.h"
 #include "torchpar/parallel/state_dict.h"
 #include "torchpar/parallel/tensor_parallel.h"
 #include "torchpar/torchpar.h"
@@ -425,6 +426,32 @@ TEST(TensorParallelEngine, SeededSamplingRepeatsAndAgreesAcrossWorldSizes) {
   // Rank 0 samples from the same generator state at TP = 1 (logits equal to ~1e-7).
   tp::TensorParallel one(c.path(), tp_options(1));
   EXPECT_TRUE(at::equal(one.generate(prompt, sampled), a));
+}
+
+// Rank 0 draws with the library's sampler (sample_next_token): a seeded generate at TP = 1 is
+// the loop over the model in this process with a generator of the same seed. (The worker's
+// own copy masked the vocabulary instead and drew other tokens for the same seed.)
+TEST(TensorParallelEngine, SeededSamplingDrawsWithSampleNextToken) {
+  auto& c = Checkpoint::get();
+  const auto prompt = random_ids(2, 4, 6);
+  const tp::SamplingOptions how{.temperature = 0.8, .top_k = 10};
+  at::Tensor want = prompt;
+  {
+    at::NoGradGuard no_grad;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+    tp::GptKvCache cache;
+    at::Tensor logits = c.model()->forward(prompt, &cache);
+    for (int i = 0; i < 16; ++i) {
+      const at::Tensor next = tp::sample_next_token(logits.select(1, -1), how, gen);
+      want = at::cat({want, next}, 1);
+      logits = c.model()->forward(next, &cache);
+    }
+  }
+  tp::TensorParallel one(c.path(), tp_options(1));
+  const at::Tensor got = one.generate(
+      prompt,
+      {.max_new_tokens = 16, .temperature = how.temperature, .top_k = how.top_k, .seed = 7});
+  EXPECT_TRUE(at::equal(got, want)) << got << "\n" << want;
 }
 
 TEST(TensorParallelEngine, Bfloat16WeightsAtTp2) {
