@@ -147,7 +147,8 @@ struct Listener::Impl {
 
 Listener::Listener(const std::string& address, ListenerOptions options)
     : impl_(std::make_shared<Impl>()) {
-  TORCH_CHECK(options.backlog > 0, "Listener: backlog must be positive, not ", options.backlog);
+  if (options.backlog <= 0)
+    throw ValueError(fmt::format("Listener: backlog must be positive, not {}", options.backlog));
   const detail::SocketAddress parsed = detail::parse_socket_address(address);
   impl_->wake = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!impl_->wake) detail::throw_system_error("eventfd", errno, "Listener");

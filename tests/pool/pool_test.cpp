@@ -319,6 +319,9 @@ TEST(ArgumentErrors, AreValueErrors) {
                tp::ValueError);
   EXPECT_THROW(tp::Barrier(0), tp::ValueError);
   EXPECT_THROW(tp::Queue<int>(0, {.capacity_bytes = 100}), tp::ValueError);
+  tp::ListenerOptions no_backlog;
+  no_backlog.backlog = 0;
+  EXPECT_THROW(tp::Listener("", no_backlog), tp::ValueError);
 }
 
 // CtxPool has every Pool call, each passing the worker's context (before: imap, starmap and
