@@ -18,6 +18,7 @@
 
 #include "core/deadline.h"
 #include "core/liveness.h"
+#include "core/message_of.h"
 #include "core/signals.h"
 #include "torchpar/core/env.h"
 #include "torchpar/core/error.h"

@@ -9,8 +9,7 @@
 #include <vector>
 
 #include "core/host_identity.h"  // host_key(): ranks with equal keys share a host
-#include "dist/backend/backend.h"
-#include "dist/backend/gloo/backend.h"
+#include "dist/group_spec.h"     // MemberInfo, GlooDeviceSpec
 #include "dist/lost_ranks.h"
 #include "dist/store.h"
 #include "torchpar/dist/world.h"

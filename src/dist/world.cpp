@@ -115,30 +115,22 @@ struct World::Impl {
                                           ranks.size(), to_string(backend));
     // The group in Gloo's terms; the flat Gloo group (every backend's send/recv) meets
     // under "gloo" in the group's store.
-    const detail::GlooBackendOptions group{.store = gstore,
-                                           .rank = rel,
-                                           .world_ranks = ranks,
-                                           .timeout = t,
-                                           .name = gname,
-                                           .device = rdv.device,
-                                           .members = info,
-                                           .my_host = rdv.host};
+    const detail::GroupSpec spec{
+        .store = gstore, .rank = rel, .world_ranks = ranks, .timeout = t, .name = gname};
+    const detail::GlooBackendOptions group{
+        .group = spec, .device = rdv.device, .members = info, .my_host = rdv.host};
     detail::GlooBackendOptions flat = group;
-    flat.store = c10::make_intrusive<c10d::PrefixStore>("gloo", gstore);
+    flat.group.store = c10::make_intrusive<c10d::PrefixStore>("gloo", gstore);
     auto gloo = detail::create_gloo_backend(flat);
     std::shared_ptr<detail::GroupBackend> made;
     if (backend == Backend::kGloo) {
       made = gloo;
     } else if (backend == Backend::kHierarchical) {
-      made = detail::create_hierarchical_backend({.group = group, .flat = gloo});
+      made = detail::create_hierarchical_backend({.gloo = group, .flat = gloo});
     } else {
-      made = detail::create_shm_backend(
-          {.store = c10::make_intrusive<c10d::PrefixStore>("shm", gstore),
-           .rank = rel,
-           .world_ranks = ranks,
-           .timeout = t,
-           .name = gname,
-           .p2p = gloo});
+      detail::GroupSpec shm = spec;
+      shm.store = c10::make_intrusive<c10d::PrefixStore>("shm", gstore);
+      made = detail::create_shm_backend({.group = shm, .p2p = gloo});
     }
     made->set_lost_ranks(rdv.lost);
     return CollectiveGroup(std::move(made));
@@ -163,11 +155,12 @@ struct World::Impl {
     std::vector<int> all;
     for (int r = 0; r < rdv.world_size; ++r) all.push_back(r);
     auto gloo = detail::create_gloo_backend(
-        {.store = c10::make_intrusive<c10d::PrefixStore>("0", pg_store),
-         .rank = rdv.rank,
-         .world_ranks = all,
-         .timeout = rdv.opts.timeout,
-         .name = fmt::format("default group (rank {} of {}, gloo)", rdv.rank, rdv.world_size),
+        {.group = {.store = c10::make_intrusive<c10d::PrefixStore>("0", pg_store),
+                   .rank = rdv.rank,
+                   .world_ranks = all,
+                   .timeout = rdv.opts.timeout,
+                   .name = fmt::format("default group (rank {} of {}, gloo)", rdv.rank,
+                                       rdv.world_size)},
          .device = rdv.device,
          .members = rdv.members,
          .my_host = rdv.host});

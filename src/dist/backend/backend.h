@@ -3,7 +3,8 @@
 // at the family's root, one folder per backend with the same file names, backend/gloo/ and
 // backend/shm/, each exposing an options struct and a create_*_backend factory).
 // CollectiveGroup validates arguments (ranks in range, list lengths, CPU tensors) and hands
-// contiguous tensors to it.
+// contiguous tensors to it. Every options struct holds the group's GroupSpec first
+// (dist/group_spec.h).
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -14,26 +15,13 @@
 #include <string>
 #include <vector>
 
+#include "core/message_of.h"
+#include "dist/group_spec.h"
 #include "dist/lost_ranks.h"
 #include "torchpar/core/error.h"
 #include "torchpar/dist/collective_group.h"
 
 namespace torchpar::detail {
-
-/// The message of any exception, without LibTorch's backtrace.
-inline const char* message_of(const std::exception& e) {
-  if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
-  return e.what();
-}
-
-/// A member of a group as the World knows it: for naming the rank that went away.
-struct MemberInfo {
-  /// The member's process id in its own pid namespace; 0 when unknown.
-  int pid = 0;
-  /// The member's host key (host_key(): host name, boot id, pid and network namespace,
-  /// /dev/shm); pids are comparable only between members with equal keys.
-  std::string host;
-};
 
 /// Options of one call, resolved by CollectiveGroup (the per-call timeout, else the group's).
 struct CallOptions {

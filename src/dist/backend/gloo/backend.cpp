@@ -99,11 +99,11 @@ class C10dWork : public Work::Impl {
 class GlooBackend final : public GroupBackend, public std::enable_shared_from_this<GlooBackend> {
  public:
   explicit GlooBackend(const GlooBackendOptions& o)
-      : GroupBackend(o.rank, o.world_ranks, o.timeout, o.name),
+      : GroupBackend(o.group.rank, o.group.world_ranks, o.group.timeout, o.group.name),
         members_(o.members),
         host_(o.my_host) {
     const auto& device = o.device;
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(o.timeout);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(o.group.timeout);
     auto opts = c10d::ProcessGroupGloo::Options::create(ms);
     try {
       if (!device.interface.empty()) {
@@ -114,10 +114,10 @@ class GlooBackend final : public GroupBackend, public std::enable_shared_from_th
         opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
       }
       opts->threads = 2;
-      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(o.store, o.rank, size(), opts);
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(o.group.store, o.group.rank, size(), opts);
     } catch (const std::exception& e) {
       throw Error(fmt::format("{}: cannot connect the gloo group within {:.1f} s: {}", name(),
-                              o.timeout.count(), message_of(e)));
+                              o.group.timeout.count(), message_of(e)));
     }
   }
 

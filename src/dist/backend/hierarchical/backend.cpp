@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "core/futex.h"
-#include "dist/backend/shm/backend.h"
+#include "dist/backend/shm/backend_impl.h"
 #include "dist/store.h"
 #include "torchpar/core/error.h"
 
@@ -62,12 +62,12 @@ at::Tensor as_1d(const at::Tensor& t) { return t.view({-1}); }
 class HierarchicalBackend final : public GroupBackend {
  public:
   explicit HierarchicalBackend(const HierarchicalBackendOptions& options)
-      : GroupBackend(options.group.rank, options.group.world_ranks, options.group.timeout,
-                     options.group.name),
-        store_(options.group.store),
-        members_(options.group.members),
+      : GroupBackend(options.gloo.group.rank, options.gloo.group.world_ranks,
+                     options.gloo.group.timeout, options.gloo.group.name),
+        store_(options.gloo.group.store),
+        members_(options.gloo.members),
         flat_(options.flat) {
-    const GlooBackendOptions& o = options.group;
+    const GlooBackendOptions& o = options.gloo;
     if (!flat_) throw Error(fmt::format("{}: the hierarchical backend needs a flat group", name()));
     if (members_.size() != world_ranks().size()) {
       throw Error(fmt::format("{}: {} members for {} ranks", name(), members_.size(),
@@ -89,15 +89,15 @@ class HierarchicalBackend final : public GroupBackend {
     if (mine.size() > 1) {
       std::vector<int> wr;
       for (int q : mine) wr.push_back(world_ranks()[static_cast<size_t>(q)]);
-      local_ = std::make_shared<shm_backend::ShmBackend>(
-          ShmBackendOptions{.store = c10::make_intrusive<c10d::PrefixStore>(
-                                fmt::format("hier/local/{}", my_host_), store_),
-                            .rank = me,
-                            .world_ranks = wr,
-                            .timeout = o.timeout,
-                            .name = fmt::format("{} host {} (shm, world ranks [{}], local rank {})",
-                                                name(), my_host_, join(wr), me),
-                            .p2p = nullptr});
+      local_ = std::make_shared<shm_backend::ShmBackend>(ShmBackendOptions{
+          .group = {.store = c10::make_intrusive<c10d::PrefixStore>(
+                        fmt::format("hier/local/{}", my_host_), store_),
+                    .rank = me,
+                    .world_ranks = wr,
+                    .timeout = o.group.timeout,
+                    .name = fmt::format("{} host {} (shm, world ranks [{}], local rank {})", name(),
+                                        my_host_, join(wr), me)},
+          .p2p = nullptr});
     }
     if (me == 0 && hosts_.size() > 1) {
       std::vector<int> wr;
@@ -107,12 +107,12 @@ class HierarchicalBackend final : public GroupBackend {
         info.push_back(members_[static_cast<size_t>(h[0])]);
       }
       leaders_ = create_gloo_backend(
-          {.store = c10::make_intrusive<c10d::PrefixStore>("hier/leaders", store_),
-           .rank = my_host_,
-           .world_ranks = wr,
-           .timeout = o.timeout,
-           .name = fmt::format("{} host leaders (gloo, world ranks [{}], leader {})", name(),
-                               join(wr), my_host_),
+          {.group = {.store = c10::make_intrusive<c10d::PrefixStore>("hier/leaders", store_),
+                     .rank = my_host_,
+                     .world_ranks = wr,
+                     .timeout = o.group.timeout,
+                     .name = fmt::format("{} host leaders (gloo, world ranks [{}], leader {})",
+                                         name(), join(wr), my_host_)},
            .device = o.device,
            .members = info,
            .my_host = o.my_host});

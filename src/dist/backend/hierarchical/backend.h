@@ -35,27 +35,26 @@
 // the others' error by at most that. A backend that failed stays broken: later calls raise
 // the same error.
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
-#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "dist/backend/backend.h"
 #include "dist/backend/gloo/backend.h"
+#include "dist/group_spec.h"
 
 namespace torchpar::detail {
 
-/// Everything a hierarchical group needs; every member passes the same `group.world_ranks`
-/// and `group.members`, and its own `group.rank`.
+/// Everything a hierarchical group needs; every member passes the same
+/// `gloo.group.world_ranks` and `gloo.members`, and its own `gloo.group.rank`.
 struct HierarchicalBackendOptions {
-  /// The group as a whole, in a flat Gloo group's terms: `store` is the group's store,
-  /// already prefixed for this group (the levels' groups meet under "hier/..." in it, and
-  /// the failure record is kept there); `timeout` limits creating each level and is the
-  /// default limit of each operation; `device` is where the leaders' Gloo group binds;
-  /// every member's host key in `members` decides the levels, its pid names a lost rank.
-  GlooBackendOptions group;
+  /// The group as a whole, in a flat Gloo group's terms: `group.store` is the group's
+  /// store, already prefixed for this group (the levels' groups meet under "hier/..." in
+  /// it, and the failure record is kept there); `group.timeout` limits creating each level
+  /// and is the default limit of each operation; `device` is where the leaders' Gloo group
+  /// binds; every member's host key in `members` decides the levels, its pid names a lost
+  /// rank.
+  GlooBackendOptions gloo;
   /// A gloo group of every member (made by the caller): it carries all_to_all and
   /// send/recv. The hierarchical backend owns it from here on.
   std::shared_ptr<GroupBackend> flat;
@@ -64,8 +63,8 @@ struct HierarchicalBackendOptions {
 /// Creates the hierarchical backend of a group; collective over its members (each creates
 /// its host's shm group, then the leaders their gloo group).
 /// Errors: those of create_shm_backend and create_gloo_backend (TimeoutError, ShmError,
-/// torchpar::Error naming the level's group); torchpar::Error when `group.members` and
-/// `group.world_ranks` differ in length or `flat` is missing.
+/// torchpar::Error naming the level's group); torchpar::Error when `gloo.members` and
+/// `gloo.group.world_ranks` differ in length or `flat` is missing.
 std::shared_ptr<GroupBackend> create_hierarchical_backend(
     const HierarchicalBackendOptions& options);
 

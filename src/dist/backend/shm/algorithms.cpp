@@ -11,7 +11,7 @@
 #include <cstring>
 #include <memory>
 
-#include "dist/backend/shm/backend.h"
+#include "dist/backend/shm/backend_impl.h"
 #include "dist/reduce_kernels.h"
 
 namespace torchpar::detail::shm_backend {

@@ -1,4 +1,4 @@
-#include "dist/backend/shm/backend.h"
+#include "dist/backend/shm/backend_impl.h"
 
 #include <fmt/format.h>
 #include <sys/mman.h>  // shm_unlink
@@ -35,8 +35,8 @@ std::shared_ptr<GroupBackend> create_shm_backend(const ShmBackendOptions& option
 namespace shm_backend {
 
 ShmBackend::ShmBackend(const ShmBackendOptions& o)
-    : GroupBackend(o.rank, o.world_ranks, o.timeout, o.name), p2p_(o.p2p) {
-  attach(o.store);
+    : GroupBackend(o.group.rank, o.group.world_ranks, o.group.timeout, o.group.name), p2p_(o.p2p) {
+  attach(o.group.store);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   spin_ = static_cast<unsigned>(size()) <= cores;
   barrier_ =
