@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <c10/util/StringUtil.h>
+
 #include <cstring>
 
 #include <fmt/format.h>
@@ -26,17 +28,18 @@ class ShmAllocator final : public at::Allocator {
 ShmAllocator g_allocator;
 
 void check_shareable(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.defined(), what, ": the tensor is undefined");
-  TORCH_CHECK(t.device().is_cpu(), what, ": only CPU tensors can be shared, got ", t.device());
-  TORCH_CHECK(t.layout() == at::kStrided, what, ": only strided tensors can be shared, got ",
-              t.layout());
+  if (!t.defined()) throw ValueError(c10::str(what, ": the tensor is undefined"));
+  if (!t.device().is_cpu())
+    throw ValueError(c10::str(what, ": only CPU tensors can be shared, got ", t.device()));
+  if (t.layout() != at::kStrided)
+    throw ValueError(c10::str(what, ": only strided tensors can be shared, got ", t.layout()));
 }
 
 }  // namespace
 
 StorageHandle export_storage(const c10::Storage& storage, bool pin) {
   BlockRef* ref = block_of(storage);
-  TORCH_CHECK(ref != nullptr, "export_storage: the storage is not in shared memory");
+  if (ref == nullptr) throw ValueError("export_storage: the storage is not in shared memory");
   StorageHandle h;
   h.strategy = ref->seg->strategy();
   h.fd = ref->seg->fd();
@@ -126,12 +129,12 @@ at::Tensor& share_memory_(at::Tensor& tensor) {
 }
 
 at::Tensor empty_shared(at::IntArrayRef sizes, at::TensorOptions options) {
-  TORCH_CHECK(options.device().is_cpu() && options.layout() == at::kStrided,
-              "empty_shared: only strided CPU tensors can be shared");
+  if (!options.device().is_cpu() || options.layout() != at::kStrided)
+    throw ValueError("empty_shared: only strided CPU tensors can be shared");
   auto dtype = c10::typeMetaToScalarType(options.dtype());
   int64_t numel = 1;
   for (auto s : sizes) {
-    TORCH_CHECK(s >= 0, "empty_shared: negative size ", s);
+    if (s < 0) throw ValueError(c10::str("empty_shared: negative size ", s));
     numel *= s;
   }
   const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);

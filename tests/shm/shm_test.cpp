@@ -425,9 +425,9 @@ TEST(ShmFileDescriptor, SigkillReturnsMemory) {
 
 TEST(ShmErrors, RejectsWhatCannotBeShared) {
   at::Tensor undefined;
-  EXPECT_THROW(tp::share_memory_(undefined), c10::Error);
+  EXPECT_THROW(tp::share_memory_(undefined), tp::ValueError);
   at::Tensor sparse = at::eye(3).to_sparse();
-  EXPECT_THROW(tp::share_memory_(sparse), c10::Error);
+  EXPECT_THROW(tp::share_memory_(sparse), tp::ValueError);
 }
 
 // ---- the private buffer share_memory_ replaces ------------------------------------------------
