@@ -1,4 +1,4 @@
-#include "torchpar/ipc/shared_page.h"
+#include "torchpar/ipc/detail/shared_page.h"
 
 #include <algorithm>
 

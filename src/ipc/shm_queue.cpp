@@ -15,6 +15,7 @@
 
 #include "core/robust_mutex.h"
 #include "core/waiter.h"
+#include "ipc/shm_queue_test_access.h"
 #include "shm/cleaner.h"
 #include "shm/region.h"
 #include "torchpar/core/error.h"
@@ -381,8 +382,8 @@ bool ShmQueue::join(Timeout timeout) {
   }
 }
 
-void ShmQueue::hold_lock_for_test(const std::function<void()>& while_held) {
-  Lock lock(ctl_);
+void ShmQueueTestAccess::hold_lock(ShmQueue& q, const std::function<void()>& while_held) {
+  Lock lock(q.ctl_);
   while_held();
 }
 

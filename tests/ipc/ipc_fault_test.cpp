@@ -8,6 +8,7 @@
 #include <future>
 #include <string>
 
+#include "ipc/shm_queue_test_access.h"  // src/: the queue's test hooks
 #include "support/child.h"
 #include "torchpar/torchpar.h"
 
@@ -55,7 +56,7 @@ TEST(QueueFault, StoppedLockHolderMakesCallsTimeOutNotHang) {
   ShmQueue q(0, 1 << 16);
   q.put("first", std::nullopt);
   auto holder = tp::testing::fork_child([&q](int sock) {
-    q.hold_lock_for_test([&] {
+    tp::detail::ShmQueueTestAccess::hold_lock(q, [&] {
       tp::testing::send_line(sock, "held");
       for (;;) ::pause();
     });

@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "torchpar/ipc/shared_page.h"
+#include "torchpar/ipc/detail/shared_page.h"
 #include "torchpar/ipc/synchronize.h"
 #include "torchpar/serialize/archive.h"
 

@@ -2,10 +2,14 @@
 /// The byte-level engine under Queue, SimpleQueue and JoinableQueue: a multi-producer,
 /// multi-consumer ring of messages in one shared-memory segment, guarded by a robust
 /// process-shared mutex, with futex wake-ups after a short spin.
+///
+/// Internal: nothing here is public API (namespace torchpar::detail); it may change without
+/// notice. It is an installed header only because the templates of queue.h (Queue,
+/// SimpleQueue, JoinableQueue) hold a ShmQueue in the user's translation units; include
+/// "torchpar/ipc/queue.h" instead. Test hooks: src/ipc/shm_queue_test_access.h.
 
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,6 +24,7 @@ class InputArchive;
 
 struct QueueControl;
 class ShmRegion;
+class ShmQueueTestAccess;
 
 class ShmQueue {
  public:
@@ -48,11 +53,10 @@ class ShmQueue {
   bool join(Timeout timeout);
   /// The ring's sealed memfd (what a child's copy maps).
   int fd() const;
-  /// Test hook: runs `while_held` holding the internal lock (fault tests stop a process
-  /// there to check that the others time out instead of hanging).
-  void hold_lock_for_test(const std::function<void()>& while_held);
 
  private:
+  friend class ShmQueueTestAccess;  // tests' hooks (src/ipc/shm_queue_test_access.h)
+
   std::unique_ptr<ShmRegion> region_;
   QueueControl* ctl_ = nullptr;
   char* ring_ = nullptr;

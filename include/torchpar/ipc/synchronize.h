@@ -19,7 +19,7 @@
 
 #include "torchpar/core/error.h"
 #include "torchpar/core/timeout.h"
-#include "torchpar/ipc/shared_page.h"
+#include "torchpar/ipc/detail/shared_page.h"
 
 namespace torchpar {
 

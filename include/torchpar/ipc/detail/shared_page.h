@@ -3,6 +3,11 @@
 /// shm/ShmRegion) that copies of an IPC object share, and that travels to child processes
 /// as an fd. A peer cannot truncate it (sealed); a received fd without the seals, or
 /// smaller than expected, is refused (ShmError).
+///
+/// Internal: nothing here is public API (namespace torchpar::detail); it may change without
+/// notice. It is an installed header only because the templates of shared_value.h (Value,
+/// Array) use it in the user's translation units and the classes of synchronize.h hold one;
+/// include "torchpar/ipc/shared_value.h" or "torchpar/ipc/synchronize.h" instead.
 
 #include <cstddef>
 #include <memory>
