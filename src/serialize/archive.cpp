@@ -67,7 +67,7 @@ void write(OutputArchive& ar, T v) {
 
 }  // namespace
 
-OutputArchive::OutputArchive(Payload& out, DumpsOptions opts)
+OutputArchive::OutputArchive(Payload& out, DumpsContext opts)
     : cereal::OutputArchive<OutputArchive, cereal::AllowEmptyClassElision>(this),
       out_(out),
       opts_(opts),
@@ -143,7 +143,7 @@ uint32_t OutputArchive::fd_index(int fd) {
   if (it != fds_.end()) return it->second;
   const auto idx = static_cast<uint32_t>(out_.fds.size());
   if (opts_.borrow_fds) {
-    out_.fds.emplace_back(fd);  // the caller releases it after sending (DumpsOptions)
+    out_.fds.emplace_back(fd);  // borrow_fds: the caller releases it after sending
   } else {
     out_.fds.emplace_back(check_syscall("fcntl(F_DUPFD_CLOEXEC)", fmt::format("segment fd {}", fd),
                                         [&] { return ::fcntl(fd, F_DUPFD_CLOEXEC, 0); }));
@@ -152,7 +152,7 @@ uint32_t OutputArchive::fd_index(int fd) {
   return idx;
 }
 
-InputArchive::InputArchive(const Payload& in, LoadsOptions opts, std::string* consumable)
+InputArchive::InputArchive(const Payload& in, LoadsContext opts, std::string* consumable)
     : cereal::InputArchive<InputArchive, cereal::AllowEmptyClassElision>(this),
       in_(in),
       opts_(opts),
@@ -381,7 +381,7 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
 }
 
 void load_payload(const Payload& payload, const std::function<void(InputArchive&)>& body,
-                  LoadsOptions options, std::string* consumable) {
+                  LoadsContext options, std::string* consumable) {
   try {
     InputArchive ar(payload, options, consumable);
     char magic[4];

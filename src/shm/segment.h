@@ -32,7 +32,7 @@ namespace torchpar::detail {
 inline constexpr uint64_t kSegmentMagic = 0x314d485352415054ULL;  // "TPARSHM1"
 inline constexpr uint32_t kSegmentVersion = 1;
 /// The top bit of a block's exports word: the block has an export that pins it for
-/// borrowers (DumpsOptions::pin_shared, a manager's stored value) rather than one in flight.
+/// borrowers (DumpsContext::pin_shared, a manager's stored value) rather than one in flight.
 /// It is set, never cleared and never counted: the block is not reused while it is set, and
 /// the cleaner does not keep the segment's name for it past its creator's exit. The low 31
 /// bits count the exports in flight (each claimed by one adopting import).

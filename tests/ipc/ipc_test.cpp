@@ -310,7 +310,7 @@ TEST(Queue, KilledConsumerDoesNotWedgeTheOthers) {
   EXPECT_EQ(tp::testing::wait_child(survivor), 0);
 }
 
-// Connection::send passes the value's own fds (DumpsOptions::borrow_fds): a thousand
+// Connection::send passes the value's own fds (DumpsContext::borrow_fds): a thousand
 // shared tensors later the sender has closed none of them by mistake (the tensor still
 // reads back, its segment fd is open) and leaked none.
 TEST(Pipe, SharedTensorsSentManyTimesKeepFdsBalanced) {

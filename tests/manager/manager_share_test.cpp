@@ -2,7 +2,7 @@
 // child (fork and spawn, each sharing strategy) puts a tensor in a dict; the parent's tensor
 // read from the dict aliases the child's memory while the child keeps it, can be read again,
 // and stays valid after the child exits. Without the option the parent gets a copy. Also
-// the serializer's borrowing loads (LoadsOptions::adopt_shared = false) that make repeated
+// the serializer's borrowing loads (LoadsContext::adopt_shared = false) that make repeated
 // reads possible.
 #include <gtest/gtest.h>
 
@@ -170,12 +170,12 @@ INSTANTIATE_TEST_SUITE_P(Methods, ManagerCopiesTensors, ::testing::Values("fork"
 
 // ---- the serializer's borrowing loads ----------------------------------------------------
 
-TEST(LoadsOptions, BorrowedHandlesLoadAnyNumberOfTimes) {
+TEST(LoadsContext, BorrowedHandlesLoadAnyNumberOfTimes) {
   at::Tensor t = at::zeros({16});
-  const tp::Payload p = tp::dumps(t, {.copy_tensor = false, .pass_fds = false});
+  const tp::Payload p = tp::detail::dumps_with(t, {.copy_tensor = false, .pass_fds = false});
   EXPECT_TRUE(tp::is_shared(t));  // moved to shared memory in place by dumps
-  at::Tensor x = tp::loads<at::Tensor>(p, {.adopt_shared = false});
-  at::Tensor y = tp::loads<at::Tensor>(p, {.adopt_shared = false});
+  at::Tensor x = tp::detail::loads_with<at::Tensor>(p, {.adopt_shared = false});
+  at::Tensor y = tp::detail::loads_with<at::Tensor>(p, {.adopt_shared = false});
   t.fill_(3);
   EXPECT_TRUE(at::equal(x, at::full({16}, 3.0f)));
   EXPECT_TRUE(at::equal(y, at::full({16}, 3.0f)));
@@ -183,34 +183,36 @@ TEST(LoadsOptions, BorrowedHandlesLoadAnyNumberOfTimes) {
   // afterwards rather than risking a block that may be reused.
   at::Tensor z = tp::loads<at::Tensor>(p);
   EXPECT_TRUE(at::equal(z, at::full({16}, 3.0f)));
-  EXPECT_THROW(tp::loads<at::Tensor>(p, {.adopt_shared = false}), tp::SerializationError);
+  EXPECT_THROW(tp::detail::loads_with<at::Tensor>(p, {.adopt_shared = false}),
+               tp::SerializationError);
   EXPECT_THROW(tp::loads<at::Tensor>(p), tp::SerializationError);  // loaded once, as before
 }
 
-TEST(LoadsOptions, PinnedHandlesAreBorrowedNeverAdopted) {
-  // DumpsOptions::pin_shared, as a share_tensors proxy stores its values: borrowing loads
+TEST(LoadsContext, PinnedHandlesAreBorrowedNeverAdopted) {
+  // DumpsContext::pin_shared, as a share_tensors proxy stores its values: borrowing loads
   // any number of times, before and after another pinning dumps of the same storage; an
   // adopting load is refused and leaves the pin in place.
   at::Tensor t = at::zeros({16});
-  const tp::Payload p = tp::dumps(t, {.copy_tensor = false, .pass_fds = false, .pin_shared = true});
+  const tp::Payload p =
+      tp::detail::dumps_with(t, {.copy_tensor = false, .pass_fds = false, .pin_shared = true});
   const tp::Payload again =
-      tp::dumps(t, {.copy_tensor = false, .pass_fds = false, .pin_shared = true});
+      tp::detail::dumps_with(t, {.copy_tensor = false, .pass_fds = false, .pin_shared = true});
   try {
     (void)tp::loads<at::Tensor>(p);
     ADD_FAILURE() << "an adopting load of a pinned handle succeeded";
   } catch (const tp::SerializationError& e) {
     EXPECT_NE(std::string(e.what()).find("adopt_shared=false"), std::string::npos) << e.what();
   }
-  at::Tensor x = tp::loads<at::Tensor>(p, {.adopt_shared = false});
-  at::Tensor y = tp::loads<at::Tensor>(again, {.adopt_shared = false});
-  at::Tensor z = tp::loads<at::Tensor>(p, {.adopt_shared = false});
+  at::Tensor x = tp::detail::loads_with<at::Tensor>(p, {.adopt_shared = false});
+  at::Tensor y = tp::detail::loads_with<at::Tensor>(again, {.adopt_shared = false});
+  at::Tensor z = tp::detail::loads_with<at::Tensor>(p, {.adopt_shared = false});
   t.fill_(5);
   for (const auto& u : {x, y, z}) EXPECT_TRUE(at::equal(u, at::full({16}, 5.0f)));
   // An ordinary export of the same block is still one to claim, once.
-  const tp::Payload once = tp::dumps(t, {.copy_tensor = false, .pass_fds = false});
+  const tp::Payload once = tp::detail::dumps_with(t, {.copy_tensor = false, .pass_fds = false});
   EXPECT_TRUE(at::equal(tp::loads<at::Tensor>(once), at::full({16}, 5.0f)));
   EXPECT_THROW(tp::loads<at::Tensor>(once), tp::SerializationError);
-  EXPECT_TRUE(at::equal(tp::loads<at::Tensor>(p, {.adopt_shared = false}), t));
+  EXPECT_TRUE(at::equal(tp::detail::loads_with<at::Tensor>(p, {.adopt_shared = false}), t));
 }
 
 }  // namespace

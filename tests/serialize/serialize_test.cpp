@@ -415,11 +415,26 @@ TEST(Serialize, TemporaryStoragesKeepTheirOwnIds) {
   EXPECT_TRUE(at::equal(back[1], b.conj().resolve_conj()));
 }
 
+TEST(Serialize, PublicDumpsIsTheDefaultContext) {
+  // dumps(value, options) is dumps_with(value, {.copy_tensor = options.copy_tensor}): the
+  // same bytes, with every internal knob at its default (fds passed, no side channel).
+  const std::vector<int> v{1, 2, 3};
+  EXPECT_EQ(tp::dumps(v).bytes, tp::detail::dumps_with(v, {}).bytes);
+  at::Tensor t = at::arange(8, at::kFloat);
+  const tp::Payload p = tp::dumps(t);
+  EXPECT_EQ(p.bytes, tp::detail::dumps_with(t, {.copy_tensor = true}).bytes);
+  EXPECT_TRUE(p.fds.empty());
+  at::Tensor s = at::arange(8, at::kFloat);
+  tp::Payload shared = tp::dumps(s, {.copy_tensor = false});
+  EXPECT_EQ(shared.fds.size(), tp::get_sharing_strategy() == "file_descriptor" ? 1u : 0u);
+  EXPECT_TRUE(at::equal(tp::loads<at::Tensor>(std::move(shared)), s));
+}
+
 TEST(PayloadIo, SharedTensorWithoutFdsReopensThroughProc) {
   // pass_fds=false: bytes only (as a shared-memory queue carries them); the receiver opens
   // the exporter's segment through /proc/<pid>/fd/<n>.
   at::Tensor t = at::zeros({256});
-  tp::Payload p = tp::dumps(t, {.copy_tensor = false, .pass_fds = false});
+  tp::Payload p = tp::detail::dumps_with(t, {.copy_tensor = false, .pass_fds = false});
   EXPECT_TRUE(p.fds.empty());
   auto c = tp::testing::fork_child([bytes = p.bytes](int sock) {
     auto u = tp::loads<at::Tensor>(tp::Payload{bytes, {}});

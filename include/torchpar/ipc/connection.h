@@ -33,6 +33,13 @@
 
 namespace torchpar {
 
+/// Options of Connection::send.
+struct SendOptions {
+  /// As DumpsOptions::copy_tensor, but false by default: kPayload shares tensors, as
+  /// torch.multiprocessing's Connection does. Ignored (always true) on a kPython connection.
+  bool copy_tensor = false;
+};
+
 /// One end of a Pipe, or of a connection made by Listener::accept / Client.
 ///
 /// Lifetime: copies share the same end (the fd closes when the last copy goes); close()
@@ -63,10 +70,11 @@ class Connection {
   /// Errors: Error for a value carrying fds on a kPython connection (nothing is sent);
   ///         ClosedError, SystemError as send_bytes; what dumps throws.
   template <class T>
-  void send(const T& value, DumpsOptions options = {.copy_tensor = false}) {
-    if (framing_ == Framing::kPython) options.copy_tensor = true;
-    options.borrow_fds = true;  // sent at once: the value's own fds travel, no duplicates
-    Payload p = dumps(value, options);
+  void send(const T& value, SendOptions options = {}) {
+    // Sent at once: the value's own fds travel, no duplicates (borrow_fds).
+    Payload p = detail::dumps_with(
+        value,
+        {.copy_tensor = options.copy_tensor || framing_ == Framing::kPython, .borrow_fds = true});
     send_payload_borrowed(p);
   }
   /// Receives a value sent with send<T>. Errors: as recv_bytes, and SerializationError when
@@ -108,7 +116,7 @@ class Connection {
 
  private:
   void send_payload_checked(const Payload& p);
-  /// send_payload_checked of a payload made with DumpsOptions::borrow_fds; releases its
+  /// send_payload_checked of a payload made with DumpsContext::borrow_fds; releases its
   /// fds afterwards, also when the send throws.
   void send_payload_borrowed(Payload& p);
   Payload recv_payload_checked(Timeout timeout, size_t max_bytes);

@@ -46,7 +46,7 @@ class Queue {
   /// Errors also: torchpar::Error for a value that carries file descriptors (a queue,
   /// connection, lock or shared value inside T): pass those as Process arguments instead.
   void put(const T& value, Timeout timeout = std::nullopt) {
-    Payload p = dumps(value, {.copy_tensor = copy_tensor_, .pass_fds = false});
+    Payload p = detail::dumps_with(value, {.copy_tensor = copy_tensor_, .pass_fds = false});
     if (!p.fds.empty()) {
       release_exports(p);
       throw Error(

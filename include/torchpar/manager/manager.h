@@ -80,7 +80,7 @@ struct ManagerOptions {
   /// a process that still maps the segment (it holds a tensor read before) can read the
   /// value again; elsewhere the read raises SerializationError naming the sender's exit,
   /// with either sharing strategy. Each shared value pins its block
-  /// (DumpsOptions::pin_shared): the sender never reuses that memory, which goes back to
+  /// (DumpsContext::pin_shared): the sender never reuses that memory, which goes back to
   /// the system once the sender has exited and no reader maps it; its file_system name
   /// goes at the sender's exit. So share large, long-lived tensors (weights, buffers), not
   /// a stream of fresh ones.

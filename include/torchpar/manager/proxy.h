@@ -73,11 +73,13 @@ class BaseProxy {
 
   /// Payload bytes of `value` for the server: tensors copied, or as shared-memory handles
   /// (no fds: names, or the sender's /proc fd path) that pin their blocks for borrowers
-  /// (DumpsOptions::pin_shared) when share_tensors() is set.
+  /// (DumpsContext::pin_shared) when share_tensors() is set.
   template <class T>
   std::string encode(const T& value) const {
     const bool share = share_tensors();
-    return dumps(value, {.copy_tensor = !share, .pass_fds = !share, .pin_shared = share}).bytes;
+    return detail::dumps_with(value,
+                              {.copy_tensor = !share, .pass_fds = !share, .pin_shared = share})
+        .bytes;
   }
   /// As encode, for bytes the server loads once, adopting their shared tensors (a
   /// registered member's arguments): the exports wait in flight for that one load
@@ -85,13 +87,13 @@ class BaseProxy {
   template <class T>
   std::string encode_once(const T& value) const {
     const bool share = share_tensors();
-    return dumps(value, {.copy_tensor = !share, .pass_fds = !share}).bytes;
+    return detail::dumps_with(value, {.copy_tensor = !share, .pass_fds = !share}).bytes;
   }
   /// The value of payload bytes from the server. Shared tensors are borrowed, not adopted
-  /// (LoadsOptions::adopt_shared), as a stored value may be read any number of times.
+  /// (LoadsContext::adopt_shared), as a stored value may be read any number of times.
   template <class T>
   static T decode(const std::string& bytes) {
-    return loads<T>(Payload{bytes, {}}, {.adopt_shared = false});
+    return detail::loads_with<T>(Payload{bytes, {}}, {.adopt_shared = false});
   }
 
  private:

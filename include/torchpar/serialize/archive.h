@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "torchpar/core/error.h"
+#include "torchpar/serialize/detail/context.h"
 #include "torchpar/serialize/payload.h"
 
 namespace c10 {
@@ -42,64 +43,16 @@ struct DumpsOptions {
   /// aliases the sender's memory.
   /// Default true, as machin.parallel.pickle.dumps(copy_tensor=True): a payload is
   /// self-contained unless asked otherwise. The channels default to false instead, as
-  /// torch.multiprocessing shares tensors: QueueOptions, Connection::send, PoolOptions and
-  /// Process arguments (always shared).
+  /// torch.multiprocessing shares tensors: QueueOptions, Connection::send (SendOptions),
+  /// PoolOptions and Process arguments (always shared).
   bool copy_tensor = true;
-  /// Shared mode, file_descriptor strategy: put the segments' fds into the payload (for a
-  /// Unix socket). false: the payload is bytes only and the receiver reopens each segment
-  /// through /proc/<sender pid>/fd/<n> while the sender lives (for shared-memory queues).
-  bool pass_fds = true;
-  /// Out-of-band storages (the RPC layer's TensorPipe tensors): when set, with copy_tensor,
-  /// each distinct storage is appended here instead of copied into the bytes, and the
-  /// payload refers to it by index (docs/wire_format.md, storage mode 3). The caller sends
-  /// them beside the bytes and hands them to loads (LoadsOptions::storages). Not owned.
-  std::vector<c10::Storage>* storages = nullptr;
-  /// With `storages`: a storage already in torchpar shared memory (is_shared) travels as a
-  /// handle (no copy) instead, reopened by the receiver through /proc/<pid>/fd while the
-  /// sender lives (pass_fds is ignored): only for a receiver on the same host.
-  bool shared_as_handles = false;
-  /// For a payload sent at once and then dropped (Connection::send): its fds are the
-  /// value's own descriptors (a shared tensor's segment, a Queue's), not duplicates, which
-  /// saves a dup and a close a message. The caller must release() every one of them
-  /// (never close them), and must not let the payload outlive the value. If dumps throws,
-  /// they are released for it. Leave false anywhere else.
-  bool borrow_fds = false;
-  /// Shared mode, for a payload to be loaded any number of times with
-  /// LoadsOptions::adopt_shared=false (a manager's stored values): each block's export
-  /// pins it for borrowers instead of waiting in flight for one adopting load. The sender
-  /// never reuses a pinned block, and the block is readable while the sender lives: the
-  /// sender's torchpar-shm-cleaner does not keep a pinned segment's name past the sender's
-  /// exit (file_system), as the sender's /proc fd goes with it (file_descriptor). An
-  /// adopting load of such a payload raises SerializationError. The pin is one atomic bit
-  /// in the segment's header: any thread or process may dump the same storage, pinned or
-  /// not, at once. No Python original: torch.multiprocessing's handles are loaded once.
-  bool pin_shared = false;
-};
-
-/// Options of `loads`.
-struct LoadsOptions {
-  /// How a shared-memory tensor handle (a payload of dumps with copy_tensor=false) is
-  /// imported. true: the import adopts the reference its dumps took, so the payload is
-  /// meant to be loaded once (a second load raises SerializationError). false: that
-  /// reference stays with the payload and every load takes one of its own, so the payload
-  /// can be loaded any number of times, by any process of the host (a manager's stored
-  /// values). The price: the payload's reference is never given back, so the sender never
-  /// reuses the block; it is freed when the sender has exited and the last process mapping
-  /// it lets go (file_system strategy: when its name is gone too, which the sender's
-  /// cleaner keeps for readers until an hour after the segment was made, or only until
-  /// the sender's exit when the payload was made with DumpsOptions::pin_shared).
-  bool adopt_shared = true;
-  /// The out-of-band storages of a payload made with DumpsOptions::storages, in order;
-  /// loaded tensors alias them (no copy). A payload that refers to one without them, or
-  /// past their end, raises SerializationError. Not owned; must outlive the loads call.
-  const std::vector<c10::Storage>* storages = nullptr;
 };
 
 namespace detail {
 
 class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowEmptyClassElision> {
  public:
-  OutputArchive(Payload& out, DumpsOptions opts);
+  OutputArchive(Payload& out, DumpsContext opts);
   /// With borrow_fds, when an exception unwinds the dumps: releases the borrowed fds.
   ~OutputArchive();
   OutputArchive(const OutputArchive&) = delete;
@@ -107,7 +60,7 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
   void saveBinary(const void* data, size_t size) {
     out_.bytes.append(static_cast<const char*>(data), size);
   }
-  const DumpsOptions& options() const { return opts_; }
+  const DumpsContext& options() const { return opts_; }
   /// Bytes written so far.
   size_t size() const { return out_.bytes.size(); }
   /// Room for `n` more bytes in one allocation (no doubling copies); a large reservation is
@@ -120,7 +73,7 @@ class OutputArchive : public cereal::OutputArchive<OutputArchive, cereal::AllowE
 
  private:
   Payload& out_;
-  DumpsOptions opts_;
+  DumpsContext opts_;
   std::unordered_map<const c10::StorageImpl*, uint32_t> storages_;
   std::vector<c10::Storage> kept_;  // keeps numbered storages alive: no address reuse
   std::unordered_map<int, uint32_t> fds_;
@@ -134,7 +87,7 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
   /// Reads `in`. With `consumable` (in.bytes, of a payload given to loads by rvalue), large
   /// copied storages may alias those bytes instead of being copied: the archive then takes
   /// them over (see consumable_buffer).
-  explicit InputArchive(const Payload& in, LoadsOptions opts = {},
+  explicit InputArchive(const Payload& in, LoadsContext opts = {},
                         std::string* consumable = nullptr);
   ~InputArchive();
   InputArchive(const InputArchive&) = delete;
@@ -158,7 +111,7 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
   }
   /// The payload's fds (its bytes may have moved to consumable_buffer).
   const Payload& payload() const { return in_; }
-  const LoadsOptions& options() const { return opts_; }
+  const LoadsContext& options() const { return opts_; }
   /// For a consumable payload: its bytes, moved (at the same address) into a buffer that
   /// storages can alias (storage_over); nullptr otherwise. The archive holds one reference.
   SharedBuffer* consumable_buffer();
@@ -182,7 +135,7 @@ class InputArchive : public cereal::InputArchive<InputArchive, cereal::AllowEmpt
 
  private:
   const Payload& in_;
-  LoadsOptions opts_;
+  LoadsContext opts_;
   const char* data_;
   size_t size_;
   std::string* consumable_;
@@ -346,7 +299,7 @@ void CEREAL_LOAD_FUNCTION_NAME(InputArchive& ar, T& v) { load_ivalue(ar, v); }
 /// that every byte was consumed, and turns any failure into SerializationError. With
 /// `consumable` (payload.bytes, given by rvalue), large copied storages alias the bytes.
 void load_payload(const Payload& payload, const std::function<void(InputArchive&)>& body,
-                  LoadsOptions options = {}, std::string* consumable = nullptr);
+                  LoadsContext options = {}, std::string* consumable = nullptr);
 
 }  // namespace detail
 }  // namespace torchpar

@@ -24,6 +24,30 @@
 
 namespace torchpar {
 
+namespace detail {
+
+/// dumps with torchpar's internal knobs (serialize/detail/context.h): the channels, the
+/// RPC agent and the Manager call this; users call dumps. Errors and safety as dumps.
+template <class T>
+Payload dumps_with(const T& value, const DumpsContext& context) {
+  Payload payload;
+  OutputArchive ar(payload, context);
+  ar(value);
+  return payload;
+}
+
+/// loads with torchpar's internal knobs (serialize/detail/context.h). Errors and safety as
+/// loads.
+template <class T>
+T loads_with(const Payload& payload, const LoadsContext& context) {
+  T value{};
+  load_payload(
+      payload, [&](InputArchive& ar) { ar(value); }, context);
+  return value;
+}
+
+}  // namespace detail
+
 /// Serializes `value` into a Payload.
 ///
 /// Units:   tensor bytes travel in the payload (copy_tensor=true, the default, as machin's
@@ -36,27 +60,21 @@ namespace torchpar {
 /// Source:  machin.parallel.pickle.dumps(obj, copy_tensor) / ForkingPickler.
 template <class T>
 Payload dumps(const T& value, DumpsOptions options = {}) {
-  Payload payload;
-  detail::OutputArchive ar(payload, options);
-  ar(value);
-  return payload;
+  return detail::dumps_with(value, {.copy_tensor = options.copy_tensor});
 }
 
 /// Rebuilds a `T` (default-constructible) from a payload made by `dumps<T>`.
 /// Shared-mode tensors alias the sender's memory; each such payload is meant to be loaded
-/// once (every load adopts one reference the dumps took), unless
-/// `options.adopt_shared` is false (see LoadsOptions).
+/// once (every load adopts one reference the dumps took: a second load raises
+/// SerializationError).
 ///
 /// Errors:  SerializationError for truncated, corrupted or foreign bytes, a different
 ///          type, trailing bytes, or shared memory that cannot be opened; never crashes,
 ///          never allocates more than the payload's size justifies.
 /// Safety:  thread-safe. Source: machin.parallel.pickle.loads.
 template <class T>
-T loads(const Payload& payload, LoadsOptions options = {}) {
-  T value{};
-  detail::load_payload(
-      payload, [&](detail::InputArchive& ar) { ar(value); }, options);
-  return value;
+T loads(const Payload& payload) {
+  return detail::loads_with<T>(payload, {});
 }
 
 /// loads of a payload the caller gives up (a temporary, or std::move'd): as above, but a
@@ -67,10 +85,10 @@ T loads(const Payload& payload, LoadsOptions options = {}) {
 /// valid but unspecified state, also when loads throws.
 /// Errors, safety and source (machin.parallel.pickle.loads) as above.
 template <class T>
-T loads(Payload&& payload, LoadsOptions options = {}) {
+T loads(Payload&& payload) {
   T value{};
   detail::load_payload(
-      payload, [&](detail::InputArchive& ar) { ar(value); }, options, &payload.bytes);
+      payload, [&](detail::InputArchive& ar) { ar(value); }, {}, &payload.bytes);
   return value;
 }
 

@@ -61,10 +61,10 @@ at::Tensor import_tensor(const TensorHandle& handle, UniqueFd fd = UniqueFd());
 namespace detail {
 /// Storage-level halves of the above (the serializer keeps storage identity with them).
 /// `adopt` false: the import takes a reference of its own instead of adopting the
-/// export's, which then pins the block for good (LoadsOptions::adopt_shared); it needs an
+/// export's, which then pins the block for good (LoadsContext::adopt_shared); it needs an
 /// unclaimed export of the block (SerializationError otherwise). `pin`: the export pins
 /// the block for borrowers instead of waiting in flight for one adopter
-/// (DumpsOptions::pin_shared).
+/// (DumpsContext::pin_shared).
 StorageHandle export_storage(const c10::Storage& storage, bool pin = false);
 c10::Storage import_storage(const StorageHandle& handle, UniqueFd fd, bool adopt = true);
 /// Validates that sizes/strides/offset of `dtype` fit in `storage_nbytes`; throws

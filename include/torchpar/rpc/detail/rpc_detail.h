@@ -38,14 +38,15 @@ template <class T>
 RpcValue rpc_encode(const T& value, bool same_host) {
   RpcValue v;
   v.bytes =
-      dumps(value, {.copy_tensor = true, .storages = &v.storages, .shared_as_handles = same_host})
+      dumps_with(value,
+                 {.copy_tensor = true, .storages = &v.storages, .shared_as_handles = same_host})
           .bytes;
   return v;
 }
 
 template <class T>
 T rpc_decode(const RpcValue& v) {
-  return loads<T>(Payload{v.bytes, {}}, {.storages = &v.storages});
+  return loads_with<T>(Payload{v.bytes, {}}, {.storages = &v.storages});
 }
 
 /// One call's outcome, shared by the caller's RpcFuture and the agent (src/rpc/rpc_state.h).
