@@ -1,4 +1,4 @@
-#include "torchpar/ipc/shm_queue.h"
+#include "torchpar/ipc/detail/shm_queue.h"
 
 #include <fcntl.h>
 #include <pthread.h>

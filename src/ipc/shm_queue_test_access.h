@@ -1,11 +1,11 @@
 #pragma once
-// Test hooks of ShmQueue (torchpar/ipc/shm_queue.h): what fault tests do to a queue
+// Test hooks of ShmQueue (torchpar/ipc/detail/shm_queue.h): what fault tests do to a queue
 // that no user program may. Not installed; tests that include it add src/ to their include
 // directories.
 
 #include <functional>
 
-#include "torchpar/ipc/shm_queue.h"
+#include "torchpar/ipc/detail/shm_queue.h"
 
 namespace torchpar::detail {
 

@@ -7,7 +7,7 @@
 #include <optional>
 
 #include "torchpar/core/timeout.h"
-#include "torchpar/ipc/shm_queue.h"
+#include "torchpar/ipc/detail/shm_queue.h"
 #include "torchpar/serialize/serialize.h"
 
 namespace torchpar {
