@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 
+#include <c10/util/StringUtil.h>
+
 #include <exception>
 
 #include <fmt/format.h>
@@ -9,6 +11,7 @@
 #include "core/prefault.h"
 #include "serialize/payload_buffers.h"
 #include "shm/allocator.h"
+#include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 
 #include "torchpar/shm/handle.h"
@@ -185,14 +188,14 @@ InputArchive::DepthGuard::DepthGuard(InputArchive& ar) : ar_(ar) {
 void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
   write<uint8_t>(ar, tensor.defined() ? 1 : 0);
   if (!tensor.defined()) return;
-  TORCH_CHECK(tensor.device().is_cpu(), "dumps: only CPU tensors can be serialized, got ",
-              tensor.device());
-  TORCH_CHECK(tensor.layout() == at::kStrided && tensor.has_storage() && !tensor.is_quantized(),
-              "dumps: only strided, non-quantized tensors can be serialized");
+  if (!tensor.device().is_cpu())
+    throw ValueError(c10::str("dumps: only CPU tensors can be serialized, got ", tensor.device()));
+  if (tensor.layout() != at::kStrided || !tensor.has_storage() || tensor.is_quantized())
+    throw ValueError("dumps: only strided, non-quantized tensors can be serialized");
   at::Tensor t = tensor;  // metadata and storage only: no detach (a dispatcher call)
   if (t.is_conj() || t.is_neg()) t = t.resolve_conj().resolve_neg();
-  TORCH_CHECK(supported_dtype(static_cast<int8_t>(t.scalar_type())), "dumps: unsupported dtype ",
-              t.scalar_type());
+  if (!supported_dtype(static_cast<int8_t>(t.scalar_type())))
+    throw ValueError(c10::str("dumps: unsupported dtype ", t.scalar_type()));
   write<int8_t>(ar, static_cast<int8_t>(t.scalar_type()));
   write<uint8_t>(ar, static_cast<uint8_t>(t.dim()));
   for (auto s : t.sizes()) write<int64_t>(ar, s);

@@ -21,8 +21,8 @@
 
 #include "support/ranks.h"
 #include "support/rpc.h"
-#include "torchpar/dist/rpc_group.h"
 #include "torchpar/dist/world.h"
+#include "torchpar/rpc/rpc_group.h"
 #include "torchpar/shm/share.h"
 
 namespace tp = torchpar;

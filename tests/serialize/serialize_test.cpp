@@ -187,6 +187,13 @@ TEST(SerializeHostile, TrailingBytesAndWrongTypeThrow) {
   EXPECT_THROW(tp::loads<int>(tp::Payload{"garbage!", {}}), tp::SerializationError);
 }
 
+// A tensor dumps cannot carry is an argument error: ValueError naming it (was c10::Error).
+TEST(SerializeHostile, TensorsThatCannotTravelAreValueErrors) {
+  EXPECT_THROW(tp::dumps(at::eye(3).to_sparse()), tp::ValueError);
+  EXPECT_THROW(tp::dumps(std::vector<at::Tensor>{at::zeros({2}), at::eye(2).to_sparse()}),
+               tp::ValueError);
+}
+
 TEST(SerializeHostile, HugeSizeClaimsDoNotAllocate) {
   // A vector<double> claiming 2^60 elements: refused by the size check, not by bad_alloc.
   tp::Payload p = tp::dumps(std::vector<double>{1.0});

@@ -55,7 +55,7 @@ T loads_with(const Payload& payload, const LoadsContext& context) {
 ///          segment, or segment names). Queue, Connection::send and Pool default to false
 ///          (torch.multiprocessing); see DumpsOptions::copy_tensor.
 /// Errors:  ShmError when a tensor must be moved to shared memory and cannot;
-///          c10::Error for a non-CPU or non-strided tensor.
+///          ValueError for a non-CPU or non-strided tensor.
 /// Safety:  thread-safe for distinct values.
 /// Source:  machin.parallel.pickle.dumps(obj, copy_tensor) / ForkingPickler.
 template <class T>

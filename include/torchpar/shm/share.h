@@ -24,7 +24,7 @@ namespace torchpar {
 /// are freed before the call returns.
 ///
 /// Shapes:  any shape, dtype and layout of a strided CPU tensor (incl. 0-dim and empty).
-/// Errors:  c10::Error for an undefined, non-CPU or non-strided tensor; ShmError when
+/// Errors:  ValueError for an undefined, non-CPU or non-strided tensor; ShmError when
 ///          shared memory is exhausted (naming /dev/shm or memfd, bytes asked and free);
 ///          the tensor is then unchanged.
 /// Safety:  thread-safe against other torchpar calls; do not use the tensor from another
