@@ -31,17 +31,7 @@ if [[ $which == all || $which == asan || $which == asan-fast ]]; then
     cmake -S "$src" -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
           -DTORCHPAR_SANITIZE=address,undefined -DTORCHPAR_BUILD_BENCH=OFF \
           > build-asan.configure.log 2>&1 || { cat build-asan.configure.log; exit 1; }
-    # The programs the fast tests run (a test's name may differ from its program's).
-    mapfile -t fast < <(cd build-asan && ctest --show-only=json-v1 -L fast -LE notsan |
-      /usr/bin/python3 -c 'import json, os, sys
-for t in json.load(sys.stdin)["tests"]:
-    if t.get("command"): print(os.path.basename(t["command"][0]))' | sort -u)
-    mapfile -t targets < <(cmake --build build-asan --target help | sed -n 's/^\.\.\. //p')
-    wanted=(torchpar_cli)
-    for t in "${fast[@]}"; do
-      printf '%s\n' "${targets[@]}" | grep -qx -- "$t" && wanted+=("$t")
-    done
-    cmake --build build-asan -j "$jobs" --target "${wanted[@]}"
+    cmake --build build-asan -j "$jobs" --target fast_tests  # tests/CMakeLists.txt
   else
     build build-asan address,undefined
   fi
