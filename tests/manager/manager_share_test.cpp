@@ -67,12 +67,18 @@ void read_after_the_sender(TensorDict d) {
 }
 
 /// How many torchpar-shm-cleaner processes watch `pid` (their argv: the program, the pid,
-/// the name prefix).
+/// the name prefix). A process that exits while its cmdline is read (the read fails with
+/// ESRCH, which istreambuf_iterator rethrows) is not counted.
 int cleaners_of(pid_t pid) {
   int n = 0;
   for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-    std::ifstream f(e.path() / "cmdline", std::ios::binary);
-    std::string cmdline((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    std::string cmdline;
+    try {
+      std::ifstream f(e.path() / "cmdline", std::ios::binary);
+      cmdline.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    } catch (const std::ios_base::failure&) {
+      continue;
+    }
     if (cmdline.find("torchpar-shm-cleaner") != std::string::npos &&
         cmdline.find('\0' + std::to_string(pid) + '\0') != std::string::npos)
       ++n;
