@@ -28,6 +28,10 @@ PACKAGES=(
   iproute2                # ip netns for the two-host collective test
   python3-torch           # interop test (torch.distributed rank) and benchmark peers
   python3-matplotlib      # curves.png of torchpar train, benchmark plots
+  pybind11-dev python3-dev   # the Python package (python/): pybind11 2.10, whose internals
+                          # id matches libtorch_python's, so torch.Tensor crosses as at::Tensor
+  python3-pytest          # the Python package's tests
+  libpython3.11-testsuite # CPython's own multiprocessing tests, run against torchpar
 )
 
 # --bench: also the peers only the benchmarks compare against (OpenMPI).
