@@ -43,6 +43,11 @@ def Queue(maxsize=0):
     return _current().Queue(maxsize)
 
 
+def Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+    """A torchpar Pool of the current start method's context (pool.py)."""
+    return _current().Pool(processes, initializer, initargs, maxtasksperchild)
+
+
 def SimpleQueue():
     """A torchpar SimpleQueue."""
     return _current().SimpleQueue()

@@ -5,7 +5,8 @@ type for multiprocessing_context) whose Process is Python's own for that start m
 spawn, forkserver) and whose Queue, SimpleQueue, JoinableQueue and Pipe are torchpar's.
 torchpar objects pass to children under every start method (fds travel as multiprocessing
 passes them: inherited under fork, duplicated for the child under spawn and forkserver).
-The other factories (Lock, Event, Pool, ...) are multiprocessing's own for now.
+Pool is torchpar's (pool.py). The other factories (Lock, Event, ...) are multiprocessing's
+own for now.
 """
 import multiprocessing
 import multiprocessing.context as _mpc
@@ -48,6 +49,12 @@ class TorchparContext(_mpc.BaseContext):
     def Pipe(self, duplex=True):
         """A pair of torchpar Connections (multiprocessing.Pipe)."""
         return _connection.Pipe(duplex)
+
+    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+        """A torchpar Pool whose workers this context starts (multiprocessing.Pool's
+        surface; a worker that dies fails its tasks with torchpar.WorkerLostError)."""
+        from torchpar.multiprocessing.pool import Pool
+        return Pool(processes, initializer, initargs, maxtasksperchild, context=self)
 
     def __repr__(self):
         return f"<torchpar.multiprocessing context {self._name!r}>"
