@@ -23,9 +23,11 @@ configure: deps
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# What `make demo` needs: the library and the CLI (torchpar train), nothing else.
+# What `make demo` needs: the library and the CLI (torchpar train), and the Python package
+# (`import torchpar` with PYTHONPATH=build/python) where it is built.
 build-cli: configure
-	@cmake --build $(BUILD) -j $(JOBS) --target torchpar_cli
+	@cmake --build $(BUILD) -j $(JOBS) --target torchpar_cli \
+	  $$(cmake --build $(BUILD) --target help | grep -q torchpar_python && echo torchpar_python)
 
 # The benchmark programs (the CMake target `benchmarks`), built only by the bench targets.
 build-bench: configure

@@ -21,6 +21,7 @@
 
 #include "support/collective_checks.h"
 #include "support/ranks.h"
+#include "support/run_tests.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -781,6 +782,5 @@ TEST(World, FileStoreRendezvous) {
 
 int main(int argc, char** argv) {
   tp::init(argc, argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

@@ -24,6 +24,7 @@
 #include "dist/store.h"
 #include "support/child.h"
 #include "support/ranks.h"
+#include "support/run_tests.h"
 #include "torchpar/dist/launch_env.h"
 #include "torchpar/torchpar.h"
 
@@ -512,6 +513,5 @@ TEST(StoreServer, EveryCommandAnswersAsTCPStoreDoes) {
 
 int main(int argc, char** argv) {
   tp::init(argc, argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

@@ -24,6 +24,7 @@
 #include "support/ranks.h"
 #include "support/raw_socket.h"
 #include "support/rpc_transport.h"
+#include "support/run_tests.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -535,6 +536,5 @@ INSTANTIATE_TEST_SUITE_P(Composite, RpcTransport,
 
 int main(int argc, char** argv) {
   tp::init(argc, argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

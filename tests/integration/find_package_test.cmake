@@ -65,3 +65,24 @@ if(rc OR NOT EXISTS ${WORK_DIR}/bench/report.md)
   message(FATAL_ERROR "installed torchpar bench failed (${rc}): ${out}${err}")
 endif()
 message(STATUS "installed torchpar: info, run and bench work from ${WORK_DIR}/prefix")
+
+# The Python package from the prefix (when it was built): `import torchpar.multiprocessing` by
+# /usr/bin/python3 with the prefix's site directory on PYTHONPATH, a tensor through a Queue.
+if(PY_SITE)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH
+                          PYTHONPATH=${WORK_DIR}/prefix/${PY_SITE}
+                          /usr/bin/python3 -c [=[
+import torch, torchpar, torchpar.multiprocessing as mp
+q = mp.Queue()
+q.put(torch.ones(4))
+t = q.get(timeout=10)
+assert mp.is_shared(t) and t.sum().item() == 4.0
+print("installed python package:", torchpar.__file__)
+]=]
+                  WORKING_DIRECTORY ${WORK_DIR}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc OR NOT out MATCHES "${WORK_DIR}/prefix/")
+    message(FATAL_ERROR "installed Python package failed (${rc}): ${out}${err}")
+  endif()
+  message(STATUS "${out}")
+endif()

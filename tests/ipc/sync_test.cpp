@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/run_tests.h"
 #include "support/start_methods.h"
 #include "torchpar/torchpar.h"
 
@@ -297,6 +298,5 @@ TEST(Value, NoLockAndAtomicAccess) {
 
 int main(int argc, char** argv) {
   torchpar::init(argc, argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "support/ranks.h"
+#include "support/run_tests.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
@@ -454,6 +455,5 @@ TEST(DistributedDataParallel, BucketCapMustBePositive) {
 
 int main(int argc, char** argv) {
   tp::init(argc, argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/run_tests.h"
 #include "torchpar/parallel/gpt.h"
 #include "torchpar/parallel/gpt_checkpoint.h"
 #include "torchpar/parallel/sampling.h"
@@ -695,6 +696,5 @@ TEST(TensorParallelLifetime, AStdFunctionFactoryRunsWithFork) {
 
 int main(int argc, char** argv) {
   tp::init(argc, argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "support/ranks.h"
+#include "support/run_tests.h"
 #include "torchpar/parallel/gpt.h"
 #include "torchpar/parallel/state_dict.h"
 #include "torchpar/parallel/tensor_parallel_layers.h"
@@ -749,6 +750,5 @@ TEST(Gpt, Gpt2SmallShapeConstructsAndRuns) {
 
 int main(int argc, char** argv) {
   tp::init(argc, argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/run_tests.h"
 #include "support/start_methods.h"
 #include "torchpar/torchpar.h"
 
@@ -179,6 +180,5 @@ TEST(PoolFaultTerminate, ReturnsWhileAWorkerIsStoppedHoldingAQueueLock) {
 
 int main(int argc, char** argv) {
   torchpar::init(argc, argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

@@ -12,6 +12,7 @@
 #include "pool/dispatcher.h"
 #include "pool/messages.h"
 #include "pool/worker_set.h"
+#include "support/run_tests.h"
 #include "support/start_methods.h"
 #include "torchpar/torchpar.h"
 
@@ -268,6 +269,5 @@ TORCHPAR_INSTANTIATE_FOR_START_METHODS(PoolWorkerSetTest);
 
 int main(int argc, char** argv) {
   torchpar::init(argc, argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/run_tests.h"
 #include "support/start_methods.h"
 #include "torchpar/torchpar.h"
 
@@ -341,6 +342,5 @@ TEST(Process, ChildrenDieWithTheirParent) {
 
 int main(int argc, char** argv) {
   torchpar::init(argc, argv);  // a spawned child runs its target here and exits
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }

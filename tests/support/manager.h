@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "support/child.h"
+#include "support/run_tests.h"
 #include "torchpar/core/auth.h"
 #include "torchpar/manager/manager.h"
 #include "torchpar/process/process.h"
@@ -91,8 +92,7 @@ inline bool gone_within(int pid, std::chrono::seconds within) {
 inline int manager_test_main(int argc, char** argv) {
   init(argc, argv);
   ::setenv("TORCHPAR_AUTHKEY", to_hex(random_authkey()).c_str(), 0);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }
 
 }  // namespace torchpar::testing

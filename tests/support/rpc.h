@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "support/ranks.h"
+#include "support/run_tests.h"
 #include "torchpar/core/auth.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/process/start_method.h"
@@ -27,8 +28,7 @@ namespace torchpar::testing {
 inline int rpc_test_main(int argc, char** argv) {
   init(argc, argv);
   ::setenv(kAuthKeyEnv, to_hex(random_authkey()).c_str(), 1);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  return torchpar::testing::run_tests(argc, argv);
 }
 
 /// Rank `rank` of a `world`-rank World on 127.0.0.1:`port`, named std::to_string(rank).

@@ -88,10 +88,11 @@ def share_memory_(tensor):
 
 
 def empty_shared(*size, dtype=None):
-    """An uninitialised CPU tensor of `size` in torchpar shared memory (torch.empty's
-    arguments: sizes, dtype)."""
-    return _C.empty_shared(list(torch.Size(*size) if len(size) == 1 and not isinstance(
-        size[0], int) else size), torch.empty(0, dtype=dtype))
+    """An uninitialised CPU tensor of `size` (ints, or one sequence of them) in torchpar
+    shared memory, of `dtype` (None: torch's default dtype)."""
+    if len(size) == 1 and not isinstance(size[0], int):
+        size = tuple(size[0])
+    return _C.empty_shared(list(size), torch.empty(0, dtype=dtype))
 
 
 def is_shared(tensor):
