@@ -81,7 +81,7 @@ bench-smoke: build build-bench
 	@cd $(BUILD) && ctest -L bench_smoke --output-on-failure
 
 format:
-	@find include src tests tools bench examples -name '*.h' -o -name '*.cpp' | xargs clang-format -i
+	@find include src tests tools bench examples python -name '*.h' -o -name '*.cpp' | xargs clang-format -i
 
 clean:
 	@rm -rf $(BUILD) $(BUILD).configure.log build-asan build-tsan build-asan.configure.log build-tsan.configure.log

@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v clang-format > /dev/null || { echo "check_format: clang-format is not installed (scripts/install-deps.sh installs it)"; exit 1; }
 mapfile -t files < <(git ls-files -- 'include/*.h' 'src/*.h' 'src/*.cpp' 'tests/*.h' 'tests/*.cpp' \
-                                     'tools/*.h' 'tools/*.cpp' 'bench/*.h' 'bench/*.cpp' 'examples/*.cpp')
+                                     'tools/*.h' 'tools/*.cpp' 'bench/*.h' 'bench/*.cpp' 'examples/*.cpp' \
+                                     'python/*.h' 'python/*.cpp')
 status=0
 clang-format --dry-run --Werror "${files[@]}" || status=1
 /usr/bin/python3 scripts/check_sizes.py src tools || status=1
