@@ -1,7 +1,8 @@
 // torchpar's C++ errors as Python exceptions: the type a Python user already catches for
 // each (Python's own where one exists: queue.Empty, queue.Full, TimeoutError, ValueError,
-// OSError, multiprocessing.AuthenticationError, threading.BrokenBarrierError), torchpar's
-// own classes otherwise, each a subclass of the Python type it stands for.
+// OSError (also for a frame over recv_bytes' maxlength), multiprocessing.AuthenticationError,
+// threading.BrokenBarrierError), torchpar's own classes otherwise, each a subclass of the
+// Python type it stands for.
 #include <Python.h>
 
 #include <string>
@@ -65,6 +66,8 @@ void translate(std::exception_ptr p) {
     set(t.serialization, e.what());
   } catch (const SystemError& e) {
     set(PyExc_OSError, e.what());
+  } catch (const ProtocolError& e) {
+    set(PyExc_OSError, e.what());  // Python: OSError "bad message length"
   } catch (const WorkerLostError& e) {
     set(t.worker_lost, e.what());
   } catch (const PeerLostError& e) {

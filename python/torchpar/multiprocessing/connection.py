@@ -102,7 +102,7 @@ class Connection:
             if bytesize < offset + len(data):
                 raise BufferTooShort(data)
             m.cast("B")[offset:offset + len(data)] = data
-            return len(data) // itemsize
+            return len(data)  # bytes, whatever the buffer's item size (as Python)
 
     def poll(self, timeout=0.0):
         self._check(readable=True)
