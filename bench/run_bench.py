@@ -32,6 +32,11 @@ Benchmarks (names for --only), run in this order:
                (2 processes x 1 thread) and TP = 1 (1 process x 2 threads) vs
                peers/python_tp_infer.py (the same Megatron-style TP = 2 with torch.distributed gloo):
                tokens/s at batch 1 and 8, memory per rank
+  python       peers/python_mp.py: torchpar.multiprocessing vs torch.multiprocessing and
+               multiprocessing from /usr/bin/python3 (4 KiB tensor Queue round trip and rate, a
+               dict of 16 tensors, Pool.map and apply_async, DataLoader with 4 workers); imports
+               torchpar from <build>/python beside --bin or the install prefix's
+               lib/python3.X/dist-packages ("Python package not built" when it cannot)
 
 Method: every round runs ours, then each peer (round r: ours, peer1, peer2, ...). A full run does
 3 rounds of every benchmark and no untimed warm-up round: each run is a fresh set of processes
@@ -76,7 +81,7 @@ PEERS = BENCH_DIR / "peers"
 RESULTS = BENCH_DIR / "results"
 PY = "/usr/bin/python3"
 BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "pserver", "collectives", "scale-out",
-              "train", "inference")
+              "train", "inference", "python")
 KiB, MiB = 1 << 10, 1 << 20
 # The programs each section runs from --bin (the CMake target `benchmarks` builds them all).
 SECTION_PROGRAMS = {"limits": ("shm_bench",), "handoff": ("ipc_bench", "shm_bench"),
@@ -1697,6 +1702,207 @@ def plot_inference(runs, out):
 
 
 # ----------------------------------------------------------------------------------------------
+# python: torchpar.multiprocessing vs torch.multiprocessing and multiprocessing (python_mp.py)
+
+# The implementations python_mp.py runs (--impl) and their names in the report.
+PY_IMPLS = {"torchpar": "torchpar.multiprocessing", "torch": "torch.multiprocessing",
+            "mp": "multiprocessing"}
+# Cases run by one process per implementation and round (one runner each), and which
+# implementations run them (multiprocessing only the pools: with torch imported its queues carry
+# tensors through torch's reducers, i.e. torch.multiprocessing again).
+PY_GROUPS = (("queue", ("queue_rt_4k", "queue_rate_4k", "dict16"), ("torchpar", "torch")),
+             ("pool", ("pool_map", "pool_apply_rt"), ("torchpar", "torch", "mp")),
+             ("dataloader", ("dataloader", "dataloader_list"), ("torchpar", "torch")))
+# case, title; rows: measure, label, unit, higher is better, the peer of the target, target (x)
+PY_CASES = [
+    ("queue_rt_4k", "4 KiB tensor Queue round trip",
+     [("rtt", "round trip (same tensor echoed)", "us", False, "torch", 20)]),
+    ("queue_rate_4k", "4 KiB tensors one way through a Queue",
+     [("rate", "fresh tensors, child sums them", "messages/s", True, "torch", 20)]),
+    ("dict16", "dict of 16 small tensors (16 x 64 float32) through a Queue",
+     [("rtt", "round trip (fresh dict each trip)", "us", False, "torch", 10)]),
+    ("pool_map", "Pool(2).map(f, range(N), chunksize=1)",
+     [("rate", "map, chunksize 1", "tasks/s", True, "mp", 5)]),
+    ("pool_apply_rt", "Pool(2).apply_async(f, (i,)).get()",
+     [("rtt", "round trip", "us", False, "mp", 5)]),
+    ("dataloader", "DataLoader, 4 workers, batches of 64 x 3x32x32 (default collate)",
+     [("rate", "samples/s", "samples/s", True, "torch", 2),
+      ("fds_end", "main process's open fds at the end", "fds", False, "torch", None),
+      ("fds_max", "most open fds between batches", "fds", False, "torch", None)]),
+    ("dataloader_list", "DataLoader, 4 workers, batches as lists of 64 tensors of 3x32x32",
+     [("rate", "samples/s", "samples/s", True, "torch", 2),
+      ("fds_end", "main process's open fds at the end", "fds", False, "torch", None),
+      ("fds_max", "most open fds between batches", "fds", False, "torch", None)]),
+]
+# Work per case (quick, full), passed to python_mp.py: pool_map's 200,000 tasks are the issue's;
+# the others keep torch.multiprocessing's runs (~430 tensors/s, ~50 dict trips/s, ~550
+# list-collated samples/s here) to about a minute a round in a full run.
+PY_SIZES = {"trips": (500, 2000), "messages": (1000, 5000), "dict_trips": (100, 500),
+            "tasks": (20000, 200000), "samples": (3200, 12800)}
+PY_NOT_BUILT = "Python package not built"
+# Per-case error lines of the runs ({runner name: {case: message}}): a case that cannot run
+# (torchpar's Pool missing, say) is "not available" in the report, not a failed runner.
+PY_CASE_ERRORS = {}
+
+
+def py_runner_name(impl, group):
+    return f"{PY_IMPLS[impl]}: {group}"
+
+
+def python_package_dir(cfg):
+    """The directory holding the torchpar package for /usr/bin/python3: <build>/python beside
+    a build tree's bin/, or <prefix>/lib[/<multiarch>]/python3.X/dist-packages of an install
+    (--bin is then <prefix>/libexec/torchpar, --cli <prefix>/bin/torchpar); None when neither
+    has it (it may still be importable from Python's own path, e.g. an install in /usr/local)."""
+    candidates = [cfg.bin.parent / "python"]
+    prefixes = [cfg.bin.parent.parent] + ([cfg.cli.parent.parent] if cfg.cli else [])
+    for prefix in dict.fromkeys(prefixes):
+        candidates += sorted(prefix.glob("lib*/python3*/dist-packages"))
+        candidates += sorted(prefix.glob("lib/*/python3*/dist-packages"))
+    return next((d for d in candidates if (d / "torchpar" / "__init__.py").exists()), None)
+
+
+def python_package_check(cfg):
+    """(directory for sys.path or None, None) when /usr/bin/python3 imports
+    torchpar.multiprocessing from there, else (None, reason)."""
+    d = python_package_dir(cfg)
+    code = ("import sys\nif sys.argv[1]: sys.path.insert(0, sys.argv[1])\n"
+            "import torch, torchpar.multiprocessing\nprint(torchpar.__file__)")
+    try:
+        r = subprocess.run([PY, "-c", code, str(d or "")], capture_output=True, text=True,
+                           timeout=180, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{PY_NOT_BUILT} ({PY} did not run: {e})"
+    if r.returncode != 0:
+        last = next((l.strip() for l in reversed(r.stderr.splitlines()) if l.strip()), "")
+        where = f"looked in {d}" if d else f"none beside {cfg.bin} or in its prefix"
+        return None, f"{PY_NOT_BUILT} ({where}): {last[:200]}"
+    return d, None
+
+
+def parse_python_mp(name):
+    """python_mp.py's lines -> {'<case>/<measure>': value}; error lines go to PY_CASE_ERRORS."""
+    def parse(out):
+        values, errors = {}, PY_CASE_ERRORS.setdefault(name, {})
+        for r in json_lines(out):
+            if "error" in r:
+                errors[r["case"]] = r["error"]
+            elif "value" in r:
+                values[f"{r['case']}/{r['name']}"] = r["value"]
+        if not values and errors:
+            values["cases_failed"] = len(errors)  # the run itself worked; the cases say why not
+        return values
+    return parse
+
+
+def runners_python(cfg):
+    progress("[python] checking that /usr/bin/python3 imports torchpar ...", end="")
+    d, why = python_package_check(cfg)
+    progress(f" {why or 'yes, from ' + str(d or 'its own path')}")
+    if why:  # not ours: a build without the Python package is not a failed benchmark
+        return [Runner(PY_IMPLS["torchpar"], False, [PY], lambda out: {}, 0, skip=why)]
+    timeout = cfg.pick(240, 600)
+    runners = []
+    for group, cases, impls in PY_GROUPS:
+        for impl in impls:
+            cmd = [PY, PEERS / "python_mp.py", "--impl", impl, "--case", ",".join(cases),
+                   "--timeout", timeout - 30] + (["--pythonpath", d] if d else [])
+            for key, sizes in PY_SIZES.items():
+                cmd += [f"--{key.replace('_', '-')}", cfg.pick(*sizes)]
+            name = py_runner_name(impl, group)
+            runners.append(Runner(name, impl == "torchpar", cmd, parse_python_mp(name), timeout))
+    return runners
+
+
+def python_cell(runs, impl, case, measure):
+    """(value or None, text for the table) of one implementation's measure."""
+    group = next(g for g, cases, _ in PY_GROUPS if case in cases)
+    name = py_runner_name(impl, group)
+    rec = runs.get(name)
+    if rec is None:
+        return None, "-"
+    v = rec["median"].get(f"{case}/{measure}")
+    if v is not None:
+        return v, fmt(v)
+    err = PY_CASE_ERRORS.get(name, {}).get(case) or rec["error"]
+    return None, f"not available: {err}" if err else "n/a"
+
+
+def report_python(runs, limits, cfg):
+    skipped = runs.get(PY_IMPLS["torchpar"])
+    if skipped and skipped["error"] and skipped["error"].startswith(PY_NOT_BUILT):
+        return f"{skipped['error']}: nothing measured.", {"error": skipped["error"]}
+    md, summary, trows = [], {}, []
+    for case, title, rows in PY_CASES:
+        trs = []
+        for measure, label, unit, higher, peer, target in rows:
+            (mine, mine_t), *peers = [python_cell(runs, i, case, measure) for i in PY_IMPLS]
+            ratio = advantage(mine, python_cell(runs, peer, case, measure)[0], higher)
+            met = verdict(ratio, target, True)
+            trs.append((label, unit, mine_t, *(t for _, t in peers),
+                        fmt_x(ratio) + f" vs {PY_IMPLS[peer]}" if ratio else "n/a",
+                        "-" if target is None else f"≥ {target}x", met))
+            summary[f"{case}/{measure}"] = dict(
+                {PY_IMPLS[i]: python_cell(runs, i, case, measure)[0] for i in PY_IMPLS},
+                unit=unit, ratio=ratio, vs=PY_IMPLS[peer], target=target,
+                met=None if target is None or ratio is None else ratio >= target)
+            if target is not None:
+                trows.append((f"{title}: {label}, torchpar ≥ {target}x {PY_IMPLS[peer]}",
+                              fmt_x(ratio), met))
+        md.append(f"### {title} ({case})\n\n" + table(
+            ["measure", "unit", *PY_IMPLS.values(), "torchpar vs peer", "target", "met"], trs,
+            left=2))
+    errors = {f"{n}/{c}": e for n, errs in PY_CASE_ERRORS.items() for c, e in errs.items()}
+    if errors:
+        summary["case_errors"] = errors
+    n = {key: cfg.pick(*sizes) for key, sizes in PY_SIZES.items()}
+    md.append(
+        "Method: bench/peers/python_mp.py from /usr/bin/python3, one process per implementation, "
+        "case group and round (interleaved: torchpar, then each peer), fork start method, "
+        "torch.set_num_threads(1), 2 processes (a parent and one child, or a pool of 2 workers; "
+        f"the DataLoader 4 workers on {len(os.sched_getaffinity(0))} cores). Queues: "
+        f"{n['trips']:,} timed round trips of one torch.ones(1024) echoed back (after 50 "
+        f"untimed), {n['messages']:,} fresh 4 KiB tensors one way (messages/s until the "
+        f"child's reply to an end marker), {n['dict_trips']:,} round trips of a fresh dict of "
+        "16 torch.full((64,), k) (made outside the timed region); medians of the trips. Pools: "
+        f"map of {n['tasks']:,} tasks of f(x) = x + 1 with chunksize 1 after an "
+        f"untimed map of 1,000; {n['trips']:,} apply_async(f, (i,)).get() after 100 "
+        "untimed (median). torchpar's Pool sends consecutive tasks of a map as one message (its "
+        "batch sizes are at least chunksize), Python's one message per chunk. DataLoader: "
+        f"{n['samples']:,} samples (torch.full((3, 32, 32), ...), label), batch_size "
+        "64, shuffle off; torchpar passes multiprocessing_context=torchpar.multiprocessing."
+        "get_context('fork'), torch the default context (sharing strategy file_descriptor); "
+        "samples/s from the first batch to the end (worker start-up outside); fds: "
+        "len(os.listdir('/proc/self/fd')) of the main process after the last batch (still "
+        "held, the workers gone) and the most seen between batches. multiprocessing (no torch "
+        "imported) runs only the pools: with torch imported its queues carry tensors through "
+        "torch's reducers, which is torch.multiprocessing's row. Ratios: how many times better "
+        "torchpar is (> 1: better). The DataLoader rows carry the issue's 2x target twice: "
+        "default collate (one 64x3x32x32 tensor a batch) and batches as lists of 64 tensors."
+        + (" --quick: one round of small sizes, a smoke check." if cfg.quick else ""))
+    md.append("### Targets (issue 39)\n\n" + table(["target", "measured", "met"], trows)
+              + "\n\n![python](python.png)")
+    return "\n\n".join(md), summary
+
+
+def plot_python(runs, out):
+    if not any(py_runner_name("torchpar", g) in runs for g, _, _ in PY_GROUPS):
+        return
+    short = {"torchpar": "torchpar", "torch": "torch.mp", "mp": "mp"}
+    panels = []
+    for case, title, rows in PY_CASES:
+        for measure, label, unit, higher, peer, target in rows:
+            if target is None:
+                continue
+            impls = [i for g, cases, im in PY_GROUPS if case in cases for i in im]
+            panels.append((f"{case} ({unit})",
+                           [(short[i], python_cell(runs, i, case, measure)[0]) for i in impls],
+                           None, higher))
+    bar_grid(out / "python.png", "torchpar.multiprocessing vs torch.multiprocessing (torch.mp) and "
+             "multiprocessing (mp)", panels, cols=4)
+
+
+# ----------------------------------------------------------------------------------------------
 # Plots, machine facts, report
 
 
@@ -1753,7 +1959,8 @@ def draw_plots(cfg, results):
                 "collectives": lambda r: plot_collectives(r, cfg.out, cfg),
                 "scale-out": lambda r: plot_scaleout(r, cfg.out, cfg),
                 "train": lambda r: plot_train(r, cfg.out),
-                "inference": lambda r: plot_inference(r, cfg.out)}
+                "inference": lambda r: plot_inference(r, cfg.out),
+                "python": lambda r: plot_python(r, cfg.out)}
     for bench, runs in results.items():
         if bench in plotters:
             try:
@@ -1804,7 +2011,7 @@ def machine_facts(cfg):
 TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "Process pools",
           "manager": "Manager", "rpc": "RPC", "pserver": "Parameter server",
           "collectives": "Collectives", "scale-out": "Scale-out: two hosts", "train": "Training",
-          "inference": "Tensor-parallel inference"}
+          "inference": "Tensor-parallel inference", "python": "Python package"}
 
 
 def write_report(cfg, path, meta, sections, notes):
@@ -1850,11 +2057,12 @@ def update_latest(out):
 
 RUNNERS = {"limits": runners_limits, "handoff": runners_handoff, "pools": runners_pools,
            "manager": runners_manager, "rpc": runners_rpc, "pserver": runners_pserver,
-           "collectives": runners_collectives, "train": runners_train, "inference": runners_inference}
+           "collectives": runners_collectives, "train": runners_train,
+           "inference": runners_inference, "python": runners_python}
 REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_pools,
            "manager": report_manager, "rpc": report_rpc, "pserver": report_pserver,
            "collectives": report_collectives, "scale-out": report_scaleout, "train": report_train,
-           "inference": report_inference}
+           "inference": report_inference, "python": report_python}
 
 
 def main():
