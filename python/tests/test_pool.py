@@ -19,6 +19,8 @@ import torch
 import torchpar
 import torchpar.multiprocessing as tmp
 
+import tp_helpers
+
 #: Seconds any single wait of a test may take before the test counts it as hung.
 WAIT_S = 30.0
 
@@ -89,14 +91,22 @@ def read_init(_=None):
     return _started
 
 
+def track(p):
+    """Records the pool's workers as children of the test run (test_zz_leaks.py checks that
+    none is left and that no /dev/shm name of theirs outlives them); returns `p`."""
+    tp_helpers.CHILD_PIDS.update(w.pid for w in p._pool)
+    return p
+
+
 @pytest.fixture(scope="module", params=["fork", "spawn"])
 def pool(request):
     """A 2-worker pool of each start method, shared by the tests that do not break it."""
     p = tmp.get_context(request.param).Pool(2)
-    p.apply(square, (1,), )   # workers up (spawn imports torch)
+    p.apply(square, (1,))   # workers up (spawn imports torch)
     yield p
     p.close()
     p.join()
+    track(p)   # after they exited: the per-test guard fails a test that leaves one running
     assert not any(w.is_alive() for w in p._pool)
 
 
@@ -216,12 +226,12 @@ def test_arguments_checked(ctx):
 
 
 def test_initializer(ctx):
-    with ctx.Pool(2, initializer=init_set, initargs=("hello",)) as p:
+    with track(ctx.Pool(2, initializer=init_set, initargs=("hello",))) as p:
         assert p.map(read_init, range(4)) == ["hello"] * 4
 
 
 def test_module_level_pool():
-    with tmp.Pool(1) as p:
+    with track(tmp.Pool(1)) as p:
         assert p.apply(square, (5,)) == 25
     assert isinstance(p, tmp.pool.Pool)
 
@@ -237,7 +247,7 @@ def assert_gone(procs):
 
 
 def test_close_join(ctx):
-    p = ctx.Pool(2)
+    p = track(ctx.Pool(2))
     r = p.map_async(square, range(100))
     procs = p._pool
     p.close()
@@ -249,7 +259,7 @@ def test_close_join(ctx):
 
 
 def test_join_while_running_is_value_error(ctx):
-    p = ctx.Pool(1)
+    p = track(ctx.Pool(1))
     with pytest.raises(ValueError):
         p.join()
     p.terminate()
@@ -258,7 +268,7 @@ def test_join_while_running_is_value_error(ctx):
 
 def test_terminate_with_tasks_in_flight(ctx):
     q = ctx.SimpleQueue()
-    p = ctx.Pool(2, initializer=init_announce, initargs=(q,))
+    p = track(ctx.Pool(2, initializer=init_announce, initargs=(q,)))
     procs = p._pool
     r = p.map_async(announce_and_block, range(10), chunksize=1)
     q.get()   # a task is running
@@ -272,7 +282,7 @@ def test_terminate_with_tasks_in_flight(ctx):
 
 
 def test_context_manager_terminates(ctx):
-    with ctx.Pool(2) as p:
+    with track(ctx.Pool(2)) as p:
         procs = p._pool
         assert p.apply(square, (2,)) == 4
     assert_gone(procs)
@@ -285,7 +295,7 @@ def test_maxtasksperchild(method):
     # forkserver rather than spawn: a spawned replacement imports torch (seconds each on a
     # loaded machine); forkserver's children come from a server that preloaded it.
     ctx = tmp.get_context(method)
-    p = ctx.Pool(2, maxtasksperchild=2)
+    p = track(ctx.Pool(2, maxtasksperchild=2))
     first = {w.pid for w in p._pool}
     pids = [p.apply(getpid) for _ in range(5)]
     assert all(pids.count(x) <= 2 for x in pids)
@@ -300,7 +310,7 @@ def test_maxtasksperchild(method):
 
 def test_sigkill_fails_the_task_and_pool_goes_on(ctx):
     q = ctx.SimpleQueue()
-    p = ctx.Pool(2, initializer=init_announce, initargs=(q,))
+    p = track(ctx.Pool(2, initializer=init_announce, initargs=(q,)))
     try:
         assert p.apply(square, (3,)) == 9
         before = {w.pid for w in p._pool}
@@ -326,7 +336,7 @@ def test_sigkill_fails_the_task_and_pool_goes_on(ctx):
 
 def test_sigkill_in_a_map_fails_only_that_task(ctx):
     q = ctx.SimpleQueue()
-    p = ctx.Pool(2, initializer=init_announce, initargs=(q,))
+    p = track(ctx.Pool(2, initializer=init_announce, initargs=(q,)))
     try:
         # Each task announces itself; task 5 blocks until killed. imap shows per-task
         # outcomes: only item 5 fails, the others (before, with or after it) complete.
@@ -358,7 +368,7 @@ def announce_and_block_on_5(x):
 
 
 def test_worker_exit_fails_with_exit_code(ctx):
-    with ctx.Pool(1) as p:
+    with track(ctx.Pool(1)) as p:
         with pytest.raises(torchpar.WorkerLostError, match="exit code 7"):
             p.apply(exit_with, (7,))
         assert p.apply(square, (6,)) == 36
