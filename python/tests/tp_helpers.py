@@ -139,11 +139,6 @@ def unlink_shm(names):
             pass
 
 
-def fd_count():
-    """Open file descriptors of this process."""
-    return len(os.listdir("/proc/self/fd"))
-
-
 # ---------------------------------------------------------------------------------------
 # Child bodies. Each sets the sharing strategy it is given (the start method may not carry
 # the parent's over) and reports failures by exit code or through its queue.
