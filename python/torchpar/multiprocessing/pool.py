@@ -708,7 +708,11 @@ class _State:
             ran = True
             if deferred:
                 with self.rcond:
-                    self.deferred.extend(deferred)
+                    if not self.handler_done:
+                        self.deferred.extend(deferred)
+                        deferred = []
+                for job in deferred:   # no handler any more: here
+                    job._complete()
         if ran:
             with self.rcond:
                 if self.sleeping:
@@ -889,7 +893,10 @@ class _State:
         finally:
             with self.rcond:
                 self.handler_done = True
+                deferred, self.deferred = self.deferred, []
                 self.rcond.notify_all()
+            for job in deferred:
+                job._complete()
 
     def _check_workers(self):
         """Replaces dead workers, stops idle ones after close(); True when the thread ends."""
