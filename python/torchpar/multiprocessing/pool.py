@@ -421,7 +421,7 @@ class _MapSource:
         except TypeError:
             self.remaining = None
         self.chunksize = chunksize
-        self.index = start
+        self.index = self.first = start
         self.grow = 1
         self.done = False
         self.sets_length = True   # False for tasks sent back after a worker died
@@ -443,9 +443,13 @@ class _MapSource:
             for item in itertools.islice(self.it, limit):
                 items.append(item)
         except Exception as e:
+            # As Python's pool: the chunk (of chunksize items) the error came in fails, at
+            # its first position, and the job ends there.
+            pos = start + len(items)
+            pos -= (pos - self.first) % self.chunksize
             self.done = True
-            self.index = start + len(items) + 1
-            return None, e, items, (self.job, start)
+            self.index = max(pos, start) + 1
+            return None, e, items[:max(0, pos - start)], (self.job, start)
         self.index = start + len(items)
         if self.remaining is not None:
             self.remaining -= len(items)
@@ -905,22 +909,8 @@ class _State:
                 return True
             sentinels = {w.process.sentinel: w for w in self.workers if not w.stopped}
         dead = _mpconn.wait(list(sentinels), 0) if sentinels else []
-        if dead:
-            # Their last results are on the queue already (put returns once written): read
-            # them all first, holding the reader role so no waiter reads one meanwhile.
-            while not self._acquire_reader("handler", False, _CHECK_SECONDS):
-                pass
-            try:
-                while self._read_one(0) is not None:
-                    pass
-                with self.lock:
-                    if self.state == _TERMINATE:
-                        return True
-                    for s in dead:
-                        self._on_exit(sentinels[s])
-            finally:
-                self._release_reader()
-            self._run_completed()
+        if dead and self._reap(dead, sentinels):
+            return True
         with self.lock:
             if self.state == _CLOSE and not self.pending and not self.batches:
                 for w in self.workers:
@@ -932,8 +922,37 @@ class _State:
                 return True
         return False
 
+    def _reap(self, dead, sentinels):
+        """Handles the exit of the workers whose sentinels are `dead`; True when the pool
+        was terminated meanwhile."""
+        # Their last results are on the queue already (put returns once written): read them
+        # all first, holding the reader role so no waiter reads one meanwhile.
+        while not self._acquire_reader("handler", False, _CHECK_SECONDS):
+            pass
+        try:
+            while self._read_one(0) is not None:
+                pass
+            with self.lock:
+                if self.state == _TERMINATE:
+                    return True
+                for s in dead:
+                    if self.workers[sentinels[s].index] is sentinels[s]:
+                        self._on_exit(sentinels[s])
+        finally:
+            self._release_reader()
+        self._run_completed()
+        return False
+
     def wake(self):
         self.results._q.put(b"", [], None)
+
+    def repopulate(self):
+        """Replaces the workers that have exited, now (Python's Pool._repopulate_pool)."""
+        with self.lock:
+            sentinels = {w.process.sentinel: w for w in self.workers if not w.stopped}
+        dead = _mpconn.wait(list(sentinels), 0) if sentinels else []
+        if dead:
+            self._reap(dead, sentinels)
 
     def terminate_workers(self):
         with self.lock:
@@ -1007,6 +1026,13 @@ class Pool:
     @property
     def _state(self):
         return self._s.state
+
+    @_state.setter
+    def _state(self, value):
+        self._s.state = value
+
+    def _repopulate_pool(self):
+        self._s.repopulate()
 
     def __reduce__(self):
         raise NotImplementedError(
@@ -1120,7 +1146,8 @@ class Pool:
     def __del__(self, _warn=warnings.warn):
         s = getattr(self, "_s", None)
         if s is not None and s.state == _RUN:
-            _warn(f"unclosed running torchpar pool {self!r}", ResourceWarning, source=self)
+            _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning,
+                  source=self)
 
 
 def _shutdown(state, handler):
