@@ -43,6 +43,12 @@ Design.
     replace dead workers. The result queue is not a file descriptor, so the handler polls the
     sentinels between slices instead of selecting on them; close() and terminate() wake it
     with a message on the result queue itself.
+  - A get() or wait() on an AsyncResult reads the result queue itself while it waits (one
+    reader at a time; the handler stands back while get() calls wait and for 5 ms after the
+    last one), so apply().get() costs two process hops and no thread hop. What such a reader
+    completes for other results runs their callbacks in the handler thread, as Python's.
+  - Plain pickles (no tensor, storage or numpy array inside) skip reductions.dumps's
+    persistent_id pass; anything with tensors goes through it (shared memory, as queues).
 
 Thread safety: every method may be called from any thread of the process that made the pool;
 the pool cannot be passed to another process (as Python's).
