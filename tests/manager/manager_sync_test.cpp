@@ -302,18 +302,32 @@ TEST(ManagerCondition, NotifyWakesAsManyWaitersAsAsked) {
   std::vector<std::thread> waiters;
   for (int i = 0; i < kWaiters; ++i) {
     waiters.emplace_back([&] {
-      const bool acquired = cond.acquire(true, 30s);
-      EXPECT_TRUE(acquired);
-      inside.count_down();  // with the lock held: it is released only by the wait below
-      if (!acquired) return;
-      const bool got = cond.wait(30s);
-      cond.release();
-      std::lock_guard<std::mutex> g(mu);
-      ++woke;
-      notified += got ? 1 : 0;
-      woke_cv.notify_all();
+      bool counted = false;
+      try {  // an error fails the test (not std::terminate) and says what it was
+        const bool acquired = cond.acquire(true, 30s);
+        EXPECT_TRUE(acquired);
+        inside.count_down();  // with the lock held: it is released only by the wait below
+        counted = true;
+        if (!acquired) return;
+        const bool got = cond.wait(30s);
+        cond.release();
+        std::lock_guard<std::mutex> g(mu);
+        ++woke;
+        notified += got ? 1 : 0;
+        woke_cv.notify_all();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "a waiter raised: " << e.what();
+        if (!counted) inside.count_down();
+      }
     });
   }
+  struct JoinAll {  // an ASSERT's early return joins the waiters (never std::terminate)
+    std::vector<std::thread>& threads;
+    ~JoinAll() {
+      for (auto& t : threads)
+        if (t.joinable()) t.join();
+    }
+  } join_all{waiters};
   inside.wait();
   ASSERT_TRUE(cond.acquire(true, 30s));  // every waiter is in wait() now
   cond.notify(2);

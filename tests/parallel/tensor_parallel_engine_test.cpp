@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <string>
 #include <thread>
@@ -54,12 +55,12 @@ bool has(const std::string& s, const std::string& part) {
 
 bool pid_gone(int pid) { return ::kill(pid, 0) != 0 && errno == ESRCH; }
 
-/// Children of this process now (from /proc/<pid>/stat's ppid field).
+/// Descendants of this process now: its children, theirs (a forkserver's workers), ... (from
+/// /proc/<pid>/stat's ppid field).
 std::set<int> children() {
-  std::set<int> out;
-  const int self = ::getpid();
+  std::map<int, std::vector<int>> kids;
   DIR* proc = ::opendir("/proc");
-  if (proc == nullptr) return out;
+  if (proc == nullptr) return {};
   while (const dirent* e = ::readdir(proc)) {
     const std::string name = e->d_name;
     if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
@@ -70,12 +71,22 @@ std::set<int> children() {
     if (close == std::string::npos) continue;
     char state = 0;
     int ppid = 0;
-    if (std::sscanf(line.c_str() + close + 1, " %c %d", &state, &ppid) == 2 && ppid == self)
-      out.insert(std::stoi(name));
+    if (std::sscanf(line.c_str() + close + 1, " %c %d", &state, &ppid) == 2)
+      kids[ppid].push_back(std::stoi(name));
   }
   ::closedir(proc);
+  std::set<int> out;
+  std::vector<int> todo{::getpid()};
+  while (!todo.empty()) {
+    const int pid = todo.back();
+    todo.pop_back();
+    for (int kid : kids[pid])
+      if (out.insert(kid).second) todo.push_back(kid);
+  }
   return out;
 }
+
+void noop() {}
 
 /// ids [batch, tokens] in [0, vocab), from a seed.
 at::Tensor random_ids(int64_t batch, int64_t tokens, uint64_t seed) {
@@ -628,6 +639,11 @@ TEST(TensorParallelFaults, AWorkerKilledWhileIdleFailsTheNextCall) {
 }
 
 TEST(TensorParallelFaults, AWorkerThatCannotStartFailsTheConstructor) {
+  // The forkserver (started on first use, it lives as long as this process) is no worker: it
+  // runs before `before` is taken, also when this case runs alone.
+  tp::Process warm(tp::ProcessOptions{.start_method = tp::StartMethod::kForkserver}, noop);
+  warm.start();
+  ASSERT_TRUE(warm.join(kTimeout));
   const auto before = children();
   auto config = kConfig;
   config.n_layer = 3;  // the file has 2 blocks: h.2.* is missing
@@ -641,7 +657,12 @@ TEST(TensorParallelFaults, AWorkerThatCannotStartFailsTheConstructor) {
   EXPECT_THROW(tp::TensorParallel(tp::TensorParallelModelName{.name = "no such model"}),
                tp::ValueError);
   const auto after = children();
-  for (int pid : after) EXPECT_TRUE(before.contains(pid)) << "a worker is left: pid " << pid;
+  for (int pid : after) {
+    std::ifstream comm("/proc/" + std::to_string(pid) + "/cmdline");
+    std::string name;
+    std::getline(comm, name, '\0');
+    EXPECT_TRUE(before.contains(pid)) << "a worker is left: pid " << pid << " (" << name << ")";
+  }
 }
 
 // ---- lifetime -----------------------------------------------------------------------------------
