@@ -21,7 +21,7 @@ build() {  # build <dir> <sanitizers> [targets...] (none: everything)
   local dir=$1 sanitizers=$2
   shift 2
   cmake -S "$src" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCHPAR_SANITIZE="$sanitizers" \
-        -DTORCHPAR_BUILD_BENCH=OFF > "$dir.configure.log" 2>&1 || { cat "$dir.configure.log"; exit 1; }
+        -DTORCHPAR_BUILD_BENCH=OFF -DTORCHPAR_BUILD_PYTHON=OFF > "$dir.configure.log" 2>&1 || { cat "$dir.configure.log"; exit 1; }
   cmake --build "$dir" -j "$jobs" ${1:+--target "$@"}
 }
 
@@ -29,7 +29,7 @@ if [[ $which == all || $which == asan || $which == asan-fast ]]; then
   if [[ $which == asan-fast ]]; then
     # CI's run (.ci/run): only the library and the programs of the `fast` set are built.
     cmake -S "$src" -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-          -DTORCHPAR_SANITIZE=address,undefined -DTORCHPAR_BUILD_BENCH=OFF \
+          -DTORCHPAR_SANITIZE=address,undefined -DTORCHPAR_BUILD_BENCH=OFF -DTORCHPAR_BUILD_PYTHON=OFF \
           > build-asan.configure.log 2>&1 || { cat build-asan.configure.log; exit 1; }
     cmake --build build-asan -j "$jobs" --target fast_tests  # tests/CMakeLists.txt
   else
