@@ -100,16 +100,21 @@ void ManagerClient::break_with(std::string why) {
 uint64_t ManagerClient::caller_id() {
   static std::atomic<uint64_t> next_thread{1};
   thread_local const uint64_t thread_ordinal = next_thread++;
-  // The process part changes in a fork child (its one thread keeps the parent's ordinal).
-  static std::atomic<pid_t> seeded_pid{0};
-  static std::atomic<uint64_t> process_part{0};
-  const pid_t pid = ::getpid();
-  if (seeded_pid.load(std::memory_order_acquire) != pid) {
+  // The process part: one random draw per program image mixed with the pid, so a fork child
+  // (whose one thread keeps the parent's ordinal) gets its own. It is computed from values
+  // that never change within a process: every thread sees the same one from its first call.
+  // (It was re-seeded by whichever thread first saw a new pid: threads making their first
+  // calls at once could re-seed it between another thread's acquire and its wait, which the
+  // server then refused as "cannot wait on un-acquired lock".)
+  static const uint64_t seed = [] {
     std::random_device rd;
-    process_part.store((uint64_t{rd()} << 32 ^ rd()) << 20, std::memory_order_relaxed);
-    seeded_pid.store(pid, std::memory_order_release);
-  }
-  return process_part.load(std::memory_order_relaxed) + thread_ordinal;
+    return uint64_t{rd()} << 32 ^ rd();
+  }();
+  uint64_t x = seed ^ static_cast<uint64_t>(::getpid());  // splitmix64's finalizer
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return (x << 20) + thread_ordinal;
 }
 
 void ManagerClient::attach_channel(CallConnection& c) {

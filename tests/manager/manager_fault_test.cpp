@@ -36,6 +36,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <latch>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -43,6 +44,7 @@
 #include <thread>
 #include <vector>
 
+#include "manager/client.h"
 #include "manager/protocol.h"
 #include "manager/server.h"
 #include "support/child.h"
@@ -578,5 +580,31 @@ TEST(ManagerFlood, AControlRequestPastItsTimeoutKeepsTheConnectionAndItsReferenc
 }
 
 }  // namespace
+
+// The caller id that makes a client thread the owner of an RLock or Condition on the server:
+// threads making their first calls at once in a new process (a fork child) each keep one id.
+// (The process part was re-seeded by whichever thread first saw the new pid, so a thread's id
+// could change between its acquire and its wait: "cannot wait on un-acquired lock".)
+TEST(ManagerCallerId, StableWhenAProcessesThreadsStartAtOnce) {
+  for (int round = 0; round < 20; ++round) {
+    tp::testing::Child c = tp::testing::fork_child([](int) {
+      constexpr int kThreads = 8;
+      std::latch go(kThreads);
+      std::atomic<int> changed{0};
+      std::vector<std::thread> threads;
+      for (int i = 0; i < kThreads; ++i) {
+        threads.emplace_back([&] {
+          go.arrive_and_wait();
+          const uint64_t first = tp::detail::ManagerClient::caller_id();
+          for (int k = 0; k < 1000; ++k)
+            if (tp::detail::ManagerClient::caller_id() != first) ++changed;
+        });
+      }
+      for (auto& t : threads) t.join();
+      return changed.load() == 0 ? 0 : 1;
+    });
+    ASSERT_EQ(tp::testing::wait_child(c), 0) << "a thread's caller id changed, round " << round;
+  }
+}
 
 int main(int argc, char** argv) { return tp::testing::manager_test_main(argc, argv); }
