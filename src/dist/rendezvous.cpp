@@ -20,6 +20,7 @@
 #include "core/liveness.h"
 #include "core/message_of.h"
 #include "core/signals.h"
+#include "dist/create_group.h"
 #include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
@@ -54,35 +55,6 @@ int env_int(const char* name, int fallback, bool required, const char* what) {
     return fallback;
   }
   return *v;
-}
-
-bool is_loopback(const std::string& addr) {
-  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
-}
-
-/// The local address that routes to addr:port (a UDP connect sends nothing).
-std::string local_address_towards(const std::string& addr, int port) {
-  if (is_loopback(addr)) return "127.0.0.1";
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* res = nullptr;
-  if (::getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res) {
-    return "";
-  }
-  std::string out;
-  UniqueFd fd(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-  if (fd && ::connect(fd.get(), res->ai_addr, res->ai_addrlen) == 0) {
-    sockaddr_in me{};
-    socklen_t len = sizeof(me);
-    if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&me), &len) == 0) {
-      char buf[INET_ADDRSTRLEN] = {0};
-      ::inet_ntop(AF_INET, &me.sin_addr, buf, sizeof(buf));
-      out = buf;
-    }
-  }
-  ::freeaddrinfo(res);
-  return out;
 }
 
 }  // namespace
@@ -176,13 +148,7 @@ void Rendezvous::connect() {
   } else {
     connect_our_store();
   }
-  if (auto ifname = env_text("GLOO_SOCKET_IFNAME")) {
-    device.interface = *ifname;
-  } else if (auto a = env_text("TORCHPAR_GLOO_ADDR")) {
-    device.address = *a;
-  } else {
-    device.address = local_address_towards(master_addr, master_port);
-  }
+  device = gloo_device_for(store, master_addr, master_port);
 }
 
 /// c10d's TCPStore, as Python ranks expect it (unauthenticated; listens on every

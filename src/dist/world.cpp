@@ -17,8 +17,7 @@
 
 #include "core/deadline.h"
 #include "dist/backend/gloo/backend.h"
-#include "dist/backend/hierarchical/backend.h"
-#include "dist/backend/shm/backend.h"
+#include "dist/create_group.h"
 #include "dist/rendezvous.h"
 #include "dist/store.h"
 #include "rpc/create.h"
@@ -75,65 +74,18 @@ struct World::Impl {
     const int rel = static_cast<int>(it - ranks.begin());
     const int n = created[ranks]++;
     const std::string key = fmt::format("torchpar/group/{}/{}/", join(ranks), n);
-    auto gstore = c10::make_intrusive<c10d::PrefixStore>(key, rdv.store);
-    const Seconds t = timeout.value_or(rdv.opts.timeout);
-
     std::vector<detail::MemberInfo> info;
     for (int r : ranks) info.push_back(rdv.members[static_cast<size_t>(r)]);
-    // Which backend: every member publishes its host; shm only when all are on one host,
-    // hierarchical when they span hosts and some host holds more than one of them.
-    if (backend != Backend::kGloo) {
-      gstore->set(fmt::format("host/{}", rel), detail::store_bytes(rdv.host));
-      std::vector<std::string> host_keys;
-      for (size_t q = 0; q < ranks.size(); ++q) host_keys.push_back(fmt::format("host/{}", q));
-      const int missing =
-          detail::store_wait_keys(*gstore, host_keys, detail::Deadline::after(t).at());
-      if (missing >= 0) {
-        throw TimeoutError(fmt::format(
-            "World::create_collective_group: rank {} did not join group [{}] within {:.1f} s",
-            ranks[static_cast<size_t>(missing)], join(ranks), t.count()));
-      }
-      bool one_host = true;
-      for (size_t q = 0; q < host_keys.size(); ++q) {
-        info[q].host = detail::store_string(gstore->get(host_keys[q]));
-        if (info[q].host != rdv.host) one_host = false;
-      }
-      if (!one_host && backend == Backend::kShm) {
-        throw Error(
-            fmt::format("World::create_collective_group: backend shm needs every rank "
-                        "of [{}] on one host; use hierarchical, gloo or auto",
-                        join(ranks)));
-      }
-      if (backend == Backend::kAuto) {
-        const size_t hosts = detail::hosts_of(info).size();
-        backend = one_host               ? Backend::kShm
-                  : hosts < ranks.size() ? Backend::kHierarchical
-                                         : Backend::kGloo;
-      }
-    }
-    const std::string gname = fmt::format("group [{}] #{} (rank {} of {}, {})", join(ranks), n, rel,
-                                          ranks.size(), to_string(backend));
-    // The group in Gloo's terms; the flat Gloo group (every backend's send/recv) meets
-    // under "gloo" in the group's store.
-    const detail::GroupSpec spec{
-        .store = gstore, .rank = rel, .world_ranks = ranks, .timeout = t, .name = gname};
-    const detail::GlooBackendOptions group{
-        .group = spec, .device = rdv.device, .members = info, .my_host = rdv.host};
-    detail::GlooBackendOptions flat = group;
-    flat.group.store = c10::make_intrusive<c10d::PrefixStore>("gloo", gstore);
-    auto gloo = detail::create_gloo_backend(flat);
-    std::shared_ptr<detail::GroupBackend> made;
-    if (backend == Backend::kGloo) {
-      made = gloo;
-    } else if (backend == Backend::kHierarchical) {
-      made = detail::create_hierarchical_backend({.gloo = group, .flat = gloo});
-    } else {
-      detail::GroupSpec shm = spec;
-      shm.store = c10::make_intrusive<c10d::PrefixStore>("shm", gstore);
-      made = detail::create_shm_backend({.group = shm, .p2p = gloo});
-    }
-    made->set_lost_ranks(rdv.lost);
-    return CollectiveGroup(std::move(made));
+    return detail::create_collective_group(
+        {.store = c10::make_intrusive<c10d::PrefixStore>(key, rdv.store),
+         .rank = rel,
+         .world_ranks = ranks,
+         .timeout = timeout.value_or(rdv.opts.timeout),
+         .backend = backend,
+         .label = fmt::format("group [{}] #{}", join(ranks), n),
+         .device = rdv.device,
+         .members = std::move(info),
+         .lost = rdv.lost});
   }
 
   CollectiveGroup& get_default_group() {
