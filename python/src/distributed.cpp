@@ -1,0 +1,739 @@
+// torchpar._distributed: the c10d process group "torchpar" (torchpar/distributed/__init__.py
+// registers it with torch.distributed). It runs torch.distributed's collectives on torchpar's
+// CollectiveGroup: shared memory among the ranks of one host, hierarchical (shm inside each
+// host, Gloo between host leaders) across hosts, as Backend::kAuto decides. The group meets
+// on the PrefixStore torch.distributed hands the creator (detail::create_collective_group).
+//
+// Thread model: c10d's Python bindings call the ops below with the GIL released. Every
+// collective is queued to the process group's one worker thread, which runs it as a
+// synchronous CollectiveGroup call (the group's contract: one thread at a time, calls in
+// issue order) and then completes the op's Work and its Future (callbacks such as DDP's
+// comm-hook continuations run there). The caller returns at once with the Work, as with
+// Gloo, so overlapping (`async_op=True`, DDP's buckets during backward) and point-to-point
+// posted before a collective both behave as they do on Gloo. send/recv go straight to the
+// group's point-to-point path (Gloo unbound buffers), which never waits for collectives.
+//
+// Kept to one translation unit: LibTorch's c10d headers are heavy.
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <Python.h>
+#include <fmt/format.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "dist/create_group.h"
+#include "torchpar/core/error.h"
+#include "torchpar/dist/collective_group.h"
+
+namespace py = pybind11;
+
+namespace torchpar::python {
+namespace {
+
+using Seconds = std::chrono::duration<double>;
+using Tensors = std::vector<at::Tensor>;
+
+constexpr const char* kName = "torchpar";
+
+/// A c10d per-call timeout (kUnsetTimeout: none given) as torchpar's (nullopt: the group's).
+Timeout call_timeout(std::chrono::milliseconds t) {
+  if (t <= std::chrono::milliseconds(0)) return std::nullopt;
+  return std::chrono::duration_cast<Seconds>(t);
+}
+
+/// The one tensor of a c10d tensor list (one per device; torchpar runs on one CPU device).
+const at::Tensor& single(const Tensors& tensors, const char* op) {
+  if (tensors.size() != 1) {
+    throw ValueError(
+        fmt::format("torchpar process group: {} takes exactly one tensor (one CPU device); got {}",
+                    op, tensors.size()));
+  }
+  return tensors[0];
+}
+
+/// torch.distributed's reduction as torchpar's; nullopt for the bitwise ones (BAND, BOR,
+/// BXOR), which fold_bitwise computes from gathered tensors.
+std::optional<ReduceOp> reduce_op_of(const c10d::ReduceOp& op, const at::Tensor& t,
+                                     const char* where) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return ReduceOp::kSum;
+    case c10d::ReduceOp::AVG:
+      return ReduceOp::kAvg;
+    case c10d::ReduceOp::PRODUCT:
+      return ReduceOp::kProduct;
+    case c10d::ReduceOp::MIN:
+      return ReduceOp::kMin;
+    case c10d::ReduceOp::MAX:
+      return ReduceOp::kMax;
+    case c10d::ReduceOp::BAND:
+    case c10d::ReduceOp::BOR:
+    case c10d::ReduceOp::BXOR:
+      if (!at::isIntegralType(t.scalar_type(), /*includeBool=*/true)) {
+        throw ValueError(fmt::format(
+            "torchpar process group: {} with a bitwise ReduceOp (BAND, BOR, BXOR) needs an "
+            "integer or bool tensor; got {}",
+            where, c10::toString(t.scalar_type())));
+      }
+      return std::nullopt;
+    default:
+      throw ValueError(fmt::format(
+          "torchpar process group: {} does not support ReduceOp {} (PREMUL_SUM is NCCL's); "
+          "use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR",
+          where, static_cast<int>(op.op_)));
+  }
+}
+
+/// out = op over `parts` (BAND, BOR or BXOR), element-wise.
+void fold_bitwise(const at::Tensor& out, const Tensors& parts, c10d::ReduceOp::RedOpType op) {
+  at::Tensor acc = parts.at(0).clone();
+  for (size_t i = 1; i < parts.size(); ++i) {
+    if (op == c10d::ReduceOp::BAND) {
+      acc.bitwise_and_(parts[i]);
+    } else if (op == c10d::ReduceOp::BOR) {
+      acc.bitwise_or_(parts[i]);
+    } else {
+      acc.bitwise_xor_(parts[i]);
+    }
+  }
+  out.copy_(acc.view(out.sizes()));
+}
+
+/// `n` tensors shaped like `t` (for gathering into).
+Tensors empties_like(const at::Tensor& t, int n) {
+  Tensors out;
+  for (int i = 0; i < n; ++i) out.push_back(at::empty_like(t, at::MemoryFormat::Contiguous));
+  return out;
+}
+
+/// `flat` (contiguous) cut into `n` equal contiguous views of `flat.numel() / n` elements.
+Tensors equal_parts(const at::Tensor& flat, int n, const char* op, const char* what) {
+  if (n <= 0 || flat.numel() % n != 0) {
+    throw ValueError(fmt::format(
+        "torchpar process group: {}: {} has {} elements, not a multiple of the group size {}", op,
+        what, flat.numel(), n));
+  }
+  return flat.reshape({-1}).split(flat.numel() / n);
+}
+
+/// Work of a collective: completed (with its outputs or an error) by the worker thread;
+/// its Future holds the outputs as a List[Tensor] (what DDP's reducer reads).
+class CollectiveWork final : public c10d::Work {
+ public:
+  CollectiveWork(int rank, c10d::OpType type, Tensors outputs, Seconds group_timeout)
+      : Work(rank, type),
+        outputs_(std::move(outputs)),
+        group_timeout_(group_timeout),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {}
+
+  /// Blocks until done; `timeout` 0 (kNoTimeout) waits as long as the operation may take
+  /// (it ends at the group's timeout on its own). Errors: the operation's; TimeoutError when
+  /// `timeout` passes first (the operation goes on).
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lk(mutex_);
+    if (timeout == kNoTimeout) {
+      cv_.wait(lk, [&] { return completed_; });
+    } else if (!cv_.wait_for(lk, timeout, [&] { return completed_; })) {
+      throw TimeoutError(
+          fmt::format("torchpar process group: {} not finished within {:.3f} s of Work.wait (the "
+                      "operation goes on; the group's own limit is {:.1f} s)",
+                      c10d::opTypeToString(opType_), std::chrono::duration<double>(timeout).count(),
+                      group_timeout_.count()));
+    }
+    if (exception_) std::rethrow_exception(exception_);
+    return true;
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  /// Called once, by the worker thread: marks the Work done, then completes the Future
+  /// (whose callbacks run here, on the worker).
+  void complete(std::exception_ptr error) {
+    finish(error);
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+ private:
+  Tensors outputs_;
+  Seconds group_timeout_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+/// Work of send / recv / recvAnysource: torchpar's point-to-point Work (Gloo's unbound
+/// buffers complete on their own threads). wait(kNoTimeout) waits at most the group's
+/// timeout, as Gloo's own send/recv do.
+class PointToPointWork final : public c10d::Work {
+ public:
+  PointToPointWork(int rank, c10d::OpType type, torchpar::Work work, Tensors tensors,
+                   Seconds group_timeout, std::string what)
+      : Work(rank, type),
+        work_(std::move(work)),
+        tensors_(std::move(tensors)),
+        group_timeout_(group_timeout),
+        what_(std::move(what)) {}
+
+  bool isCompleted() override { return work_.is_completed(); }
+  bool isSuccess() const override {
+    std::lock_guard<std::mutex> g(mutex_);
+    return !exception_;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    const Seconds limit =
+        timeout == kNoTimeout ? group_timeout_ : std::chrono::duration_cast<Seconds>(timeout);
+    int source = -1;
+    try {
+      source = work_.wait(limit);
+    } catch (const TimeoutError&) {
+      throw TimeoutError(fmt::format("torchpar process group: {} did not finish within {:.3f} s",
+                                     what_, limit.count()));
+    } catch (...) {
+      std::lock_guard<std::mutex> g(mutex_);
+      exception_ = std::current_exception();
+      completed_ = true;
+      throw;
+    }
+    std::lock_guard<std::mutex> g(mutex_);
+    source_ = source;
+    completed_ = true;
+    return true;
+  }
+
+  int sourceRank() const override {
+    std::lock_guard<std::mutex> g(mutex_);
+    return source_;
+  }
+  std::vector<at::Tensor> result() override { return tensors_; }
+
+ private:
+  torchpar::Work work_;
+  Tensors tensors_;
+  Seconds group_timeout_;
+  std::string what_;
+  int source_ = -1;
+};
+
+/// The process group's worker thread: runs queued calls one at a time, in order.
+/// Lifetime: stop() lets the queued calls finish and joins the thread (or detaches it when
+/// called from the thread itself, from a Future callback dropping the last reference).
+class Worker {
+ public:
+  ~Worker() { stop(); }
+
+  /// Errors: ClosedError after stop().
+  void submit(std::function<void()> fn) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (stopped_) throw ClosedError("torchpar process group: used after it was destroyed");
+    queue_.push_back(std::move(fn));
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    cv_.notify_one();
+  }
+
+  void stop() noexcept {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (stopped_) return;
+      stopped_ = true;
+    }
+    cv_.notify_all();
+    if (!thread_.joinable()) return;
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();
+    } else {
+      thread_.join();
+    }
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stopped_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      fn();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stopped_ = false;
+  std::thread thread_;
+};
+
+/// The c10d process group "torchpar" over a CollectiveGroup.
+///
+/// Ranks are the group's (c10d's group ranks); tensors are CPU, one per call; non-contiguous
+/// ones go through contiguous copies (CollectiveGroup). Dtypes: every real dtype, bool and
+/// bfloat16 on shm (gloo: float16/32/64, int8, uint8, int32, int64). Errors reach the Work
+/// (and its Future): RankLostError naming the rank that died, TimeoutError for a rank that
+/// stopped, within the group's timeout; after one, the group is broken (later calls raise).
+/// Argument errors (ValueError) raise at the call.
+/// Lifetime: the destructor lets queued work finish, then destroys the group (connections,
+/// shared memory).
+class ProcessGroupTorchpar final : public c10d::ProcessGroup {
+ public:
+  ProcessGroupTorchpar(CollectiveGroup group, Seconds timeout)
+      : ProcessGroup(group.rank(), group.size()),
+        state_(std::make_shared<State>(std::move(group))),
+        timeout_(timeout) {
+    init();
+  }
+
+  ~ProcessGroupTorchpar() override {
+    // Python drops the last reference with the GIL held; Future callbacks of queued work may
+    // need it.
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      shutdown();
+    } else {
+      shutdown();
+    }
+  }
+
+  const std::string getBackendName() const override { return kName; }
+  Backend collective_backend() const { return state_->group.backend(); }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(Tensors& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    const at::Tensor t = single(tensors, "broadcast");
+    const int root = static_cast<int>(opts.rootRank);
+    const CollectiveOptions o{.timeout = call_timeout(opts.timeout)};
+    return enqueue(c10d::OpType::BROADCAST, {t},
+                   [t, root, o](CollectiveGroup& g) { g.broadcast(t, root, o); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(Tensors& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    const at::Tensor t = single(tensors, "allreduce");
+    auto run = reducer(t, opts.reduceOp, call_timeout(opts.timeout), "allreduce");
+    return enqueue(c10d::OpType::ALLREDUCE, {t}, [t, run](CollectiveGroup& g) { run(g, t); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    if (tensors.empty())
+      throw ValueError("torchpar process group: allreduce_coalesced of no tensors");
+    const auto dtype = tensors[0].scalar_type();
+    for (const auto& t : tensors) {
+      if (t.scalar_type() != dtype) {
+        throw ValueError(fmt::format(
+            "torchpar process group: allreduce_coalesced needs one dtype; got {} and {}",
+            c10::toString(dtype), c10::toString(t.scalar_type())));
+      }
+    }
+    auto run =
+        reducer(tensors[0], opts.reduceOp, call_timeout(opts.timeout), "allreduce_coalesced");
+    Tensors ts = tensors;
+    return enqueue(c10d::OpType::ALLREDUCE_COALESCED, ts, [ts, run](CollectiveGroup& g) {
+      // One flat buffer: one collective for the lot.
+      Tensors flat;
+      for (const auto& t : ts) flat.push_back(t.reshape({-1}));
+      at::Tensor all = at::cat(flat);
+      run(g, all);
+      int64_t at_elem = 0;
+      for (const auto& t : ts) {
+        t.copy_(all.narrow(0, at_elem, t.numel()).view(t.sizes()));
+        at_elem += t.numel();
+      }
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(Tensors& tensors,
+                                        const c10d::ReduceOptions& opts) override {
+    const at::Tensor t = single(tensors, "reduce");
+    const int root = static_cast<int>(opts.rootRank);
+    const Timeout to = call_timeout(opts.timeout);
+    const auto op = reduce_op_of(opts.reduceOp, t, "reduce");
+    const int n = getSize();
+    const bool is_root = getRank() == root;
+    const auto bitwise = opts.reduceOp.op_;
+    return enqueue(c10d::OpType::REDUCE, {t}, [=](CollectiveGroup& g) {
+      if (op) {
+        g.reduce(t, root, {.op = *op, .timeout = to});
+        return;
+      }
+      Tensors parts = is_root ? empties_like(t, n) : Tensors{};
+      g.gather(t, parts, root, {.timeout = to});
+      if (is_root) fold_bitwise(t, parts, bitwise);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<Tensors>& outputs, Tensors& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    const at::Tensor t = single(inputs, "allgather");
+    if (outputs.size() != 1) {
+      throw ValueError("torchpar process group: allgather takes one output list (one device)");
+    }
+    const Tensors out = outputs[0];
+    const CollectiveOptions o{.timeout = call_timeout(opts.timeout)};
+    return enqueue(c10d::OpType::ALLGATHER, out,
+                   [t, out, o](CollectiveGroup& g) { g.all_gather(out, t, o); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    if (output.numel() != input.numel() * getSize() ||
+        output.scalar_type() != input.scalar_type()) {
+      throw ValueError(fmt::format(
+          "torchpar process group: all_gather_into_tensor: the output must hold group size "
+          "({}) x the input's {} elements of {}; got {} elements of {}",
+          getSize(), input.numel(), c10::toString(input.scalar_type()), output.numel(),
+          c10::toString(output.scalar_type())));
+    }
+    const at::Tensor out = output;
+    const at::Tensor in = input;
+    const int n = getSize();
+    const CollectiveOptions o{.timeout = call_timeout(opts.timeout)};
+    return enqueue(c10d::OpType::_ALLGATHER_BASE, {out}, [out, in, n, o](CollectiveGroup& g) {
+      const at::Tensor buf = out.is_contiguous() ? out : out.contiguous();
+      g.all_gather(equal_parts(buf, n, "all_gather_into_tensor", "the output"), in, o);
+      if (!buf.is_same(out)) out.copy_(buf);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<Tensors>& outputs, Tensors& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    const at::Tensor t = single(inputs, "gather");
+    const int root = static_cast<int>(opts.rootRank);
+    Tensors out;
+    if (getRank() == root) {
+      if (outputs.size() != 1) {
+        throw ValueError("torchpar process group: gather takes one output list on the root");
+      }
+      out = outputs[0];
+    } else if (!outputs.empty() && !outputs[0].empty()) {
+      throw ValueError("torchpar process group: gather: only the root passes a gather_list");
+    }
+    const CollectiveOptions o{.timeout = call_timeout(opts.timeout)};
+    return enqueue(c10d::OpType::GATHER, out,
+                   [t, out, root, o](CollectiveGroup& g) { g.gather(t, out, root, o); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(Tensors& outputs, std::vector<Tensors>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    const at::Tensor t = single(outputs, "scatter");
+    const int root = static_cast<int>(opts.rootRank);
+    Tensors in;
+    if (getRank() == root) {
+      if (inputs.size() != 1) {
+        throw ValueError("torchpar process group: scatter takes one input list on the root");
+      }
+      in = inputs[0];
+    } else if (!inputs.empty() && !inputs[0].empty()) {
+      throw ValueError("torchpar process group: scatter: only the root passes a scatter_list");
+    }
+    const CollectiveOptions o{.timeout = call_timeout(opts.timeout)};
+    return enqueue(c10d::OpType::SCATTER, {t},
+                   [t, in, root, o](CollectiveGroup& g) { g.scatter(t, in, root, o); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<Tensors>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    const at::Tensor t = single(outputs, "reduce_scatter");
+    if (inputs.size() != 1) {
+      throw ValueError("torchpar process group: reduce_scatter takes one input list");
+    }
+    return reduce_scatter_into(c10d::OpType::REDUCE_SCATTER, t, inputs[0], opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    if (input.numel() != output.numel() * getSize()) {
+      throw ValueError(fmt::format(
+          "torchpar process group: reduce_scatter_tensor: the input must hold group size ({}) "
+          "x the output's {} elements; got {}",
+          getSize(), output.numel(), input.numel()));
+    }
+    const at::Tensor in = input.contiguous();
+    return reduce_scatter_into(c10d::OpType::_REDUCE_SCATTER_BASE, output,
+                               equal_parts(in, getSize(), "reduce_scatter_tensor", "the input"),
+                               opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override {
+    const Tensors out_parts = rows_split(output, output_splits, "output");
+    const Tensors in_parts = rows_split(input, input_splits, "input");
+    const bool even = output_splits.empty() && input_splits.empty();
+    const at::Tensor out = output;
+    const Timeout to = call_timeout(opts.timeout);
+    return enqueue(c10d::OpType::ALLTOALL_BASE, {out},
+                   [out_parts, in_parts, even, to](CollectiveGroup& g) {
+                     all_to_all_any(g, out_parts, in_parts, !even, to);
+                   });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(Tensors& outputs, Tensors& inputs,
+                                          const c10d::AllToAllOptions& opts) override {
+    if (static_cast<int>(outputs.size()) != getSize() ||
+        static_cast<int>(inputs.size()) != getSize()) {
+      throw ValueError(fmt::format(
+          "torchpar process group: alltoall needs group size ({}) tensors in each list; got {} "
+          "outputs and {} inputs",
+          getSize(), outputs.size(), inputs.size()));
+    }
+    const Tensors out = outputs;
+    const Tensors in = inputs;
+    const Timeout to = call_timeout(opts.timeout);
+    return enqueue(c10d::OpType::ALLTOALL, out, [out, in, to](CollectiveGroup& g) {
+      all_to_all_any(g, out, in, /*maybe_uneven=*/true, to);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    const CollectiveOptions o{.timeout = call_timeout(opts.timeout)};
+    return enqueue(c10d::OpType::BARRIER, {}, [o](CollectiveGroup& g) { g.barrier(o); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
+    const at::Tensor& t = single(tensors, "send");
+    return c10::make_intrusive<PointToPointWork>(
+        getRank(), c10d::OpType::SEND, state_->group.isend(t, dst, tag), tensors, timeout_,
+        fmt::format("send to rank {} (tag {})", dst, tag));
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(Tensors& tensors, int src, int tag) override {
+    const at::Tensor& t = single(tensors, "recv");
+    return c10::make_intrusive<PointToPointWork>(
+        getRank(), c10d::OpType::RECV, state_->group.irecv(t, src, tag), tensors, timeout_,
+        fmt::format("recv from rank {} (tag {})", src, tag));
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& tensors, int tag) override {
+    const at::Tensor& t = single(tensors, "recv");
+    return c10::make_intrusive<PointToPointWork>(
+        getRank(), c10d::OpType::RECVANYSOURCE, state_->group.irecv(t, std::nullopt, tag), tensors,
+        timeout_, fmt::format("recv from any rank (tag {})", tag));
+  }
+
+ private:
+  /// What the worker's calls share; held by every queued call, so the group outlives them.
+  struct State {
+    explicit State(CollectiveGroup g) : group(std::move(g)) {}
+    CollectiveGroup group;
+    Worker worker;
+  };
+
+  using Run = std::function<void(CollectiveGroup&, const at::Tensor&)>;
+
+  /// all_reduce of one tensor with `op` (the bitwise ones through all_gather and a fold).
+  Run reducer(const at::Tensor& like, const c10d::ReduceOp& op, Timeout to, const char* where) {
+    const auto mapped = reduce_op_of(op, like, where);
+    if (mapped) {
+      const ReduceOptions o{.op = *mapped, .timeout = to};
+      return [o](CollectiveGroup& g, const at::Tensor& t) { g.all_reduce(t, o); };
+    }
+    const auto bitwise = op.op_;
+    const int n = getSize();
+    return [bitwise, n, to](CollectiveGroup& g, const at::Tensor& t) {
+      Tensors parts = empties_like(t, n);
+      g.all_gather(parts, t, {.timeout = to});
+      fold_bitwise(t, parts, bitwise);
+    };
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::OpType type, const at::Tensor& out,
+                                                     const Tensors& in,
+                                                     const c10d::ReduceScatterOptions& opts) {
+    const Timeout to = call_timeout(opts.timeout);
+    const auto op = reduce_op_of(opts.reduceOp, out, "reduce_scatter");
+    const auto bitwise = opts.reduceOp.op_;
+    const int n = getSize();
+    return enqueue(type, {out}, [=](CollectiveGroup& g) {
+      if (op) {
+        g.reduce_scatter(out, in, {.op = *op, .timeout = to});
+        return;
+      }
+      Tensors parts = empties_like(out, n);  // parts[r] = in[this rank] of rank r
+      g.all_to_all(parts, in, {.timeout = to});
+      fold_bitwise(out, parts, bitwise);
+    });
+  }
+
+  /// `t` cut along dim 0 into getSize() parts: `splits` rows each, or equal parts when empty.
+  Tensors rows_split(const at::Tensor& t, const std::vector<int64_t>& splits,
+                     const char* what) const {
+    const int n = getSize();
+    if (splits.empty()) {
+      if (t.dim() == 0 || t.size(0) % n != 0) {
+        throw ValueError(fmt::format(
+            "torchpar process group: alltoall_base: the {}'s first dimension ({}) is not a "
+            "multiple of the group size {}; pass split sizes",
+            what, t.dim() == 0 ? 0 : t.size(0), n));
+      }
+      return t.split(t.size(0) / n);
+    }
+    int64_t rows = 0;
+    for (auto s : splits) rows += s;
+    if (static_cast<int>(splits.size()) != n || t.dim() == 0 || rows != t.size(0)) {
+      throw ValueError(fmt::format(
+          "torchpar process group: alltoall_base: {} split sizes must be group size ({}) "
+          "numbers adding up to the {}'s first dimension ({})",
+          what, n, what, t.dim() == 0 ? 0 : t.size(0)));
+    }
+    return t.split_with_sizes(splits);
+  }
+
+  /// all_to_all of parts whose sizes may differ between pairs: the ranks first agree on the
+  /// largest part (a 2-element all_reduce MAX), then exchange parts padded to it.
+  static void all_to_all_any(CollectiveGroup& g, const Tensors& out, const Tensors& in,
+                             bool maybe_uneven, Timeout to) {
+    if (!maybe_uneven) {
+      g.all_to_all(out, in, {.timeout = to});
+      return;
+    }
+    int64_t most = 0;
+    int64_t least = std::numeric_limits<int64_t>::max();
+    for (const auto* list : {&out, &in}) {
+      for (const auto& t : *list) {
+        most = std::max(most, t.numel());
+        least = std::min(least, t.numel());
+      }
+    }
+    at::Tensor bounds = at::tensor({most, -least}, at::kLong);
+    g.all_reduce(bounds, {.op = ReduceOp::kMax, .timeout = to});
+    most = bounds[0].item<int64_t>();
+    least = -bounds[1].item<int64_t>();
+    if (most == least) {
+      g.all_to_all(out, in, {.timeout = to});
+      return;
+    }
+    const auto opts = in.at(0).options();
+    Tensors padded_in, padded_out;
+    for (const auto& t : in) {
+      at::Tensor p = at::zeros({most}, opts);
+      p.narrow(0, 0, t.numel()).copy_(t.reshape({-1}));
+      padded_in.push_back(p);
+    }
+    for (size_t i = 0; i < out.size(); ++i) padded_out.push_back(at::empty({most}, opts));
+    g.all_to_all(padded_out, padded_in, {.timeout = to});
+    for (size_t i = 0; i < out.size(); ++i) {
+      out[i].copy_(padded_out[i].narrow(0, 0, out[i].numel()).view(out[i].sizes()));
+    }
+  }
+
+  /// Queues `body` for the worker; the returned Work completes once it ran.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Tensors outputs,
+                                         std::function<void(CollectiveGroup&)> body) {
+    auto work = c10::make_intrusive<CollectiveWork>(getRank(), type, std::move(outputs), timeout_);
+    // A raw pointer: the destructor joins the worker before State goes.
+    State* state = state_.get();
+    state->worker.submit([state, work, body = std::move(body)] {
+      std::exception_ptr error;
+      try {
+        body(state->group);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      work->complete(error);
+    });
+    return work;
+  }
+
+  void shutdown() noexcept {
+    state_->worker.stop();
+    try {
+      state_->group.destroy();
+    } catch (...) {  // a broken group releases what it can; nothing to report here
+    }
+  }
+
+  std::shared_ptr<State> state_;
+  Seconds timeout_;
+};
+
+/// The creator torchpar/distributed/__init__.py registers (with the GIL released: it is
+/// collective and blocks until every member joined).
+c10::intrusive_ptr<c10d::ProcessGroup> create_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
+    std::vector<int> global_ranks, const std::string& group_name, const std::string& backend) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw ValueError(
+        fmt::format("torchpar process group: rank {} is out of range for size {}", rank, size));
+  }
+  if (!(timeout_s > 0)) {
+    throw ValueError(
+        fmt::format("torchpar process group: timeout must be positive, got {} s", timeout_s));
+  }
+  if (global_ranks.empty()) {
+    for (int r = 0; r < size; ++r) global_ranks.push_back(r);
+  }
+  if (static_cast<int>(global_ranks.size()) != size) {
+    throw ValueError(fmt::format("torchpar process group: {} global ranks given for a group of {}",
+                                 global_ranks.size(), size));
+  }
+  const Seconds timeout(timeout_s);
+  auto group = detail::create_collective_group(
+      {.store = store,
+       .rank = rank,
+       .world_ranks = global_ranks,
+       .timeout = timeout,
+       .backend = backend_from_string(backend),
+       .label =
+           fmt::format("torchpar process group '{}'", group_name.empty() ? "default" : group_name),
+       .device = detail::gloo_device_for(store)});
+  return c10::make_intrusive<ProcessGroupTorchpar>(std::move(group), timeout);
+}
+
+}  // namespace
+}  // namespace torchpar::python
+
+PYBIND11_MODULE(_distributed, m) {
+  namespace tpp = torchpar::python;
+  m.doc() =
+      "The c10d process group 'torchpar' (import torchpar.distributed to register it with "
+      "torch.distributed).";
+  // The Store and ProcessGroup types, and torchpar's exception translator.
+  py::module_::import("torch.distributed");
+  py::module_::import("torchpar._C");
+  m.def("create_process_group", &tpp::create_process_group, py::arg("store"), py::arg("rank"),
+        py::arg("size"), py::arg("timeout"), py::arg("global_ranks"), py::arg("group_name"),
+        py::arg("backend") = "auto", py::call_guard<py::gil_scoped_release>(),
+        "Creates this rank's member of the process group (collective over its members). "
+        "`timeout` in seconds; `global_ranks` the members' world ranks in group order (empty: "
+        "0..size-1); `backend` auto | shm | gloo | hierarchical. Errors: ValueError for bad "
+        "arguments; torchpar.TimeoutError naming a rank that did not join within `timeout`.");
+  m.def(
+      "collective_backend",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) -> std::string {
+        auto* t = dynamic_cast<tpp::ProcessGroupTorchpar*>(pg.get());
+        if (t == nullptr) throw torchpar::ValueError("not a torchpar process group");
+        return torchpar::to_string(t->collective_backend());
+      },
+      py::arg("pg"),
+      "The backend a torchpar process group runs on: 'shm', 'hierarchical' or 'gloo'.");
+}
