@@ -45,31 +45,6 @@ struct Message {
   }
 };
 
-using Clock = std::chrono::steady_clock;
-constexpr std::chrono::duration<double> kSlice = 100ms;
-
-/// `timeout` (seconds; None: no limit; negative counts as 0, as Python's queues do) as a
-/// deadline.
-std::optional<Clock::time_point> deadline_of(std::optional<double> timeout) {
-  if (!timeout) return std::nullopt;
-  if (std::isnan(*timeout)) throw ValueError("timeout is NaN");
-  const double s = std::clamp(*timeout, 0.0, 1e7);
-  return Clock::now() +
-         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-}
-
-/// The next slice to wait before `deadline`: at most kSlice, 0 once it passed.
-std::chrono::duration<double> slice_until(const std::optional<Clock::time_point>& deadline) {
-  if (!deadline) return kSlice;
-  return std::clamp(std::chrono::duration<double>(*deadline - Clock::now()),
-                    std::chrono::duration<double>(0), kSlice);
-}
-
-/// Runs Python's signal handlers (with the GIL held); what they raise propagates.
-void check_signals() {
-  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-}
-
 py::tuple to_python(Message&& m) {
   return py::make_tuple(py::bytes(m.pickle), py::cast(std::move(m.tensors)));
 }
@@ -204,11 +179,6 @@ class PyConnection {
   }
   Connection c_;
 };
-
-std::optional<double> optional_timeout(const py::object& timeout) {
-  if (timeout.is_none()) return std::nullopt;
-  return timeout.cast<double>();
-}
 
 }  // namespace
 

@@ -21,6 +21,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "torchpar's C++ runtime (shared tensors, queues, pipes) for the Python package.";
   torchpar::python::bind_errors(m);
   torchpar::python::bind_channels(m);
+  torchpar::python::bind_sync(m);
 
   m.def(
       "share_memory_",

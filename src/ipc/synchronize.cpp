@@ -1,6 +1,8 @@
 #include "torchpar/ipc/synchronize.h"
 
 #include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
@@ -9,6 +11,7 @@
 
 #include "core/robust_mutex.h"
 #include "core/waiter.h"
+#include "ipc/condition_word.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/syscall.h"
 #include "torchpar/serialize/archive.h"
@@ -36,16 +39,25 @@ struct EventState {
   uint32_t flag;  // futex word
 };
 
-// One futex word: waiters not yet notified (high 16 bits) and wake tickets notify issued
-// but no waiter took yet (low 16 bits). notify(n) turns up to n waiters into tickets in one
-// atomic step; a waiter leaves by taking a ticket (notified) or, on timeout, by removing
-// itself from the waiters; so notify(n) wakes exactly min(n, waiting) waiters.
+// A Condition's waiters, one slot each: a waiter claims a free slot while it holds the
+// lock (with the next sequence number and its pid) and sleeps on the slot's own word;
+// notify(n) marks the n oldest waiting slots notified and wakes each. A notify thus wakes
+// only waiters enrolled before it (a later waiter cannot take the wake-up meant for an
+// earlier one), in FIFO order, exactly min(n, waiting); a slot whose process died is freed
+// instead of being notified. A waiter that times out frees its slot, unless a notify marked
+// it first (then its wait was notified).
+constexpr uint32_t kCondSlots = 1000;
+enum CondSlotState : uint32_t { kSlotFree = 0, kSlotClaimed, kSlotWaiting, kSlotNotified };
+struct CondSlot {
+  uint32_t state;  // futex word, CondSlotState
+  uint32_t seq;    // enrollment order (compared with wrap-around)
+  int32_t pid;     // the waiter's process
+};
 struct CondState {
   uint32_t magic;
-  uint32_t state;
+  uint32_t next_seq;
+  CondSlot slots[kCondSlots];
 };
-constexpr uint32_t kCondWaiter = 1u << 16;
-constexpr uint32_t kCondTickets = kCondWaiter - 1;
 
 struct BarrierState {
   uint32_t magic;
@@ -200,45 +212,96 @@ void Event::load(detail::InputArchive& ar) { page_ = detail::load_page<detail::E
 
 // ---- Condition ------------------------------------------------------------------------
 
-Condition::Condition() : Condition(RLock()) {}
-Condition::Condition(Lock lock)
-    : lock_(std::move(lock)),
-      page_(detail::SharedPage::create(sizeof(detail::CondState), "torchpar-condition")) {
-  state<detail::CondState>(page_)->magic = detail::kMagic;
+namespace detail {
+ConditionWord::ConditionWord()
+    : page_(SharedPage::create(sizeof(CondState), "torchpar-condition")) {
+  state<CondState>(page_)->magic = kMagic;
+}
+ConditionWord::ConditionWord(std::shared_ptr<SharedPage> page) : page_(std::move(page)) {
+  if (page_->size() < sizeof(CondState) || state<CondState>(page_)->magic != kMagic)
+    throw SerializationError("not a torchpar condition");
 }
 
-bool Condition::wait(Timeout timeout) {
-  auto* s = state<detail::CondState>(page_);
-  const auto deadline = detail::Deadline::after(timeout);
-  // Registered while the lock is held: a notify after our caller's check sees us.
-  uint32_t w = atomic_word(s->state).load();
-  do {
-    if ((w >> 16) == 0xffff) throw Error("Condition: more than 65535 waiters");
-  } while (!atomic_word(s->state).compare_exchange_weak(w, w + detail::kCondWaiter));
-  const uint32_t depth = lock_.release_all();  // an RLock held recursively is fully released
-  bool notified = false;
-  for (;;) {
-    w = atomic_word(s->state).load();
-    if ((w & detail::kCondTickets) != 0) {
-      if (atomic_word(s->state).compare_exchange_weak(w, w - 1)) {
-        notified = true;
-        break;
-      }
-      continue;
-    }
-    const auto changed = [w](uint32_t v) { return v != w; };
-    if (deadline.expired()) {
-      // Leave as a waiter. None left means a notify already counted us: its ticket comes.
-      if ((w >> 16) != 0 && atomic_word(s->state).compare_exchange_weak(w, w - detail::kCondWaiter))
-        break;
-      if ((w >> 16) == 0)
-        detail::wait_until(&s->state, changed,
-                           detail::Deadline::after(std::chrono::milliseconds(10)));
-      continue;
-    }
-    // A timeout comes back here, and the deadline's branch above leaves.
-    detail::wait_until(&s->state, changed, deadline);
+uint32_t ConditionWord::enroll() {
+  auto* s = state<CondState>(page_);
+  for (uint32_t i = 0; i < kCondSlots; ++i) {
+    CondSlot& slot = s->slots[i];
+    uint32_t expected = kSlotFree;
+    if (!atomic_word(slot.state).compare_exchange_strong(expected, kSlotClaimed)) continue;
+    slot.seq = atomic_word(s->next_seq).fetch_add(1);
+    slot.pid = static_cast<int32_t>(::getpid());
+    atomic_word(slot.state).store(kSlotWaiting);
+    return i;
   }
+  throw Error(fmt::format("Condition: more than {} waiters at once", kCondSlots));
+}
+
+namespace {
+CondSlot& slot_of(CondState* s, uint32_t slot) {
+  if (slot >= kCondSlots) throw ValueError(fmt::format("Condition: no waiter slot {}", slot));
+  return s->slots[slot];
+}
+}  // namespace
+
+bool ConditionWord::wait_ticket(uint32_t slot, const Deadline& deadline) {
+  CondSlot& c = slot_of(state<CondState>(page_), slot);
+  const auto notified = [](uint32_t v) { return v != kSlotWaiting; };
+  if (wait_until(&c.state, notified, deadline) != WaitStatus::kReady) return false;
+  atomic_word(c.state).store(kSlotFree);
+  return true;
+}
+
+bool ConditionWord::leave(uint32_t slot) {
+  CondSlot& c = slot_of(state<CondState>(page_), slot);
+  uint32_t expected = kSlotWaiting;
+  if (atomic_word(c.state).compare_exchange_strong(expected, kSlotFree)) return false;
+  atomic_word(c.state).store(kSlotFree);  // a notify marked it first: the wait was notified
+  return true;
+}
+
+void ConditionWord::notify(uint32_t n) {
+  auto* s = state<CondState>(page_);
+  while (n > 0) {
+    CondSlot* oldest = nullptr;
+    for (auto& c : s->slots) {
+      if (atomic_word(c.state).load() != kSlotWaiting) continue;
+      if (oldest == nullptr || static_cast<int32_t>(c.seq - oldest->seq) < 0) oldest = &c;
+    }
+    if (oldest == nullptr) return;  // nobody waits: a notify is not remembered (as in Python)
+    uint32_t expected = kSlotWaiting;
+    if (::kill(oldest->pid, 0) != 0 && errno == ESRCH) {
+      atomic_word(oldest->state).compare_exchange_strong(expected, kSlotFree);  // it died
+      continue;
+    }
+    if (!atomic_word(oldest->state).compare_exchange_strong(expected, kSlotNotified))
+      continue;  // it left (timed out) meanwhile
+    futex_wake_n(&oldest->state, 1);
+    --n;
+  }
+}
+
+uint32_t ConditionWord::waiting() const {
+  uint32_t k = 0;
+  for (auto& c : state<CondState>(page_)->slots) k += atomic_word(c.state).load() == kSlotWaiting;
+  return k;
+}
+uint32_t ConditionWord::tickets() const {
+  uint32_t k = 0;
+  for (auto& c : state<CondState>(page_)->slots) k += atomic_word(c.state).load() == kSlotNotified;
+  return k;
+}
+}  // namespace detail
+
+Condition::Condition() : Condition(RLock()) {}
+Condition::Condition(Lock lock) : lock_(std::move(lock)), page_(detail::ConditionWord().page()) {}
+
+bool Condition::wait(Timeout timeout) {
+  detail::ConditionWord word(page_);
+  const auto deadline = detail::Deadline::after(timeout);
+  // Enrolled while the lock is held: a notify after our caller's check sees us.
+  const uint32_t slot = word.enroll();
+  const uint32_t depth = lock_.release_all();  // an RLock held recursively is fully released
+  const bool notified = word.wait_ticket(slot, deadline) || word.leave(slot);
   lock_.acquire_n(depth);
   return notified;
 }
@@ -256,15 +319,7 @@ bool Condition::wait_for(const std::function<bool()>& pred, Timeout timeout) {
 }
 
 void Condition::notify(int n) {
-  auto* s = state<detail::CondState>(page_);
-  if (n <= 0) return;
-  uint32_t w = atomic_word(s->state).load();
-  uint32_t k = 0;
-  do {
-    k = std::min<uint32_t>(static_cast<uint32_t>(n), w >> 16);
-    if (k == 0) return;  // nobody waits: a notify is not remembered (as in Python)
-  } while (!atomic_word(s->state).compare_exchange_weak(w, w - k * detail::kCondWaiter + k));
-  detail::futex_wake_n(&s->state, static_cast<int>(k));
+  if (n > 0) detail::ConditionWord(page_).notify(static_cast<uint32_t>(n));
 }
 
 void Condition::notify_all() { notify(INT32_MAX); }

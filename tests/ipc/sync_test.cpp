@@ -275,6 +275,62 @@ TEST(Condition, NotifyAllWakesEveryWaiterAndNotifyNWakesN) {
   EXPECT_EQ(woken, 4);
 }
 
+// Regression (issue 39): notify made a wake "ticket" any waiter could take, so a notifier
+// that waited again at once (CPython's test_waitfor: notify, then wait_for) took its own
+// notify's ticket and the waiter it was meant for slept on: both hung. A notify now wakes
+// only waiters that enrolled before it.
+TEST(Condition, AWaiterEnrolledAfterANotifyDoesNotTakeIt) {
+  tp::Condition c;
+  std::atomic<int> registered{0};
+  std::atomic<int> first{-1};
+  std::thread a([&] {
+    c.acquire();
+    ++registered;
+    first = c.wait(30s) ? 1 : 0;
+    c.release();
+  });
+  for (int i = 0; i < 20000 && registered < 1; ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(registered, 1);
+  c.acquire();  // `a` is inside wait now
+  c.notify(1);
+  // Waits again before `a` could run: this wait must not be the one notified.
+  EXPECT_FALSE(c.wait(0.3s));
+  c.release();
+  a.join();
+  EXPECT_EQ(first, 1);
+}
+
+// A waiter killed inside wait() is not counted by notify: the live waiter behind it wakes.
+TEST(Condition, NotifySkipsAWaiterWhoseProcessDied) {
+  tp::Condition c;
+  tp::Value<int> waiting(0);
+  auto child = tp::testing::fork_child([c, waiting](int) mutable {
+    c.acquire();
+    waiting.set(1);
+    c.wait(60s);  // killed in here
+    return 0;
+  });
+  for (int i = 0; i < 20000 && waiting.get() == 0; ++i) std::this_thread::sleep_for(1ms);
+  c.acquire();  // the child released it inside wait
+  c.release();
+  ::kill(child.pid, SIGKILL);
+  tp::testing::wait_child(child);
+  std::atomic<int> woken{0};
+  std::atomic<bool> in{false};
+  std::thread t([&] {
+    c.acquire();
+    in = true;
+    if (c.wait(30s)) ++woken;
+    c.release();
+  });
+  for (int i = 0; i < 20000 && !in; ++i) std::this_thread::sleep_for(1ms);
+  c.acquire();
+  c.notify(1);  // the dead child enrolled first; the thread gets the wake-up
+  c.release();
+  t.join();
+  EXPECT_EQ(woken, 1);
+}
+
 TEST(Event, WaitTimeoutAndClear) {
   tp::Event e;
   EXPECT_FALSE(e.wait(0.05s));

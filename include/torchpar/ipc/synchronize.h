@@ -126,9 +126,11 @@ class Condition {
   bool wait(Timeout timeout = std::nullopt);
   /// Waits until pred() is true; returns its last value (false: timed out).
   bool wait_for(const std::function<bool()>& pred, Timeout timeout = std::nullopt);
-  /// Wakes exactly min(n, waiting) waiters (each of their waits returns true); a notify
-  /// with no waiter is not remembered. Python: Condition.notify(n).
-  /// Limits: at most 65535 waiters; a waiter killed while waiting still counts as one.
+  /// Wakes exactly min(n, waiting) waiters, the longest waiting first and only those that
+  /// waited before this call (each of their waits returns true); a notify with no waiter is
+  /// not remembered. Python: Condition.notify(n).
+  /// Limits: at most 1000 waiters at once; a waiter whose process died is skipped (and its
+  /// place freed) by the notify that finds it.
   void notify(int n = 1);
   void notify_all();
   Lock& lock() { return lock_; }
@@ -154,6 +156,10 @@ class Barrier {
   uint32_t parties() const;
   uint32_t n_waiting() const;
   bool broken() const;
+  /// The action this copy runs when its wait() is the one that trips the barrier. Actions
+  /// do not cross processes: a copy loaded in another process has none until it sets one
+  /// (the Python package sets the unpickled callable). Not thread-safe against wait().
+  void set_action(std::function<void()> action) { action_ = std::move(action); }
   void save(detail::OutputArchive& ar) const;
   void load(detail::InputArchive& ar);
 

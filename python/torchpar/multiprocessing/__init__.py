@@ -6,8 +6,9 @@ Everything torch.multiprocessing offers is here (Process, current_process, cpu_c
 start methods, spawn, start_processes, ProcessContext, ProcessRaisedException,
 ProcessExitedException, the sharing strategies), and these are torchpar's: Queue,
 SimpleQueue, JoinableQueue and Pipe (tensors travel as torchpar shared-memory handles: no fd
-per tensor, no resource-sharer thread), get_context(method) (a BaseContext whose queues and
-pipes are torchpar's), share_memory_ / empty_shared / is_shared, get_sharing_strategy /
+per tensor, no resource-sharer thread), Pool, Lock, RLock, Semaphore, BoundedSemaphore,
+Condition, Event, Barrier, Value, Array, RawValue, RawArray, get_context(method) (a
+BaseContext whose factories are these), share_memory_ / empty_shared / is_shared, get_sharing_strategy /
 set_sharing_strategy / get_all_sharing_strategies (torchpar's strategies, same names).
 """
 import multiprocessing
@@ -61,6 +62,61 @@ def JoinableQueue(maxsize=0):
 def Pipe(duplex=True):
     """A pair of torchpar Connections."""
     return _current().Pipe(duplex)
+
+
+def Lock():
+    """A torchpar Lock (synchronize.py)."""
+    return _current().Lock()
+
+
+def RLock():
+    """A torchpar RLock (robust: a dead holder's lock is recovered)."""
+    return _current().RLock()
+
+
+def Condition(lock=None):
+    """A torchpar Condition over `lock` (default a new RLock)."""
+    return _current().Condition(lock)
+
+
+def Semaphore(value=1):
+    """A torchpar Semaphore."""
+    return _current().Semaphore(value)
+
+
+def BoundedSemaphore(value=1):
+    """A torchpar BoundedSemaphore."""
+    return _current().BoundedSemaphore(value)
+
+
+def Event():
+    """A torchpar Event."""
+    return _current().Event()
+
+
+def Barrier(parties, action=None, timeout=None):
+    """A torchpar Barrier."""
+    return _current().Barrier(parties, action, timeout)
+
+
+def RawValue(typecode_or_type, *args):
+    """A ctypes object in torchpar shared memory (no lock)."""
+    return _current().RawValue(typecode_or_type, *args)
+
+
+def RawArray(typecode_or_type, size_or_initializer):
+    """A ctypes array in torchpar shared memory (no lock)."""
+    return _current().RawArray(typecode_or_type, size_or_initializer)
+
+
+def Value(typecode_or_type, *args, lock=True):
+    """multiprocessing.Value in torchpar shared memory, behind a torchpar RLock."""
+    return _current().Value(typecode_or_type, *args, lock=lock)
+
+
+def Array(typecode_or_type, size_or_initializer, *, lock=True):
+    """multiprocessing.Array in torchpar shared memory, behind a torchpar RLock."""
+    return _current().Array(typecode_or_type, size_or_initializer, lock=lock)
 
 
 def get_sharing_strategy():

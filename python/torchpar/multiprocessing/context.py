@@ -3,20 +3,24 @@
 get_context(method) returns a multiprocessing.context.BaseContext (DataLoader checks that
 type for multiprocessing_context) whose Process is Python's own for that start method (fork,
 spawn, forkserver) and whose Queue, SimpleQueue, JoinableQueue and Pipe are torchpar's.
-torchpar objects pass to children under every start method (fds travel as multiprocessing
-passes them: inherited under fork, duplicated for the child under spawn and forkserver).
-Pool is torchpar's (pool.py). The other factories (Lock, Event, ...) are multiprocessing's
-own for now.
+Its Lock, RLock, Semaphore, BoundedSemaphore, Condition, Event, Barrier
+(synchronize.py), Value, Array, RawValue, RawArray (sharedctypes.py) and Pool (pool.py) are
+torchpar's too. torchpar objects pass to children under every start method (fds travel as
+multiprocessing passes them: inherited under fork, duplicated for the child under spawn and
+forkserver). Manager() stays Python's own.
 """
 import multiprocessing
 import multiprocessing.context as _mpc
 
 from torchpar.multiprocessing import connection as _connection
 from torchpar.multiprocessing import queues as _queues
+from torchpar.multiprocessing import sharedctypes as _sharedctypes
+from torchpar.multiprocessing import synchronize as _sync
 
 
 class TorchparContext(_mpc.BaseContext):
-    """A start method's context with torchpar's Queue, SimpleQueue, JoinableQueue, Pipe."""
+    """A start method's context with torchpar's queues, pipes, locks, shared values and
+    Pool."""
 
     def __init__(self, method):
         self._base = multiprocessing.get_context(method)
@@ -49,6 +53,50 @@ class TorchparContext(_mpc.BaseContext):
     def Pipe(self, duplex=True):
         """A pair of torchpar Connections (multiprocessing.Pipe)."""
         return _connection.Pipe(duplex)
+
+    def Lock(self):
+        """A torchpar Lock (multiprocessing.Lock: any process may release it)."""
+        return _sync.Lock(ctx=self)
+
+    def RLock(self):
+        """A torchpar RLock (robust: a dead holder's lock is recovered)."""
+        return _sync.RLock(ctx=self)
+
+    def Condition(self, lock=None):
+        """A torchpar Condition over `lock` (default a new RLock)."""
+        return _sync.Condition(lock, ctx=self)
+
+    def Semaphore(self, value=1):
+        """A torchpar Semaphore."""
+        return _sync.Semaphore(value, ctx=self)
+
+    def BoundedSemaphore(self, value=1):
+        """A torchpar BoundedSemaphore."""
+        return _sync.BoundedSemaphore(value, ctx=self)
+
+    def Event(self):
+        """A torchpar Event."""
+        return _sync.Event(ctx=self)
+
+    def Barrier(self, parties, action=None, timeout=None):
+        """A torchpar Barrier (threading.Barrier's surface across processes)."""
+        return _sync.Barrier(parties, action, timeout, ctx=self)
+
+    def RawValue(self, typecode_or_type, *args):
+        """A ctypes object in torchpar shared memory (no lock)."""
+        return _sharedctypes.RawValue(typecode_or_type, *args)
+
+    def RawArray(self, typecode_or_type, size_or_initializer):
+        """A ctypes array in torchpar shared memory (no lock)."""
+        return _sharedctypes.RawArray(typecode_or_type, size_or_initializer)
+
+    def Value(self, typecode_or_type, *args, lock=True):
+        """multiprocessing.Value in torchpar shared memory, behind a torchpar RLock."""
+        return _sharedctypes.Value(typecode_or_type, *args, lock=lock, ctx=self)
+
+    def Array(self, typecode_or_type, size_or_initializer, *, lock=True):
+        """multiprocessing.Array in torchpar shared memory, behind a torchpar RLock."""
+        return _sharedctypes.Array(typecode_or_type, size_or_initializer, lock=lock, ctx=self)
 
     def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
         """A torchpar Pool whose workers this context starts (multiprocessing.Pool's

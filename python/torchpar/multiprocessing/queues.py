@@ -151,7 +151,7 @@ class JoinableQueue(Queue):
         except BaseException:
             with self._cond:
                 self._unfinished_tasks.acquire(False)
-                if self._unfinished_tasks._semlock._is_zero():
+                if self._unfinished_tasks.get_value() == 0:
                     self._cond.notify_all()
             raise
 
@@ -159,10 +159,10 @@ class JoinableQueue(Queue):
         with self._cond:
             if not self._unfinished_tasks.acquire(False):
                 raise ValueError("task_done() called too many times")
-            if self._unfinished_tasks._semlock._is_zero():
+            if self._unfinished_tasks.get_value() == 0:
                 self._cond.notify_all()
 
     def join(self):
         with self._cond:
-            if not self._unfinished_tasks._semlock._is_zero():
+            if not self._unfinished_tasks.get_value() == 0:
                 self._cond.wait()
