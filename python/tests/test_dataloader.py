@@ -66,6 +66,27 @@ def test_same_batches_as_default_context():
     assert tmp.is_shared(ours[0]["x"])  # it came through torchpar's shared memory
 
 
+def _collate_and_report(batch):
+    """default_collate, plus whether the worker's stacked batch is in torchpar memory."""
+    out = torch.utils.data.default_collate(batch)
+    return out, tmp.is_shared(out["x"])
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_collate_stacks_into_torchpar_memory(method):
+    """In a torchpar context's worker, default_collate's shared output storage is torchpar's
+    (one copy per batch: the stack itself; a torch segment would be copied again to travel);
+    the parent's torch is left as it was."""
+    ctx = tmp.get_context(method)
+    before = torch.UntypedStorage._new_shared
+    loader = DataLoader(Deterministic(), batch_size=16, num_workers=2,
+                        multiprocessing_context=ctx, collate_fn=_collate_and_report)
+    got = list(loader)
+    assert torch.UntypedStorage._new_shared == before
+    assert all(in_worker for _, in_worker in got)
+    _assert_same([b for b, _ in got], _batches(num_workers=0))
+
+
 def test_persistent_workers_two_epochs():
     ctx = tmp.get_context("fork")
     loader = DataLoader(Deterministic(), batch_size=32, num_workers=4,

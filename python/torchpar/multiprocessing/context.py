@@ -2,7 +2,8 @@
 
 get_context(method) returns a multiprocessing.context.BaseContext (DataLoader checks that
 type for multiprocessing_context) whose Process is Python's own for that start method (fork,
-spawn, forkserver) and whose Queue, SimpleQueue, JoinableQueue and Pipe are torchpar's.
+spawn, forkserver; in the child, torch's new shared storages -- DataLoader's collated batches
+-- are made in torchpar shared memory) and whose Queue, SimpleQueue, JoinableQueue and Pipe are torchpar's.
 Its Lock, RLock, Semaphore, BoundedSemaphore, Condition, Event, Barrier
 (synchronize.py), Value, Array, RawValue, RawArray (sharedctypes.py) and Pool (pool.py) are
 torchpar's too. torchpar objects pass to children under every start method (fds travel as
@@ -11,6 +12,8 @@ forkserver). Manager() stays Python's own.
 """
 import multiprocessing
 import multiprocessing.context as _mpc
+
+import torch
 
 from torchpar.multiprocessing import connection as _connection
 from torchpar.multiprocessing import queues as _queues
@@ -25,7 +28,7 @@ class TorchparContext(_mpc.BaseContext):
     def __init__(self, method):
         self._base = multiprocessing.get_context(method)
         self._name = self._base.get_start_method()
-        self.Process = self._base.Process
+        self.Process = _PROCESS_CLASSES[self._name]
 
     def get_context(self, method=None):
         if method is None or method == self._name:
@@ -107,6 +110,43 @@ class TorchparContext(_mpc.BaseContext):
     def __repr__(self):
         return f"<torchpar.multiprocessing context {self._name!r}>"
 
+
+def _new_shared_in_torchpar(cls, size, *, device="cpu"):
+    """torch.UntypedStorage._new_shared in a torchpar context's child: `size` bytes of
+    torchpar shared memory (DataLoader's default collate stacks each batch into one of
+    these, which then travels as a handle, without the copy a torch segment would need)."""
+    if torch.device(device).type != "cpu":
+        return _torch_new_shared.__func__(cls, size, device=device)
+    from torchpar import _C
+    return _C.empty_shared([size], torch.empty(0, dtype=torch.uint8)).storage().untyped()
+
+
+_torch_new_shared = torch.UntypedStorage._new_shared
+
+
+def _in_child():
+    """What a torchpar context's process does first: torch's new shared storages (the
+    batches DataLoader's default collate makes in its workers) come from torchpar."""
+    torch.UntypedStorage._new_shared = classmethod(_new_shared_in_torchpar)
+
+
+def _process_class(method):
+    base = multiprocessing.get_context(method).Process
+
+    def run(self):
+        _in_child()
+        return base.run(self)
+
+    name = "Torchpar" + base.__name__
+    cls = type(name, (base,), {"run": run, "__module__": __name__, "__qualname__": name,
+                               "__doc__": f"{base.__name__} whose child makes torch's new "
+                                          "shared storages in torchpar shared memory."})
+    globals()[name] = cls  # spawn pickles the class by name
+    return cls
+
+
+#: The Process class of each start method: Python's own, plus _in_child() in the child.
+_PROCESS_CLASSES = {m: _process_class(m) for m in multiprocessing.get_all_start_methods()}
 
 _contexts = {}
 
