@@ -311,6 +311,33 @@ def test_tcp_store_rendezvous():
     run_job(_tcp_smoke, 2, store="tcp")
 
 
+def _unwaited_progress(rank, world):
+    # Rank 0 posts an all_reduce and then blocks on something else (the store, another
+    # group) that the other ranks provide only once that all_reduce finished: the call must
+    # start without Work.wait, as on Gloo.
+    store = dist.distributed_c10d._get_default_store()
+    other = dist.new_group(list(range(world)), backend="torchpar")
+    t = torch.ones(8)
+    if rank == 0:
+        w = dist.all_reduce(t, async_op=True)
+        store.get("all_reduce_done")  # set by rank 1 after its all_reduce
+        u = torch.ones(2)
+        dist.all_reduce(u, group=other)  # the others' second group call follows the first
+        w.wait()
+    else:
+        dist.all_reduce(t)
+        if rank == 1:
+            store.set("all_reduce_done", "1")
+        u = torch.ones(2)
+        dist.all_reduce(u, group=other)
+    _eq(t, torch.full((8,), float(world)), "all_reduce nobody waited for")
+    _eq(u, torch.full((2,), float(world)), "the other group's all_reduce")
+
+
+def test_unwaited_call_progresses(tmp_path):
+    run_job(_unwaited_progress, 3, tmp_path=tmp_path)
+
+
 # ---- DDP -----------------------------------------------------------------------------------
 
 def _train(rank, backend, steps=5):
