@@ -1,0 +1,462 @@
+#!/usr/bin/python3
+"""Runs PyTorch's own distributed test suite against backend "torchpar" or "gloo".
+
+python3-torch ships torch/testing/_internal/distributed/distributed_test.py: the cases of
+DistributedTest._DistTestBase (about 280 with their parametrized forms), which PyTorch runs
+upstream through test/distributed/test_distributed_spawn.py with the environment variables
+BACKEND and WORLD_SIZE. This runner imports that module from the installed python3-torch (it
+copies none of it), builds the same test class (TestDistBackend + _DistTestBase, each test
+spawning WORLD_SIZE rank processes with the "spawn" start method and a FileStore
+rendezvous), and runs the chosen cases, so both backends go through the identical code.
+
+How "torchpar" is plugged in: the suite's hook for third-party backends is
+common_distributed.DistTestCases.backend_feature. The runner imports torchpar.distributed
+(which calls torch.distributed.Backend.register_backend("torchpar", ...)) and adds
+"torchpar" to the sets "plugin" (the backend exists), "ddp" (DistributedDataParallel cases)
+and "subgroup" (new_group / new_subgroups cases), before the suite module is imported (its
+skip decorators read those sets at import time). Not to "gpu" / "cuda": the backend is
+CPU-only. Cases the suite gates on a backend's name (require_backend({"gloo", ...}),
+BACKEND == "gloo") skip on "torchpar"; that is the suite's own rule for plugins. Spawned
+ranks re-import this file as __mp_main__ and repeat the registration (the environment
+variable TORCHPAR_DIST_RUNNER tells them to).
+
+Usage (from the repository root; the package on PYTHONPATH):
+
+    PYTHONPATH=build/python /usr/bin/python3 tests/python/dist_test_runner.py \\
+        --backend torchpar --world-size 2 --subset ci
+    PYTHONPATH=build/python /usr/bin/python3 tests/python/dist_test_runner.py \\
+        --backend gloo --world-size 3 -k all_reduce -k broadcast --json /tmp/gloo3.json
+    /usr/bin/python3 tests/python/dist_test_runner.py --diff /tmp/gloo.json /tmp/tp.json
+
+-k PATTERN selects cases whose name contains PATTERN (or matches it as a shell pattern
+when it has * ? [), any of several; --subset NAME takes a named list (SUBSETS below);
+both together take their intersection. --list prints the selection and exits.
+
+Bounds: --timeout (seconds, default 120) replaces the suite's own per-case limit (300 s)
+for the wait on the ranks; on expiry the suite terminates them and the case is an error.
+A SIGALRM 30 s later ends a case whose parent part does not return (an error too). The
+ranks' own output (the suite logs every rank's traceback) goes to --rank-log (default: a
+file in the temporary directory, named in the summary; -v leaves it on the terminal).
+
+Output: one line per case (PASS / FAIL / ERROR / SKIP, seconds, and for FAIL / ERROR a
+one-line reason: the first rank's exception, or the timeout), then the counts. --json
+writes them with the date and machine. Exit status: 0 when no selected case failed or
+errored, 1 otherwise, 2 when torch.distributed or the backend is unavailable, 3 when the
+selection is empty. --diff A.json B.json prints the cases that pass in A and do not pass
+in B (used for docs/python_c10d.md).
+
+Python original: PyTorch's test/distributed/test_distributed_spawn.py and run_test.py.
+"""
+
+import argparse
+import datetime
+import fnmatch
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUNNER_ENV = "TORCHPAR_DIST_RUNNER"
+TIMEOUT_ENV = "TORCHPAR_DIST_RUNNER_TIMEOUT"
+CLASS_NAME = "TestDistBackendWithSpawn"
+BACKENDS = ("torchpar", "gloo")
+UNAVAILABLE = "torch.distributed is not available"
+
+# The CI subset (ctest python_dist_suite_test): collectives on CPU tensors, subgroups, DDP on
+# CPU, barrier, timeouts, send/recv. Every case passes on "torchpar" and on "gloo" at
+# WORLD_SIZE 2 and 3 (docs/python_c10d.md lists what was left out and why).
+SUBSETS = {
+    "ci": [
+        # collectives
+        "test_all_reduce_sum",
+        "test_all_reduce_sum_async",
+        "test_all_reduce_max",
+        "test_all_reduce_min",
+        "test_all_reduce_product",
+        "test_all_reduce_sum_complex",
+        "test_all_reduce_coalesced_sum",
+        "test_all_reduce_coalesced_max",
+        "test_all_reduce_sum_twice",
+        "test_broadcast",
+        "test_reduce_sum",
+        "test_reduce_max",
+        "test_all_gather",
+        "test_all_gather_complex",
+        "test_all_gather_object_default_pg",
+        "test_gather",
+        "test_scatter",
+        "test_all_to_all",
+        "test_all_to_all_single_equal_split",
+        "test_all_to_all_single_unequal_split",
+        "test_scatter_object_list",
+        "test_broadcast_object_list",
+        # subgroups
+        "test_all_reduce_sum_group",
+        "test_broadcast_group",
+        "test_all_gather_group",
+        "test_barrier_group",
+        "test_new_subgroups",
+        # barrier, timeouts
+        "test_barrier",
+        "test_barrier_timeout_global",
+        "test_barrier_timeout_group",
+        # send / recv
+        "test_send_recv",
+        "test_send_recv_any_source",
+        "test_send_recv_with_tag",
+        "test_isend",
+        "test_irecv",
+        # DDP on CPU
+        "test_DistributedDataParallelCPU",
+        "test_DistributedDataParallelCPU_grad_is_view",
+        "test_ddp_comm_hook_logging",
+        "test_ddp_hook_parity_allreduce",
+        "test_ddp_unused_params_rebuild_buckets_exception",
+        "test_ddp_uneven_inputs",
+    ],
+}
+
+
+class Unavailable(Exception):
+    """torch.distributed or the chosen backend cannot be loaded (exit status 2)."""
+
+
+def _import_shard():
+    """Makes torch.distributed._shard importable on Python 3.11 (torch 1.13 and older).
+
+    The suite turns on DDP's ReplicatedTensor mode in every rank, so every DDP case imports
+    torch.distributed._shard, whose sharded_tensor/metadata.py declares
+    `tensor_properties: TensorProperties = field(default=TensorProperties())`. Python 3.11's
+    dataclasses refuse an unhashable default (ValueError "mutable default"), so with
+    Debian's python3-torch 1.13 every DDP case fails on every backend before it starts.
+    PyTorch 2.0 changed that line to field(default_factory=TensorProperties); this does the
+    same for the one import: while it runs, dataclasses.field turns such a default into a
+    default_factory that copies it. Nothing changes when the import works as it is.
+
+    Errors: whatever the import raises other than that ValueError.
+    """
+    try:
+        import torch.distributed._shard  # noqa: F401
+        return
+    except ValueError as e:
+        if "mutable default" not in str(e):
+            raise
+    import copy
+    import dataclasses
+
+    for name in [m for m in sys.modules if m.startswith("torch.distributed._shard")]:
+        del sys.modules[name]
+    original = dataclasses.field
+
+    def field(*, default=dataclasses.MISSING, **kwargs):
+        if (default is not dataclasses.MISSING and dataclasses.is_dataclass(default)
+                and type(default).__hash__ is None):
+            return original(default_factory=lambda: copy.deepcopy(default), **kwargs)
+        return original(default=default, **kwargs)
+
+    dataclasses.field = field
+    try:
+        import torch.distributed._shard  # noqa: F401,F811
+    finally:
+        dataclasses.field = original
+
+
+def _load_suite():
+    """Imports the suite with the backend registered and defines the test class.
+
+    Reads BACKEND and TORCHPAR_DIST_RUNNER_TIMEOUT (seconds) from the environment; puts this
+    directory (the expecttest stand-in) on sys.path. Returns the class, also bound in this
+    module's globals under CLASS_NAME so that spawned ranks find it by name.
+
+    Errors: Unavailable when torch.distributed is not built or the backend does not import.
+    """
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise Unavailable(UNAVAILABLE)
+    backend = os.environ["BACKEND"]
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise Unavailable("torch.distributed has no gloo")
+    _import_shard()
+    from torch.testing._internal import common_distributed
+
+    if backend == "torchpar":
+        try:
+            import torchpar.distributed  # noqa: F401  (registers the backend)
+        except ImportError as e:
+            raise Unavailable(f"import torchpar.distributed failed: {e}") from e
+        for feature in ("plugin", "ddp", "subgroup"):
+            common_distributed.DistTestCases.backend_feature[feature].add(backend)
+    timeout = int(os.environ.get(TIMEOUT_ENV, "0"))
+    if timeout > 0:
+        # _join_processes reads the module's get_timeout for each case.
+        common_distributed.get_timeout = lambda test_id: timeout
+    from torch.testing._internal.distributed import distributed_test
+
+    class TestDistBackendWithSpawn(distributed_test.TestDistBackend,
+                                   distributed_test.DistributedTest._DistTestBase):
+        """test_distributed_spawn.py's class: each case spawns WORLD_SIZE ranks."""
+
+        def setUp(self):
+            super().setUp()
+            self._spawn_processes()
+
+    TestDistBackendWithSpawn.__qualname__ = CLASS_NAME
+    TestDistBackendWithSpawn.__module__ = __name__
+    globals()[CLASS_NAME] = TestDistBackendWithSpawn
+    return TestDistBackendWithSpawn
+
+
+# A spawned rank re-imports this file as __mp_main__ and unpickles its target by the name
+# __main__.TestDistBackendWithSpawn._run: define the class here, registration included.
+if __name__ == "__mp_main__" and os.environ.get(RUNNER_ENV) == "1":
+    _load_suite()
+
+
+class CaseTimeout(Exception):
+    """The parent side of a case ran past its bound (SIGALRM)."""
+
+
+def _on_alarm(signum, frame):
+    raise CaseTimeout("the case's parent side ran past --timeout + 30 s")
+
+
+def _select(names, patterns, subset):
+    """Names kept by -k patterns (any) and the subset's list (when given)."""
+    if subset is not None:
+        wanted = set(SUBSETS[subset])
+        names = [n for n in names if n in wanted]
+    if patterns:
+        def keep(name):
+            for p in patterns:
+                if any(c in p for c in "*?[") and fnmatch.fnmatchcase(name, p):
+                    return True
+                if p in name:
+                    return True
+            return False
+
+        names = [n for n in names if keep(n)]
+    return names
+
+
+def _reason(err_text):
+    """One line from a formatted failure: the first rank's exception, or the last line.
+
+    The suite raises RuntimeError("Process R exited with error code 10 and exception:\\n
+    <traceback>") per failed rank, or "Process R terminated or timed out after S seconds".
+    """
+    lines = [ln.rstrip() for ln in err_text.splitlines()]
+    for i, ln in enumerate(lines):
+        if "terminated or timed out after" in ln or "timed out after" in ln:
+            return ln.strip()
+        if ln.startswith("Process ") and "exited with error code" in ln:
+            block = []
+            for nxt in lines[i + 1:]:
+                if nxt.startswith("Process ") and "exited with error code" in nxt:
+                    break
+                block.append(nxt)
+            exc = [b for b in block if b and not b.startswith(" ") and
+                   not b.startswith("Traceback") and
+                   not b.startswith("During handling") and
+                   not b.startswith("The above exception")]
+            if exc:
+                return f"rank {ln.split()[1]}: {exc[-1].strip()}"[:300]
+    exc = [ln for ln in lines if ln and not ln.startswith(" ")]
+    return (exc[-1] if exc else "(no message)").strip()[:300]
+
+
+class _Result(unittest.TestResult):
+    """Collects one case's outcome: pass / fail / error / skip with a reason."""
+
+    def __init__(self):
+        super().__init__()
+        self.outcome = "pass"
+        self.reason = ""
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self.outcome, self.reason = "fail", _reason(self.failures[-1][1])
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self.outcome, self.reason = "error", _reason(self.errors[-1][1])
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self.outcome, self.reason = "skip", str(reason).splitlines()[0] if reason else ""
+
+    def addExpectedFailure(self, test, err):
+        super().addExpectedFailure(test, err)
+        self.outcome = "pass"
+
+    def addUnexpectedSuccess(self, test):
+        super().addUnexpectedSuccess(test)
+        self.outcome, self.reason = "fail", "unexpected success"
+
+
+def _run_case(cls, name, timeout):
+    """Runs one case; returns (outcome, seconds, reason). Bounded by timeout + 30 s."""
+    import torch.multiprocessing as tmp
+
+    result = _Result()
+    start = time.monotonic()
+    old = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.alarm(timeout + 30)
+    try:
+        cls(name).run(result)
+    except CaseTimeout as e:
+        result.outcome, result.reason = "error", str(e)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        for child in tmp.active_children():  # a case interrupted before its tearDown
+            child.kill()
+            child.join(5)
+    return result.outcome, time.monotonic() - start, result.reason
+
+
+def _shm_names():
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("torchpar_")}
+    except OSError:
+        return set()
+
+
+def _diff(path_a, path_b):
+    """Prints the cases that pass in run A and do not pass in run B; returns 0."""
+    with open(path_a) as f:
+        a = json.load(f)
+    with open(path_b) as f:
+        b = json.load(f)
+    b_cases = {c["name"]: c for c in b["cases"]}
+    print(f"pass in {a['backend']} (world size {a['world_size']}), "
+          f"not in {b['backend']} (world size {b['world_size']}):")
+    n = 0
+    for c in a["cases"]:
+        other = b_cases.get(c["name"])
+        if c["outcome"] == "pass" and other is not None and other["outcome"] != "pass":
+            n += 1
+            print(f"  {c['name']}: {other['outcome'].upper()} {other['reason']}")
+    print(f"{n} case(s)")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="PyTorch's distributed_test.py against backend torchpar or gloo.")
+    parser.add_argument("--backend", choices=BACKENDS, default="torchpar")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks per case (the suite's WORLD_SIZE; default 2)")
+    parser.add_argument("-k", action="append", default=[], metavar="PATTERN",
+                        help="keep cases whose name contains / matches PATTERN (repeatable)")
+    parser.add_argument("--subset", choices=sorted(SUBSETS),
+                        help="a named list of cases (default: the whole suite)")
+    parser.add_argument("--timeout", type=int, default=120,
+                        help="seconds per case for the ranks (default 120)")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--rank-log", metavar="FILE",
+                        help="where the ranks' and the suite's output goes")
+    parser.add_argument("--list", action="store_true", help="print the selection and exit")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="leave the ranks' output on the terminal")
+    parser.add_argument("--diff", nargs=2, metavar=("A.json", "B.json"),
+                        help="print the cases passing in A and not in B, and exit")
+    args = parser.parse_args(argv)
+    if args.diff:
+        return _diff(*args.diff)
+    if args.world_size < 2:
+        parser.error("--world-size must be at least 2")
+
+    os.environ.update({
+        RUNNER_ENV: "1",
+        "BACKEND": args.backend,
+        "WORLD_SIZE": str(args.world_size),
+        TIMEOUT_ENV: str(args.timeout),
+    })
+    os.environ.setdefault("TEMP_DIR", tempfile.gettempdir())  # each case makes its own
+    # common_utils parses sys.argv when imported (and spawned ranks inherit it): hide ours.
+    sys.argv = [sys.argv[0]]
+    try:
+        cls = _load_suite()
+    except Unavailable as e:
+        print(f"SKIP: {e}")
+        return 2
+
+    names = unittest.TestLoader().getTestCaseNames(cls)
+    selected = _select(names, args.k, args.subset)
+    if args.list:
+        print("\n".join(selected))
+        return 0
+    if not selected:
+        print("no case selected")
+        return 3
+
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    log_path = None
+    if not args.verbose:
+        if args.rank_log:
+            log_path = args.rank_log
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        else:
+            log_fd, log_path = tempfile.mkstemp(prefix="dist_test_ranks_", suffix=".log")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+
+    shm_before = _shm_names()
+    print(f"backend {args.backend}, world size {args.world_size}, {len(selected)} case(s), "
+          f"timeout {args.timeout} s" + (f", rank log {log_path}" if log_path else ""),
+          file=out)
+    counts = {"pass": 0, "fail": 0, "error": 0, "skip": 0}
+    cases = []
+    started = time.monotonic()
+    for name in selected:
+        outcome, seconds, reason = _run_case(cls, name, args.timeout)
+        counts[outcome] += 1
+        cases.append({"name": name, "outcome": outcome, "seconds": round(seconds, 2),
+                      "reason": reason})
+        line = f"{outcome.upper():5} {seconds:6.1f}s {name}"
+        if outcome in ("fail", "error") or (outcome == "skip" and args.verbose):
+            line += f": {reason}"
+        print(line, file=out)
+    total = time.monotonic() - started
+    shm_left = sorted(_shm_names() - shm_before)
+
+    print(f"{args.backend} world size {args.world_size}: {counts['pass']} passed, "
+          f"{counts['fail']} failed, {counts['error']} errors, {counts['skip']} skipped "
+          f"of {len(selected)} in {total:.0f} s", file=out)
+    if shm_left:
+        print(f"left in /dev/shm: {' '.join(shm_left)}", file=out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({
+                "backend": args.backend,
+                "world_size": args.world_size,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"),
+                "machine": f"{platform.node()} {platform.machine()}, "
+                           f"{os.cpu_count()} cpus, Python {platform.python_version()}",
+                "torch": __import__("torch").__version__,
+                "subset": args.subset,
+                "patterns": args.k,
+                "timeout": args.timeout,
+                "seconds": round(total, 1),
+                "counts": counts,
+                "shm_left": shm_left,
+                "cases": cases,
+            }, f, indent=1)
+    out.close()
+    return 0 if counts["fail"] == 0 and counts["error"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
