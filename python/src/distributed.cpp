@@ -534,6 +534,70 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
     });
   }
 
+  /// outputs[r][i] = inputs[i] of rank r; one collective when the inputs share a dtype.
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<Tensors>& outputs, Tensors& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
+    const int n = getSize();
+    if (static_cast<int>(outputs.size()) != n) {
+      throw ValueError(fmt::format(
+          "torchpar process group: all_gather_coalesced needs group size ({}) output lists; "
+          "got {}",
+          n, outputs.size()));
+    }
+    bool one_dtype = true;
+    for (const auto& list : outputs) {
+      if (list.size() != inputs.size()) {
+        throw ValueError(fmt::format(
+            "torchpar process group: all_gather_coalesced: every output list must have {} "
+            "tensors (one per input); got {}",
+            inputs.size(), list.size()));
+      }
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        if (list[i].numel() != inputs[i].numel() ||
+            list[i].scalar_type() != inputs[i].scalar_type()) {
+          throw ValueError(fmt::format(
+              "torchpar process group: all_gather_coalesced: output {} must have the {} "
+              "elements of {} of input {}",
+              i, inputs[i].numel(), c10::toString(inputs[i].scalar_type()), i));
+        }
+      }
+    }
+    for (const auto& t : inputs)
+      one_dtype = one_dtype && t.scalar_type() == inputs[0].scalar_type();
+    Tensors flat_out;
+    for (const auto& list : outputs) flat_out.insert(flat_out.end(), list.begin(), list.end());
+    const std::vector<Tensors> out = outputs;
+    const Tensors in = inputs;
+    const CollectiveOptions o{.timeout = call_timeout(opts.timeout)};
+    return enqueue(
+        c10d::OpType::ALLGATHER_COALESCED, flat_out,
+        [out, in, n, one_dtype, o](CollectiveGroup& g) {
+          if (in.empty()) return;
+          if (!one_dtype) {
+            for (size_t i = 0; i < in.size(); ++i) {
+              Tensors parts;
+              for (const auto& list : out) parts.push_back(list[i]);
+              g.all_gather(parts, in[i], o);
+            }
+            return;
+          }
+          Tensors flat;
+          for (const auto& t : in) flat.push_back(t.reshape({-1}));
+          const at::Tensor mine = at::cat(flat);
+          Tensors every = empties_like(mine, n);
+          g.all_gather(every, mine, o);
+          for (int r = 0; r < n; ++r) {
+            int64_t at_elem = 0;
+            for (size_t i = 0; i < in.size(); ++i) {
+              const at::Tensor& dst = out[static_cast<size_t>(r)][i];
+              dst.copy_(
+                  every[static_cast<size_t>(r)].narrow(0, at_elem, dst.numel()).view(dst.sizes()));
+              at_elem += dst.numel();
+            }
+          }
+        });
+  }
+
   c10::intrusive_ptr<c10d::Work> gather(std::vector<Tensors>& outputs, Tensors& inputs,
                                         const c10d::GatherOptions& opts) override {
     const at::Tensor t = single(inputs, "gather");

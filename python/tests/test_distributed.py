@@ -173,6 +173,12 @@ def _gathers(rank, world, dtype):
     flat = torch.zeros(world * 4, dtype=dtype)
     dist._all_gather_base(flat, _value(rank, dtype))
     _eq(flat, every.reshape(-1), "_all_gather_base")
+    ins = [_value(rank, dtype, 2), _value(rank, dtype, 6).view(2, 3)]
+    outs = [[torch.zeros(2, dtype=dtype), torch.zeros(2, 3, dtype=dtype)] for _ in range(world)]
+    dist.all_gather_coalesced(outs, ins)
+    for r in range(world):
+        _eq(outs[r][0], _value(r, dtype, 2), "all_gather_coalesced[0]")
+        _eq(outs[r][1], _value(r, dtype, 6).view(2, 3), "all_gather_coalesced[1]")
     root = 1
     lst = [torch.zeros(4, dtype=dtype) for _ in range(world)] if rank == root else None
     dist.gather(_value(rank, dtype), lst, dst=root)
