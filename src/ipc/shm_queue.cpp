@@ -79,7 +79,8 @@ void wait_for_change(QueueControl* c, uint32_t* seq, uint32_t seen, uint32_t* sl
     return v != seen || atomic_word(c->closed).load() != 0;
   };
   if (spins < kSpinIterations) {
-    spin_until(seq, changed, SpinPolicy{.looks = kSpinIterations - spins}, &spins);
+    spin_until(seq, changed, SpinPolicy{.looks = kSpinIterations - spins, .yield_every = 100},
+               &spins);
     return;
   }
   wait_until(seq, changed, deadline,
