@@ -5,8 +5,10 @@ loopback (tcp://127.0.0.1), run torch.distributed's own functions on backend "to
 check every result against the arithmetic they compute locally (float32 and int64). A rank
 reports failure by its exit code (its traceback goes to stderr, which pytest shows). Also:
 DDP of a small nn.Linear gives the same parameters on every rank and the same as on "gloo";
-a rank SIGKILLed before an all_reduce makes the other raise naming it, a SIGSTOPped one makes
-it raise TimeoutError, each within the group timeout; nothing stays in /dev/shm.
+three ranks on two "hosts" (a private /dev/shm) run every op and DDP on the hierarchical
+backend; an all_reduce nobody waits for still runs; a rank SIGKILLed before an all_reduce
+makes the others raise naming it, a SIGSTOPped one makes the other raise TimeoutError, each
+within the group timeout; nothing stays in /dev/shm.
 """
 import datetime
 import multiprocessing
@@ -37,10 +39,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _rank_main(body, rank, world, init_method, timeout_s, args):
-    """A rank's process: init "torchpar", run body, exit 0 (1 with the traceback on stderr)."""
+def _rank_main(body, rank, world, init_method, timeout_s, args, prepare=None):
+    """A rank's process: prepare(rank) when given, init "torchpar", run body, exit 0 (1 with
+    the traceback on stderr)."""
     code = 1
     try:
+        if prepare is not None:
+            prepare(rank)
         dist.init_process_group("torchpar", init_method=init_method, rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -53,10 +58,11 @@ def _rank_main(body, rank, world, init_method, timeout_s, args):
         os._exit(code)
 
 
-def run_job(body, world, *args, store="file", timeout_s=20.0, tmp_path=None, expect=None):
-    """Runs body(rank, world, *args) as `world` forked ranks of a "torchpar" group and returns
-    their exit codes; each must match `expect` (default: all 0). Ranks still alive after
-    JOB_S seconds are killed (the test fails)."""
+def run_job(body, world, *args, store="file", timeout_s=20.0, tmp_path=None, expect=None,
+            prepare=None):
+    """Runs body(rank, world, *args) as `world` forked ranks of a "torchpar" group (after
+    prepare(rank) when given) and returns their exit codes; each must match `expect`
+    (default: all 0). Ranks still alive after JOB_S seconds are killed (the test fails)."""
     if store == "file":
         path = tmp_path / "store"
         if path.exists():  # a FileStore file of a job that failed: never reuse it
@@ -65,7 +71,8 @@ def run_job(body, world, *args, store="file", timeout_s=20.0, tmp_path=None, exp
     else:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_rank_main, args=(body, r, world, init_method, timeout_s, args))
+    procs = [ctx.Process(target=_rank_main,
+                         args=(body, r, world, init_method, timeout_s, args, prepare))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -342,6 +349,53 @@ def _unwaited_progress(rank, world):
 
 def test_unwaited_call_progresses(tmp_path):
     run_job(_unwaited_progress, 3, tmp_path=tmp_path)
+
+
+# ---- across "hosts": hierarchical ------------------------------------------------------------
+
+def _become_another_host(rank):
+    """Rank 2 becomes a host of its own for torchpar (whose host key includes /dev/shm's
+    device): a private mount namespace with a fresh tmpfs on /dev/shm (needs CAP_SYS_ADMIN),
+    as tests/dist/collective_test.cpp does."""
+    if rank != 2:
+        return
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_nosuid, ms_nodev, ms_rec, ms_private, clone_newns = 2, 4, 16384, 1 << 18, 0x20000
+    if (libc.unshare(clone_newns) != 0
+            or libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0
+            or libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", ms_nosuid | ms_nodev,
+                          b"size=64m,mode=1777") != 0):
+        raise OSError(ctypes.get_errno(), "cannot make a private /dev/shm")
+
+
+def _can_become_another_host():
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_become_another_host, args=(2,))
+    p.start()
+    p.join(10)
+    return p.exitcode == 0
+
+
+def _hierarchical_ops(rank, world):
+    _expect(tpd.collective_backend() == "hierarchical", tpd.collective_backend())
+    for dtype in (torch.float32, torch.int64):
+        _reductions(rank, world, dtype)
+        _gathers(rank, world, dtype)
+        _exchanges(rank, world, dtype)
+        _point_to_point(rank, world, dtype)
+    ours = _train(rank, "torchpar")
+    every = [torch.zeros_like(ours) for _ in range(world)]
+    dist.all_gather(every, ours)
+    for r in range(world):
+        _eq(every[r], ours, f"rank {r}'s parameters after DDP across hosts")
+
+
+def test_across_hosts_hierarchical(tmp_path):
+    """Hosts {0, 1} and {2}: every op and DDP on the hierarchical backend."""
+    if not _can_become_another_host():
+        pytest.skip("needs CAP_SYS_ADMIN for a private /dev/shm")
+    run_job(_hierarchical_ops, 3, store="tcp", prepare=_become_another_host)
 
 
 # ---- DDP -----------------------------------------------------------------------------------
