@@ -161,13 +161,21 @@ struct Task {
 /// Lifetime: stop() lets the queued calls finish (and one a waiting thread runs), then joins
 /// the thread (or detaches it when called from the thread itself: a Future callback dropping
 /// the last reference). Safety: thread-safe.
-class Worker {
+class Worker : public std::enable_shared_from_this<Worker> {
  public:
   static constexpr std::chrono::microseconds kClaimDelay{200};
   static constexpr std::chrono::milliseconds kPoll{1};
   static constexpr std::chrono::seconds kIdleAfter{1};
 
-  ~Worker() { stop(); }
+  /// Runs after the thread let go of the Worker (it holds it while it runs).
+  ~Worker() {
+    if (!thread_.joinable()) return;
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();  // the thread's last act: dropping its reference
+    } else {
+      thread_.join();
+    }
+  }
 
   /// Queues `fn`. Errors: ClosedError after stop().
   std::shared_ptr<Task> submit(std::function<void()> fn) {
@@ -178,7 +186,9 @@ class Worker {
     queue_.push_back(task);
     last_used_ = now;
     if (!thread_.joinable()) {
-      thread_ = std::thread([this] { loop(); });
+      // The thread holds the Worker: it may outlive every other owner (stop() called from a
+      // Future callback on this very thread detaches it, and it drains the queue alone).
+      thread_ = std::thread([self = shared_from_this()] { self->loop(); });
     } else if (asleep_) {
       cv_.notify_all();
     }
@@ -826,8 +836,10 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Tensors outputs,
                                          std::function<void(CollectiveGroup&)> body) {
     auto work = c10::make_intrusive<CollectiveWork>(getRank(), type, std::move(outputs), timeout_);
-    // A raw pointer: the destructor stops the worker (every call ran) before State goes.
-    State* state = state_.get();
+    // The call holds State: after stop() from the worker's own thread (a Future callback
+    // dropping the process group) the queued calls still run, on a destroyed group (they
+    // raise ClosedError), never on a freed one.
+    auto state = state_;
     auto task = state->worker->submit([state, work, body = std::move(body)] {
       std::exception_ptr error;
       try {
@@ -837,7 +849,7 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
       }
       work->complete(error);
     });
-    work->set_task(state->worker, task);
+    work->set_task(state_->worker, task);
     return work;
   }
 
