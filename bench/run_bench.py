@@ -37,6 +37,10 @@ Benchmarks (names for --only), run in this order:
                dict of 16 tensors, Pool.map and apply_async, DataLoader with 4 workers); imports
                torchpar from <build>/python beside --bin or the install prefix's
                lib/python3.X/dist-packages ("Python package not built" when it cannot)
+  python_dist  peers/python_dist.py: torch.distributed from /usr/bin/python3 on the c10d backend
+               "torchpar" (torchpar.distributed) vs "gloo", 2 ranks: all_reduce, broadcast and
+               all_gather of float32 at 4 B to 64 MiB, DDP training of the mnist_hogwild network
+               (samples/s, test accuracy); torchpar found as for python
 
 Method: every round runs ours, then each peer (round r: ours, peer1, peer2, ...). A full run does
 3 rounds of every benchmark and no untimed warm-up round: each run is a fresh set of processes
@@ -81,7 +85,7 @@ PEERS = BENCH_DIR / "peers"
 RESULTS = BENCH_DIR / "results"
 PY = "/usr/bin/python3"
 BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "pserver", "collectives", "scale-out",
-              "train", "inference", "python")
+              "train", "inference", "python", "python_dist")
 KiB, MiB = 1 << 10, 1 << 20
 # The programs each section runs from --bin (the CMake target `benchmarks` builds them all).
 SECTION_PROGRAMS = {"limits": ("shm_bench",), "handoff": ("ipc_bench", "shm_bench"),
@@ -1762,14 +1766,14 @@ def python_package_dir(cfg):
     return next((d for d in candidates if (d / "torchpar" / "__init__.py").exists()), None)
 
 
-def python_package_check(cfg):
-    """(directory for sys.path or None, None) when /usr/bin/python3 imports
-    torchpar.multiprocessing from there, else (None, reason)."""
+def python_package_check(cfg, module="torchpar.multiprocessing"):
+    """(directory for sys.path or None, None) when /usr/bin/python3 imports `module` (a
+    torchpar module) from there, else (None, reason)."""
     d = python_package_dir(cfg)
-    code = ("import sys\nif sys.argv[1]: sys.path.insert(0, sys.argv[1])\n"
-            "import torch, torchpar.multiprocessing\nprint(torchpar.__file__)")
+    code = ("import importlib, sys\nif sys.argv[1]: sys.path.insert(0, sys.argv[1])\n"
+            "import torch, torchpar\nimportlib.import_module(sys.argv[2])\nprint(torchpar.__file__)")
     try:
-        r = subprocess.run([PY, "-c", code, str(d or "")], capture_output=True, text=True,
+        r = subprocess.run([PY, "-c", code, str(d or ""), module], capture_output=True, text=True,
                            timeout=180, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{PY_NOT_BUILT} ({PY} did not run: {e})"
@@ -1903,6 +1907,260 @@ def plot_python(runs, out):
 
 
 # ----------------------------------------------------------------------------------------------
+# python_dist: torch.distributed on the c10d backend "torchpar" vs "gloo" (python_dist.py)
+
+# The backends python_dist.py runs (--impl) and their names in the report.
+PYD_IMPLS = {"torchpar": "torch.distributed torchpar", "gloo": "torch.distributed gloo"}
+PYD_OPS = ("all_reduce", "broadcast", "all_gather")
+PYD_SIZES = (4, 4 * KiB, MiB, 16 * MiB, 64 * MiB)  # bytes per rank, the issue's
+PYD_PG_SIZES = (4, 4 * KiB)  # where python_dist.py also times pg.allreduce([t]).wait()
+# Case groups, each run by one process per backend and round (round r: torchpar's collectives,
+# gloo's, the small all_reduces with the ranks bound to cores (torchpar's, gloo's), torchpar's
+# DDP, gloo's): group, cases, python_dist.py's sizes and extra flags.
+PYD_GROUPS = (("collectives", PYD_OPS, PYD_SIZES, []),
+              ("bound", ("all_reduce",), PYD_PG_SIZES, ["--bind"]),
+              ("ddp", ("ddp",), PYD_SIZES, []))
+# issue 40: torchpar's dist.all_reduce latency at least this many times below gloo's
+PYD_TARGETS = {("all_reduce", 4): 50, ("all_reduce", 16 * MiB): 4}
+PYD_DDP_TARGET = 1.3  # DDP samples/s, x gloo's
+PYD_ACC_POINTS = 1.0  # DDP test accuracy within this many points of gloo's
+# Work (quick, full) passed to python_dist.py: timed calls of the sizes up to 1 MiB (fewer
+# above), untimed calls, DDP training samples (1 epoch; quick as the train section's).
+PYD_WORK = {"iters": (100, 1000), "warmup": (10, 50), "samples": (TRAIN_QUICK_LIMIT, 60000)}
+# Per-case error lines and notes of the runs ({runner name: {case: text}}).
+PYD_CASE_ERRORS, PYD_NOTES = {}, {}
+# Every section's runs of this run (main fills it): the report puts coll_bench's C++ figures
+# beside the Python calls when the collectives section ran too.
+ALL_RESULTS = {}
+
+
+def pyd_runner_name(impl, group):
+    return f"{PYD_IMPLS[impl]}: {group}"
+
+
+def pyd_group(case):
+    """The unbound group that runs `case`."""
+    return next(g for g, cases, _, flags in PYD_GROUPS if case in cases and not flags)
+
+
+def parse_python_dist(name):
+    """python_dist.py's lines -> {'<case>/<measure>': value}; error and note lines go to
+    PYD_CASE_ERRORS and PYD_NOTES."""
+    def parse(out):
+        values = {}
+        errors, notes = PYD_CASE_ERRORS.setdefault(name, {}), PYD_NOTES.setdefault(name, {})
+        for r in json_lines(out):
+            if "error" in r:
+                errors[r["case"]] = r["error"]
+            elif "note" in r:
+                notes[r["case"]] = r["note"]
+            elif "value" in r:
+                values[f"{r['case']}/{r['name']}"] = r["value"]
+        if not values and errors:
+            values["cases_failed"] = len(errors)
+        return values
+    return parse
+
+
+def runners_python_dist(cfg):
+    progress("[python_dist] checking that /usr/bin/python3 imports torchpar.distributed ...",
+             end="")
+    d, why = python_package_check(cfg, "torchpar.distributed")
+    progress(f" {why or 'yes, from ' + str(d or 'its own path')}")
+    if why:  # not ours: a build without the Python package is not a failed benchmark
+        return [Runner(PYD_IMPLS["torchpar"], False, [PY], lambda out: {}, 0, skip=why)]
+    timeout = cfg.pick(300, 900)
+    runners = []
+    for group, cases, sizes, flags in PYD_GROUPS:
+        for impl in PYD_IMPLS:
+            cmd = [PY, PEERS / "python_dist.py", "--impl", impl, "--case", ",".join(cases),
+                   "--sizes", ",".join(map(str, sizes)), "--timeout", timeout - 30,
+                   "--case-timeout", timeout - 60] + flags + (["--pythonpath", d] if d else [])
+            for key, work in PYD_WORK.items():
+                cmd += [f"--{key}", cfg.pick(*work)]
+            name = pyd_runner_name(impl, group)
+            runners.append(Runner(name, impl == "torchpar", cmd, parse_python_dist(name), timeout))
+    return runners
+
+
+def pyd_get(runs, impl, case, measure, group=None):
+    """One backend's median of '<case>/<measure>' (from `group`, default the unbound one), or
+    None."""
+    rec = runs.get(pyd_runner_name(impl, group or pyd_group(case)))
+    return rec["median"].get(f"{case}/{measure}") if rec else None
+
+
+def pyd_cell(runs, impl, case, measure):
+    """Text of one backend's measure: the value, or why there is none."""
+    v = pyd_get(runs, impl, case, measure)
+    if v is not None:
+        return fmt(v)
+    name = pyd_runner_name(impl, pyd_group(case))
+    rec = runs.get(name)
+    err = PYD_CASE_ERRORS.get(name, {}).get(case) or (rec or {}).get("error")
+    return f"not available: {err}" if err else "n/a"
+
+
+def report_python_dist(runs, limits, cfg):
+    skipped = runs.get(PYD_IMPLS["torchpar"])
+    if skipped and skipped["error"] and skipped["error"].startswith(PY_NOT_BUILT):
+        return f"{skipped['error']}: nothing measured.", {"error": skipped["error"]}
+    md, summary, trows = [], {}, []
+    for op in PYD_OPS:
+        rows = []
+        for n in PYD_SIZES:
+            us = [pyd_get(runs, i, op, f"{n}/us") for i in PYD_IMPLS]
+            ratio = advantage(us[0], us[1], False)
+            target = PYD_TARGETS.get((op, n))
+            rows.append((fmt_bytes(n), *(pyd_cell(runs, i, op, f"{n}/us") for i in PYD_IMPLS),
+                         *(fmt(pyd_get(runs, i, op, f"{n}/p99")) for i in PYD_IMPLS),
+                         *(fmt_GBps(pyd_get(runs, i, op, f"{n}/busbw")) for i in PYD_IMPLS),
+                         fmt_x(ratio), "-" if target is None else f"≥ {target}x",
+                         verdict(ratio, target, True)))
+            summary[f"{op}/{n}"] = {"torchpar_us": us[0], "gloo_us": us[1], "ratio": ratio,
+                                    "target": target,
+                                    "met": None if target is None or ratio is None
+                                    else ratio >= target}
+            if target is not None:
+                trows.append((f"dist.{op} {fmt_bytes(n)}: torchpar ≥ {target}x gloo (latency)",
+                              f"{fmt(us[0])} vs {fmt(us[1])} us = {fmt_x(ratio)}",
+                              verdict(ratio, target, True)))
+        md.append(f"### dist.{op}\n\n" + table(
+            ["size", "torchpar median (µs)", "gloo median (µs)", "torchpar p99 (µs)",
+             "gloo p99 (µs)", "torchpar busbw (GB/s)", "gloo busbw (GB/s)", "torchpar vs gloo",
+             "target", "met"], rows))
+
+    # What the Python call costs: the process group called directly, the ranks bound to cores
+    # (as coll_bench binds its), and C++ (coll_bench) when the collectives section ran too.
+    coll = coll_medians(ALL_RESULTS["collectives"]) if "collectives" in ALL_RESULTS else {}
+    crows = []
+    for n in PYD_PG_SIZES:
+        for impl, cpp in (("torchpar", "torchpar-shm"), ("gloo", "c10d-gloo-cpp")):
+            call, pg = (pyd_get(runs, impl, "all_reduce", f"{n}/{m}") for m in ("us", "pg_us"))
+            bcall, bpg = (pyd_get(runs, impl, "all_reduce", f"{n}/{m}", "bound")
+                          for m in ("us", "pg_us"))
+            c = coll.get(f"{cpp}/all_reduce/{n}/us")
+            crows.append((fmt_bytes(n), impl, fmt(call), fmt(pg), fmt(bcall), fmt(bpg),
+                          fmt(c) if coll else "not run",
+                          fmt(bcall - c) if bcall is not None and c is not None else "n/a"))
+            summary[f"call_cost/{impl}/{n}"] = {"dist_us": call, "pg_us": pg,
+                                                "bound_dist_us": bcall, "bound_pg_us": bpg,
+                                                "cpp_us": c}
+    b4 = pyd_get(runs, "torchpar", "all_reduce", "4/us", "bound")
+    g4 = best([pyd_get(runs, "gloo", "all_reduce", "4/us", g) for g in ("collectives", "bound")],
+              False)
+    summary["all_reduce/4/bound_vs_gloo_best"] = advantage(b4, g4, False)
+    md.append("### What the Python call costs (all_reduce)\n\n" + table(
+        ["size", "backend", "dist.all_reduce (µs)", "pg.allreduce([t]).wait() (µs)",
+         "dist.all_reduce, ranks bound (µs)", "pg.allreduce, ranks bound (µs)",
+         "C++ in this run, ranks bound (µs)", "Python's share, bound (µs)"], crows, left=2)
+        + "\n\npg.allreduce: the same group's c10d ProcessGroup called directly (what "
+        "dist.all_reduce runs after its Python argument checks); the difference is "
+        "distributed_c10d's Python wrapper. Ranks bound: each rank pinned to a core of its own "
+        "(python_dist.py --bind), as coll_bench pins its ranks; the tables above leave the "
+        "ranks where the kernel puts them, as torch.distributed users run them. C++: "
+        "coll_bench's torchpar-shm and c10d-gloo-cpp (the collectives section); "
+        + ("Python's share: dist.all_reduce with the ranks bound minus C++. " if coll else
+           "not run here: `--only collectives,python_dist` puts them beside. ")
+        + f"4 B all_reduce, torchpar's ranks bound, against gloo's better placement: "
+        f"{fmt(b4)} vs {fmt(g4)} us = {fmt_x(summary['all_reduce/4/bound_vs_gloo_best'])}.")
+
+    # DDP
+    sps = [pyd_get(runs, i, "ddp", "samples_per_s") for i in PYD_IMPLS]
+    acc = [pyd_get(runs, i, "ddp", "test_accuracy") for i in PYD_IMPLS]
+    free = [pyd_get(runs, i, "ddp", "nosync_samples_per_s") for i in PYD_IMPLS]
+    drows = [(PYD_IMPLS[i], pyd_cell(runs, i, "ddp", "samples_per_s"),
+              pyd_cell(runs, i, "ddp", "test_accuracy"), fmt(pyd_get(runs, i, "ddp", "final_loss")),
+              fmt(pyd_get(runs, i, "ddp", "test_loss")), fmt(f),
+              fmt_pct(1 - v / f) if v and f else "n/a")
+             for i, v, f in zip(PYD_IMPLS, sps, free)]
+    speed = advantage(sps[0], sps[1], True)
+    ceiling = advantage(best(free, True), sps[1], True)
+    gap = acc[0] - acc[1] if None not in acc else None
+    summary["ddp"] = {"torchpar_samples_per_s": sps[0], "gloo_samples_per_s": sps[1],
+                      "ratio": speed, "target": PYD_DDP_TARGET,
+                      "torchpar_accuracy": acc[0], "gloo_accuracy": acc[1], "accuracy_gap": gap,
+                      "torchpar_nosync_samples_per_s": free[0],
+                      "gloo_nosync_samples_per_s": free[1], "ceiling_ratio": ceiling}
+    trows.append((f"DDP samples/s: torchpar ≥ {PYD_DDP_TARGET}x gloo",
+                  f"{fmt(sps[0])} vs {fmt(sps[1])} = {fmt_x(speed)} (ceiling {fmt_x(ceiling)})",
+                  verdict(speed, PYD_DDP_TARGET, True)))
+    trows.append((f"DDP test accuracy within {PYD_ACC_POINTS:g} point of gloo",
+                  "n/a" if gap is None else f"{acc[0]:.2f}% vs {acc[1]:.2f}% ({gap:+.2f} points)",
+                  "n/a" if gap is None else ("yes" if abs(gap) <= PYD_ACC_POINTS else "no")))
+    data = next((notes["ddp"] for notes in PYD_NOTES.values() if "ddp" in notes),
+                "not known (no run printed it)")
+    md.append("### DDP training, mnist_hogwild network, 2 ranks\n\n" + table(
+        ["backend", "samples/s", "test accuracy (%)", "final training loss", "test loss",
+         "samples/s under no_sync()", "communication's share"], drows)
+        + f"\n\nData: {data.removeprefix('data: ')}. samples/s under no_sync(): a quarter epoch "
+        "more with DDP's gradient all_reduce skipped (model.no_sync()), after the evaluation: "
+        "training with free communication, which no backend can pass; communication's share = "
+        "1 - samples/s / that. Ceiling: the better no_sync() samples/s / gloo's samples/s, the "
+        "most any backend could gain over gloo here.")
+
+    errors = {f"{n}/{c}": e for n, errs in PYD_CASE_ERRORS.items() for c, e in errs.items()}
+    if errors:
+        summary["case_errors"] = errors
+    groups = sorted({v for notes in PYD_NOTES.values() for k, v in notes.items() if k == "group"})
+    w = {key: cfg.pick(*sizes) for key, sizes in PYD_WORK.items()}
+    md.append(
+        "Method: bench/peers/python_dist.py from /usr/bin/python3, one process per backend, case "
+        "group and round (interleaved: torchpar, then gloo), each case 2 fresh ranks (fork, "
+        "torch.set_num_threads(1); not bound to cores but in the \"ranks bound\" columns) meeting "
+        "through a FileStore. Each timed "
+        "call is the plain synchronous call torch.distributed users make (dist.all_reduce(t), "
+        "SUM in place; dist.broadcast(t, src=0); dist.all_gather(list, t)), timed alone in "
+        f"rank 0: {w['iters']:,} calls after {w['warmup']} untimed at sizes up to 1 MiB, fewer "
+        "above (max(3, calls x 1 MiB / bytes)); median and nearest-rank p99 of the calls, then "
+        "the median over rounds; busbw as nccl-tests. Ratios: gloo's latency / torchpar's (> 1: "
+        "torchpar faster). DDP: torch.nn.parallel.DistributedDataParallel (default buckets) of "
+        "peers/mnist_hogwild.py's Net, 1 epoch, batch 64 per rank, SGD(0.01, momentum 0.5), the "
+        "same seeds on both backends (the runs differ only in summation order); samples/s of "
+        "the epoch between two barriers in rank 0, test accuracy after it. "
+        + (f"torchpar's group: {'; '.join(g.split(': ', 1)[1] for g in groups)}. " if groups else "")
+        + ("--quick: one round, fewer calls and samples, a smoke check." if cfg.quick else ""))
+    md.append("### Targets (issue 40)\n\n" + table(["target", "measured", "met"], trows)
+              + "\n\n![python_dist](python_dist.png)")
+    return "\n\n".join(md), summary
+
+
+def plot_python_dist(runs, out, cfg):
+    import matplotlib.pyplot as plt
+    if not any(pyd_runner_name("torchpar", g[0]) in runs for g in PYD_GROUPS):
+        return
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    for ax, op in zip(axes, PYD_OPS):
+        for impl, name in PYD_IMPLS.items():
+            pts = [(n, pyd_get(runs, impl, op, f"{n}/us")) for n in PYD_SIZES]
+            pts = [p for p in pts if p[1] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl,
+                        linewidth=2.5 if impl == "torchpar" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(PYD_SIZES)
+        ax.set_xticklabels([fmt_bytes(n) for n in PYD_SIZES], fontsize=7)
+        ax.set_ylabel("µs per call (median)")
+        ax.set_title(f"dist.{op}, 2 ranks", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes[3]
+    vals = [pyd_get(runs, i, "ddp", "samples_per_s") or 0 for i in PYD_IMPLS]
+    bars = ax.bar(range(len(vals)), vals, color=["C0", "C1"])
+    ax.bar_label(bars, labels=[fmt(v) if v else "n/a" for v in vals], fontsize=8)
+    ax.set_xticks(range(len(vals)))
+    ax.set_xticklabels(list(PYD_IMPLS), fontsize=8)
+    ax.axhline(vals[1] * PYD_DDP_TARGET, color="C3", linestyle="--", linewidth=1)
+    ax.set_title(f"DDP samples/s (target ≥ {PYD_DDP_TARGET}x gloo, dashed)", fontsize=9)
+    fig.suptitle("torch.distributed from Python: backend torchpar vs gloo"
+                 + (" (--quick)" if cfg.quick else ""))
+    fig.tight_layout()
+    fig.savefig(out / "python_dist.png", dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
 # Plots, machine facts, report
 
 
@@ -1960,7 +2218,8 @@ def draw_plots(cfg, results):
                 "scale-out": lambda r: plot_scaleout(r, cfg.out, cfg),
                 "train": lambda r: plot_train(r, cfg.out),
                 "inference": lambda r: plot_inference(r, cfg.out),
-                "python": lambda r: plot_python(r, cfg.out)}
+                "python": lambda r: plot_python(r, cfg.out),
+                "python_dist": lambda r: plot_python_dist(r, cfg.out, cfg)}
     for bench, runs in results.items():
         if bench in plotters:
             try:
@@ -2011,7 +2270,8 @@ def machine_facts(cfg):
 TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "Process pools",
           "manager": "Manager", "rpc": "RPC", "pserver": "Parameter server",
           "collectives": "Collectives", "scale-out": "Scale-out: two hosts", "train": "Training",
-          "inference": "Tensor-parallel inference", "python": "Python package"}
+          "inference": "Tensor-parallel inference", "python": "Python package",
+          "python_dist": "Python torch.distributed backend"}
 
 
 def write_report(cfg, path, meta, sections, notes):
@@ -2058,11 +2318,13 @@ def update_latest(out):
 RUNNERS = {"limits": runners_limits, "handoff": runners_handoff, "pools": runners_pools,
            "manager": runners_manager, "rpc": runners_rpc, "pserver": runners_pserver,
            "collectives": runners_collectives, "train": runners_train,
-           "inference": runners_inference, "python": runners_python}
+           "inference": runners_inference, "python": runners_python,
+           "python_dist": runners_python_dist}
 REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_pools,
            "manager": report_manager, "rpc": report_rpc, "pserver": report_pserver,
            "collectives": report_collectives, "scale-out": report_scaleout, "train": report_train,
-           "inference": report_inference, "python": report_python}
+           "inference": report_inference, "python": report_python,
+           "python_dist": report_python_dist}
 
 
 def main():
@@ -2107,7 +2369,7 @@ def main():
             "machine": machine_facts(cfg)}
     progress(f" {time.monotonic() - t0:.1f} s")
 
-    results = {}
+    results = ALL_RESULTS  # the sections' runs, also read by report_python_dist
     for bench in (b for b in BENCHMARKS if b in only):
         # scale-out owns its setup (namespaces made and removed around its rounds)
         results[bench] = (run_scaleout(cfg) if bench == SCALE
