@@ -8,6 +8,13 @@ BACKEND and WORLD_SIZE. This runner imports that module from the installed pytho
 copies none of it), builds the same test class (TestDistBackend + _DistTestBase, each test
 spawning WORLD_SIZE rank processes with the "spawn" start method and a FileStore
 rendezvous), and runs the chosen cases, so both backends go through the identical code.
+--start-method fork starts the ranks by fork instead (MultiProcessTestCase's
+_start_processes with a fork context, as the older test_distributed_fork.py did): the same
+cases without importing torch in every rank, several seconds less per case.
+
+One repair, for both backends alike: Debian's python3-torch 1.13 on Python 3.11 cannot
+import torch.distributed._shard, which the suite's DDP mode loads in every rank, so every
+DDP case would fail on every backend; _import_shard() below says how it is made to import.
 
 How "torchpar" is plugged in: the suite's hook for third-party backends is
 common_distributed.DistTestCases.backend_feature. The runner imports torchpar.distributed
@@ -16,7 +23,11 @@ common_distributed.DistTestCases.backend_feature. The runner imports torchpar.di
 and "subgroup" (new_group / new_subgroups cases), before the suite module is imported (its
 skip decorators read those sets at import time). Not to "gpu" / "cuda": the backend is
 CPU-only. Cases the suite gates on a backend's name (require_backend({"gloo", ...}),
-BACKEND == "gloo") skip on "torchpar"; that is the suite's own rule for plugins. Spawned
+BACKEND == "gloo") skip on "torchpar"; that is the suite's own rule for plugins.
+--gloo-gates runs them anyway: the suite is imported with BACKEND=gloo, so its skip
+decorators decide as for gloo, and then its BACKEND is set back to the chosen backend, which
+init_process_group and the case bodies use (a body's own `if BACKEND == "gloo"` branches
+then take the other path; a failure there is not necessarily the backend's). Spawned
 ranks re-import this file as __mp_main__ and repeat the registration (the environment
 variable TORCHPAR_DIST_RUNNER tells them to).
 
@@ -54,6 +65,7 @@ import fnmatch
 import json
 import os
 import platform
+import re
 import signal
 import sys
 import tempfile
@@ -63,6 +75,8 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNNER_ENV = "TORCHPAR_DIST_RUNNER"
 TIMEOUT_ENV = "TORCHPAR_DIST_RUNNER_TIMEOUT"
+START_METHOD_ENV = "TORCHPAR_DIST_RUNNER_START_METHOD"
+GLOO_GATES_ENV = "TORCHPAR_DIST_RUNNER_GLOO_GATES"
 CLASS_NAME = "TestDistBackendWithSpawn"
 BACKENDS = ("torchpar", "gloo")
 UNAVAILABLE = "torch.distributed is not available"
@@ -198,7 +212,16 @@ def _load_suite():
     if timeout > 0:
         # _join_processes reads the module's get_timeout for each case.
         common_distributed.get_timeout = lambda test_id: timeout
-    from torch.testing._internal.distributed import distributed_test
+    gloo_gates = backend != "gloo" and os.environ.get(GLOO_GATES_ENV) == "1"
+    if gloo_gates:
+        # The suite's decorators read BACKEND when it is imported: let them see "gloo".
+        os.environ["BACKEND"] = "gloo"
+    try:
+        from torch.testing._internal.distributed import distributed_test
+    finally:
+        os.environ["BACKEND"] = backend
+    if gloo_gates:
+        distributed_test.BACKEND = backend  # what init_process_group and the cases use
 
     class TestDistBackendWithSpawn(distributed_test.TestDistBackend,
                                    distributed_test.DistributedTest._DistTestBase):
@@ -206,7 +229,15 @@ def _load_suite():
 
         def setUp(self):
             super().setUp()
-            self._spawn_processes()
+            # setUp pointed INIT_METHOD at this case's own file; spawned ranks read it when
+            # they import the suite, forked ones get the module's value: give them the same.
+            distributed_test.INIT_METHOD = os.environ["INIT_METHOD"]
+            if os.environ.get(START_METHOD_ENV, "spawn") == "fork":
+                import torch.multiprocessing
+
+                self._start_processes(torch.multiprocessing.get_context("fork").Process)
+            else:
+                self._spawn_processes()
 
     TestDistBackendWithSpawn.__qualname__ = CLASS_NAME
     TestDistBackendWithSpawn.__module__ = __name__
@@ -246,8 +277,21 @@ def _select(names, patterns, subset):
     return names
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Timeout)\w*(:|$)")
+
+
+def _exception_line(lines):
+    """The last line of `lines` that starts an exception ("RuntimeError: ..."), or None.
+
+    c10d's messages carry a C++ stack ("Exception raised from ...", "frame #N: ...") after
+    the exception line: those are never taken.
+    """
+    found = [ln.strip() for ln in lines if _EXCEPTION_LINE.match(ln)]
+    return found[-1] if found else None
+
+
 def _reason(err_text):
-    """One line from a formatted failure: the first rank's exception, or the last line.
+    """One line from a formatted failure: the first failed rank's exception, else the last.
 
     The suite raises RuntimeError("Process R exited with error code 10 and exception:\\n
     <traceback>") per failed rank, or "Process R terminated or timed out after S seconds".
@@ -262,14 +306,14 @@ def _reason(err_text):
                 if nxt.startswith("Process ") and "exited with error code" in nxt:
                     break
                 block.append(nxt)
-            exc = [b for b in block if b and not b.startswith(" ") and
-                   not b.startswith("Traceback") and
-                   not b.startswith("During handling") and
-                   not b.startswith("The above exception")]
+            exc = _exception_line(block)
             if exc:
-                return f"rank {ln.split()[1]}: {exc[-1].strip()}"[:300]
-    exc = [ln for ln in lines if ln and not ln.startswith(" ")]
-    return (exc[-1] if exc else "(no message)").strip()[:300]
+                return f"rank {ln.split()[1]}: {exc}"[:300]
+    exc = _exception_line(lines)
+    if exc is None:
+        rest = [ln for ln in lines if ln and not ln.startswith(" ")]
+        exc = rest[-1] if rest else "(no message)"
+    return exc.strip()[:300]
 
 
 class _Result(unittest.TestResult):
@@ -279,14 +323,17 @@ class _Result(unittest.TestResult):
         super().__init__()
         self.outcome = "pass"
         self.reason = ""
+        self.detail = ""
 
     def addFailure(self, test, err):
         super().addFailure(test, err)
         self.outcome, self.reason = "fail", _reason(self.failures[-1][1])
+        self.detail = self.failures[-1][1]
 
     def addError(self, test, err):
         super().addError(test, err)
         self.outcome, self.reason = "error", _reason(self.errors[-1][1])
+        self.detail = self.errors[-1][1]
 
     def addSkip(self, test, reason):
         super().addSkip(test, reason)
@@ -302,7 +349,9 @@ class _Result(unittest.TestResult):
 
 
 def _run_case(cls, name, timeout):
-    """Runs one case; returns (outcome, seconds, reason). Bounded by timeout + 30 s."""
+    """Runs one case; returns (outcome, seconds, reason, the formatted failure or "").
+
+    Bounded by timeout + 30 s (seconds)."""
     import torch.multiprocessing as tmp
 
     result = _Result()
@@ -319,7 +368,7 @@ def _run_case(cls, name, timeout):
         for child in tmp.active_children():  # a case interrupted before its tearDown
             child.kill()
             child.join(5)
-    return result.outcome, time.monotonic() - start, result.reason
+    return result.outcome, time.monotonic() - start, result.reason, result.detail
 
 
 def _shm_names():
@@ -327,6 +376,21 @@ def _shm_names():
         return {n for n in os.listdir("/dev/shm") if n.startswith("torchpar_")}
     except OSError:
         return set()
+
+
+def _build_info():
+    """Where torchpar was imported from and the repository's commit (for the JSON), or None."""
+    mod = sys.modules.get("torchpar")
+    if mod is None:
+        return None
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", os.path.dirname(HERE), "rev-parse", "--short",
+                               "HEAD"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        head = ""
+    return {"path": os.path.dirname(mod.__file__), "git_head": head.strip()}
 
 
 def _diff(path_a, path_b):
@@ -358,6 +422,12 @@ def main(argv=None):
                         help="keep cases whose name contains / matches PATTERN (repeatable)")
     parser.add_argument("--subset", choices=sorted(SUBSETS),
                         help="a named list of cases (default: the whole suite)")
+    parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
+                        help="how ranks start (default spawn, as upstream; fork saves the "
+                             "import of torch in each rank)")
+    parser.add_argument("--gloo-gates", action="store_true",
+                        help="decide the suite's skips as for gloo (cases gated on the name "
+                             "gloo run on the chosen backend)")
     parser.add_argument("--timeout", type=int, default=120,
                         help="seconds per case for the ranks (default 120)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -379,8 +449,15 @@ def main(argv=None):
         "BACKEND": args.backend,
         "WORLD_SIZE": str(args.world_size),
         TIMEOUT_ENV: str(args.timeout),
+        START_METHOD_ENV: args.start_method,
+        GLOO_GATES_ENV: "1" if args.gloo_gates else "0",
     })
     os.environ.setdefault("TEMP_DIR", tempfile.gettempdir())  # each case makes its own
+    # Upstream's "file" configuration (run_test.py): the suite's gates read INIT_METHOD at
+    # import; each case's setUp then points it at a file of its own, and the ranks always
+    # meet through a FileStore (TestDistBackend.init_method).
+    os.environ.setdefault("INIT_METHOD", "file://" + os.path.join(tempfile.gettempdir(),
+                                                                "dist_test_runner_init"))
     # common_utils parses sys.argv when imported (and spawned ranks inherit it): hide ours.
     sys.argv = [sys.argv[0]]
     try:
@@ -414,16 +491,17 @@ def main(argv=None):
 
     shm_before = _shm_names()
     print(f"backend {args.backend}, world size {args.world_size}, {len(selected)} case(s), "
-          f"timeout {args.timeout} s" + (f", rank log {log_path}" if log_path else ""),
-          file=out)
+          f"{args.start_method}, timeout {args.timeout} s"
+          + (", gloo's gates" if args.gloo_gates else "")
+          + (f", rank log {log_path}" if log_path else ""), file=out)
     counts = {"pass": 0, "fail": 0, "error": 0, "skip": 0}
     cases = []
     started = time.monotonic()
     for name in selected:
-        outcome, seconds, reason = _run_case(cls, name, args.timeout)
+        outcome, seconds, reason, detail = _run_case(cls, name, args.timeout)
         counts[outcome] += 1
         cases.append({"name": name, "outcome": outcome, "seconds": round(seconds, 2),
-                      "reason": reason})
+                      "reason": reason, "detail": detail[-4000:]})
         line = f"{outcome.upper():5} {seconds:6.1f}s {name}"
         if outcome in ("fail", "error") or (outcome == "skip" and args.verbose):
             line += f": {reason}"
@@ -446,9 +524,12 @@ def main(argv=None):
                 "machine": f"{platform.node()} {platform.machine()}, "
                            f"{os.cpu_count()} cpus, Python {platform.python_version()}",
                 "torch": __import__("torch").__version__,
+                "torchpar": _build_info(),
                 "subset": args.subset,
                 "patterns": args.k,
                 "timeout": args.timeout,
+                "start_method": args.start_method,
+                "gloo_gates": args.gloo_gates,
                 "seconds": round(total, 1),
                 "counts": counts,
                 "shm_left": shm_left,
