@@ -297,6 +297,27 @@ def _subgroups(rank, world):
     dist.barrier()
 
 
+def _other_dtypes(rank, world):
+    # The rest of Gloo's CPU dtypes and more: all_reduce, broadcast, all_gather.
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+                  torch.int16, torch.int32):
+        t = _value(rank, dtype)
+        dist.all_reduce(t)
+        _eq(t, _all_values(world, torch.int64).sum(0).to(dtype), f"all_reduce {dtype}")
+        t = _value(rank, dtype)
+        dist.broadcast(t, world - 1)
+        _eq(t, _value(world - 1, dtype), f"broadcast {dtype}")
+        out = [torch.zeros(4, dtype=dtype) for _ in range(world)]
+        dist.all_gather(out, _value(rank, dtype))
+        _eq(torch.stack(out), _all_values(world, dtype), f"all_gather {dtype}")
+    flags = torch.tensor([rank == 0, False, True])
+    dist.all_reduce(flags)  # bool SUM is OR
+    _eq(flags, torch.tensor([True, False, True]), "all_reduce bool")
+    flags = torch.tensor([rank == 0, True])
+    dist.all_reduce(flags, op=dist.ReduceOp.BAND)
+    _eq(flags, torch.tensor([False, True]), "all_reduce bool BAND")
+
+
 def _every_op(rank, world):
     _expect(dist.get_backend() == "torchpar", dist.get_backend())
     _expect(tpd.collective_backend() == "shm", tpd.collective_backend())
@@ -305,6 +326,7 @@ def _every_op(rank, world):
         _gathers(rank, world, dtype)
         _exchanges(rank, world, dtype)
         _point_to_point(rank, world, dtype)
+    _other_dtypes(rank, world)
     _async_and_layout(rank, world)
     _subgroups(rank, world)
 
