@@ -32,7 +32,8 @@ Command add_bench(CLI::App& app) {
   cmd->add_option("--only", o->only,
                   "comma-separated subset of handoff, pools, manager, rpc, pserver, collectives, "
                   "scale-out (root: two network namespaces), train, inference, python (the "
-                  "Python package against torch.multiprocessing and multiprocessing), limits");
+                  "Python package against torch.multiprocessing and multiprocessing), "
+                  "python_dist (torch.distributed on backend torchpar against gloo), limits");
   cmd->add_option("--out", o->out, "output directory (default bench/results/<date>)");
   cmd->add_option("--rounds", o->rounds, "interleaved rounds per benchmark (default 3; --quick 1)")
       ->check(CLI::Range(1, 100));
