@@ -24,10 +24,11 @@ and "subgroup" (new_group / new_subgroups cases), before the suite module is imp
 skip decorators read those sets at import time). Not to "gpu" / "cuda": the backend is
 CPU-only. Cases the suite gates on a backend's name (require_backend({"gloo", ...}),
 BACKEND == "gloo") skip on "torchpar"; that is the suite's own rule for plugins.
---gloo-gates runs them anyway: the suite is imported with BACKEND=gloo, so its skip
-decorators decide as for gloo, and then its BACKEND is set back to the chosen backend, which
-init_process_group and the case bodies use (a body's own `if BACKEND == "gloo"` branches
-then take the other path; a failure there is not necessarily the backend's). Spawned
+--as-gloo runs them anyway: the suite is told BACKEND=gloo (its gates and its case
+bodies, which branch on the name, behave as for gloo) while torch.distributed's
+init_process_group and new_group, asked for "gloo", make "torchpar" groups in every rank.
+What still tells them apart: dist.get_backend() says "torchpar" (test_get_backend expects
+"gloo"), and c10d's Gloo-only calls (monitored_barrier) refuse a torchpar group. Spawned
 ranks re-import this file as __mp_main__ and repeat the registration (the environment
 variable TORCHPAR_DIST_RUNNER tells them to).
 
@@ -76,7 +77,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RUNNER_ENV = "TORCHPAR_DIST_RUNNER"
 TIMEOUT_ENV = "TORCHPAR_DIST_RUNNER_TIMEOUT"
 START_METHOD_ENV = "TORCHPAR_DIST_RUNNER_START_METHOD"
-GLOO_GATES_ENV = "TORCHPAR_DIST_RUNNER_GLOO_GATES"
+AS_GLOO_ENV = "TORCHPAR_DIST_RUNNER_AS_GLOO"
 CLASS_NAME = "TestDistBackendWithSpawn"
 BACKENDS = ("torchpar", "gloo")
 UNAVAILABLE = "torch.distributed is not available"
@@ -180,6 +181,31 @@ def _import_shard():
         dataclasses.field = original
 
 
+def _map_gloo_to(backend):
+    """Makes torch.distributed's init_process_group and new_group create `backend` groups
+    where they are asked for "gloo" (--as-gloo). Patched in the package and in
+    distributed_c10d (whose new_subgroups calls new_group), in this process only.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    def mapped(fn):
+        def call(*args, **kwargs):
+            if "backend" in kwargs:
+                if kwargs["backend"] is not None and str(kwargs["backend"]).lower() == "gloo":
+                    kwargs["backend"] = backend
+            elif args and isinstance(args[0], str) and args[0].lower() == "gloo":
+                args = (backend,) + args[1:]
+            return fn(*args, **kwargs)
+
+        call.__name__ = fn.__name__
+        call.__doc__ = fn.__doc__
+        return call
+
+    dist.init_process_group = mapped(distributed_c10d.init_process_group)
+    dist.new_group = distributed_c10d.new_group = mapped(distributed_c10d.new_group)
+
+
 def _load_suite():
     """Imports the suite with the backend registered and defines the test class.
 
@@ -212,16 +238,15 @@ def _load_suite():
     if timeout > 0:
         # _join_processes reads the module's get_timeout for each case.
         common_distributed.get_timeout = lambda test_id: timeout
-    gloo_gates = backend != "gloo" and os.environ.get(GLOO_GATES_ENV) == "1"
-    if gloo_gates:
-        # The suite's decorators read BACKEND when it is imported: let them see "gloo".
+    as_gloo = backend != "gloo" and os.environ.get(AS_GLOO_ENV) == "1"
+    if as_gloo:
+        _map_gloo_to(backend)
+        # The suite (gates and case bodies) reads BACKEND: it sees "gloo" throughout.
         os.environ["BACKEND"] = "gloo"
     try:
         from torch.testing._internal.distributed import distributed_test
     finally:
         os.environ["BACKEND"] = backend
-    if gloo_gates:
-        distributed_test.BACKEND = backend  # what init_process_group and the cases use
 
     class TestDistBackendWithSpawn(distributed_test.TestDistBackend,
                                    distributed_test.DistributedTest._DistTestBase):
@@ -358,8 +383,9 @@ def _run_case(cls, name, timeout):
     start = time.monotonic()
     old = signal.signal(signal.SIGALRM, _on_alarm)
     signal.alarm(timeout + 30)
+    case = cls(name)
     try:
-        cls(name).run(result)
+        case.run(result)
     except CaseTimeout as e:
         result.outcome, result.reason = "error", str(e)
     finally:
@@ -368,14 +394,28 @@ def _run_case(cls, name, timeout):
         for child in tmp.active_children():  # a case interrupted before its tearDown
             child.kill()
             child.join(5)
+    _RANK_PIDS.update(getattr(case, "pid_to_pipe", {}))
     return result.outcome, time.monotonic() - start, result.reason, result.detail
 
 
-def _shm_names():
+#: The pids of every rank this runner started (torchpar's /dev/shm names carry their owner's).
+_RANK_PIDS = set()
+
+
+def _shm_left():
+    """This run's torchpar_<pid>_... names still in /dev/shm (other jobs' are not counted)."""
+    mine = _RANK_PIDS | {os.getpid()}
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("torchpar_")}
+        names = os.listdir("/dev/shm")
     except OSError:
-        return set()
+        return []
+    left = []
+    for n in names:
+        parts = n.split("_")
+        if n.startswith("torchpar_") and len(parts) > 2 and parts[1].isdigit() \
+                and int(parts[1]) in mine:
+            left.append(n)
+    return sorted(left)
 
 
 def _build_info():
@@ -425,9 +465,9 @@ def main(argv=None):
     parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
                         help="how ranks start (default spawn, as upstream; fork saves the "
                              "import of torch in each rank)")
-    parser.add_argument("--gloo-gates", action="store_true",
-                        help="decide the suite's skips as for gloo (cases gated on the name "
-                             "gloo run on the chosen backend)")
+    parser.add_argument("--as-gloo", action="store_true",
+                        help="the suite runs its gloo configuration; the groups it asks of "
+                             "gloo are made on the chosen backend")
     parser.add_argument("--timeout", type=int, default=120,
                         help="seconds per case for the ranks (default 120)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -450,7 +490,7 @@ def main(argv=None):
         "WORLD_SIZE": str(args.world_size),
         TIMEOUT_ENV: str(args.timeout),
         START_METHOD_ENV: args.start_method,
-        GLOO_GATES_ENV: "1" if args.gloo_gates else "0",
+        AS_GLOO_ENV: "1" if args.as_gloo else "0",
     })
     os.environ.setdefault("TEMP_DIR", tempfile.gettempdir())  # each case makes its own
     # Upstream's "file" configuration (run_test.py): the suite's gates read INIT_METHOD at
@@ -489,10 +529,9 @@ def main(argv=None):
         os.dup2(log_fd, 2)
         os.close(log_fd)
 
-    shm_before = _shm_names()
     print(f"backend {args.backend}, world size {args.world_size}, {len(selected)} case(s), "
           f"{args.start_method}, timeout {args.timeout} s"
-          + (", gloo's gates" if args.gloo_gates else "")
+          + (", as gloo" if args.as_gloo else "")
           + (f", rank log {log_path}" if log_path else ""), file=out)
     counts = {"pass": 0, "fail": 0, "error": 0, "skip": 0}
     cases = []
@@ -507,7 +546,7 @@ def main(argv=None):
             line += f": {reason}"
         print(line, file=out)
     total = time.monotonic() - started
-    shm_left = sorted(_shm_names() - shm_before)
+    shm_left = _shm_left()
 
     print(f"{args.backend} world size {args.world_size}: {counts['pass']} passed, "
           f"{counts['fail']} failed, {counts['error']} errors, {counts['skip']} skipped "
@@ -529,7 +568,7 @@ def main(argv=None):
                 "patterns": args.k,
                 "timeout": args.timeout,
                 "start_method": args.start_method,
-                "gloo_gates": args.gloo_gates,
+                "as_gloo": args.as_gloo,
                 "seconds": round(total, 1),
                 "counts": counts,
                 "shm_left": shm_left,
