@@ -1925,8 +1925,9 @@ PYD_TARGETS = {("all_reduce", 4): 50, ("all_reduce", 16 * MiB): 4}
 PYD_DDP_TARGET = 1.3  # DDP samples/s, x gloo's
 PYD_ACC_POINTS = 1.0  # DDP test accuracy within this many points of gloo's
 # Work (quick, full) passed to python_dist.py: timed calls of the sizes up to 1 MiB (fewer
-# above), untimed calls, DDP training samples (1 epoch; quick as the train section's).
-PYD_WORK = {"iters": (100, 1000), "warmup": (10, 50), "samples": (TRAIN_QUICK_LIMIT, 60000)}
+# above: 31 at 16 MiB, 7 at 64 MiB in a full run, where gloo's all_gather took 0.8 s and 4.8 s
+# a call at load 9), untimed calls, DDP training samples (1 epoch; quick as the train section's).
+PYD_WORK = {"iters": (100, 500), "warmup": (10, 20), "samples": (TRAIN_QUICK_LIMIT, 60000)}
 # Per-case error lines and notes of the runs ({runner name: {case: text}}).
 PYD_CASE_ERRORS, PYD_NOTES = {}, {}
 # Every section's runs of this run (main fills it): the report puts coll_bench's C++ figures

@@ -254,8 +254,8 @@ def on_alarm(signum, frame):
 
 
 # Work (quick, full); each can be set on the command line.
-ITERS = (100, 1000)  # timed calls of the small sizes (fewer above 1 MiB)
-WARMUP = (10, 50)
+ITERS = (100, 500)  # timed calls of the small sizes (fewer above 1 MiB)
+WARMUP = (10, 20)
 SAMPLES = (12000, 60000)  # DDP training samples (the epoch)
 
 
