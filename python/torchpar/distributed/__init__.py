@@ -28,11 +28,14 @@ minutes by default, as torch.distributed's): the limit for creating the group an
 operation. Work.wait(timeout) takes a timedelta too.
 
 Errors: a rank that dies makes the others' operation fail (torchpar.PeerLostError, a
-RuntimeError, naming the rank) within the group timeout; a rank that stops calling makes
-them fail with torchpar.TimeoutError (a RuntimeError and a TimeoutError). After either the
-group is broken: later calls fail at once; destroy it (dist.destroy_process_group) and make
-a new one. Bad arguments (several tensors per call, split sizes that do not add up, a
-bitwise ReduceOp on floats, PREMUL_SUM) raise ValueError at the call.
+RuntimeError, naming the rank by its rank in the group, and its pid) within the group
+timeout, on one host at once; a rank that stops calling makes them fail with
+torchpar.TimeoutError (a RuntimeError and a TimeoutError) at the timeout. The error reaches
+Work.wait, the call itself when synchronous, and the Future (DDP raises it from backward, as
+a RuntimeError with the message). After either the group is broken: later calls fail at
+once; destroy it (dist.destroy_process_group) and make a new one. Bad arguments (several
+tensors per call, split sizes that do not add up, a bitwise ReduceOp on floats, PREMUL_SUM)
+raise ValueError at the call.
 
 Python original: torch.distributed with backend "gloo" (ProcessGroupGloo); the plug-in
 mechanism is torch.distributed.Backend.register_backend (the pattern of pytorch's
