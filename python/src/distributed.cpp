@@ -137,6 +137,13 @@ Tensors equal_parts(const at::Tensor& flat, int n, const char* op, const char* w
   return flat.reshape({-1}).split(flat.numel() / n);
 }
 
+/// `e` with the words c10d's timeouts carry ("Timed out"), which callers match (PyTorch's
+/// distributed_test.py: " (Timed out|closed|timeout) ").
+TimeoutError with_c10d_wording(const TimeoutError& e) {
+  return TimeoutError(
+      fmt::format("{}; Timed out waiting for the other ranks", e.what_without_backtrace()));
+}
+
 /// One queued call of a process group, run once: by the worker thread, or by the thread
 /// that waits for it (Worker::try_run_here).
 struct Task {
@@ -384,8 +391,10 @@ class PointToPointWork final : public c10d::Work {
     try {
       source = work_.wait(limit);
     } catch (const TimeoutError&) {
-      throw TimeoutError(fmt::format("torchpar process group: {} did not finish within {:.3f} s",
-                                     what_, limit.count()));
+      throw TimeoutError(
+          fmt::format("torchpar process group: {} did not finish within {:.3f} s; Timed out "
+                      "waiting for the peer",
+                      what_, limit.count()));
     } catch (...) {
       std::lock_guard<std::mutex> g(mutex_);
       exception_ = std::current_exception();
@@ -458,6 +467,15 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> allreduce(Tensors& tensors,
                                            const c10d::AllreduceOptions& opts) override {
     const at::Tensor t = single(tensors, "allreduce");
+    if (t.is_sparse()) {
+      if (opts.reduceOp.op_ != c10d::ReduceOp::SUM) {
+        throw ValueError("torchpar process group: all_reduce of a sparse tensor supports SUM only");
+      }
+      const Timeout to = call_timeout(opts.timeout);
+      const int n = getSize();
+      return enqueue(c10d::OpType::ALLREDUCE, {t},
+                     [t, n, to](CollectiveGroup& g) { all_reduce_sparse(g, t, n, to); });
+    }
     auto run = reducer(t, opts.reduceOp, call_timeout(opts.timeout), "allreduce");
     return enqueue(c10d::OpType::ALLREDUCE, {t}, [t, run](CollectiveGroup& g) { run(g, t); });
   }
@@ -794,6 +812,38 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
     return t.split_with_sizes(splits);
   }
 
+  /// SUM of a sparse COO tensor, as Gloo's: every rank's indices and values gathered
+  /// (padded to the largest nnz), summed and coalesced; `t` becomes the result.
+  static void all_reduce_sparse(CollectiveGroup& g, const at::Tensor& t, int n, Timeout to) {
+    const at::Tensor in = t.coalesce();
+    const at::Tensor mine = at::tensor({in._nnz()}, at::kLong);
+    Tensors counts = empties_like(mine, n);
+    g.all_gather(counts, mine, {.timeout = to});
+    int64_t most = 0;
+    for (const auto& c : counts) most = std::max(most, c.item<int64_t>());
+    const at::Tensor idx = in._indices();
+    const at::Tensor val = in._values();
+    at::Tensor idx_pad = at::zeros({idx.size(0), most}, idx.options());
+    idx_pad.narrow(1, 0, idx.size(1)).copy_(idx);
+    auto val_shape = val.sizes().vec();
+    val_shape[0] = most;
+    at::Tensor val_pad = at::zeros(val_shape, val.options());
+    val_pad.narrow(0, 0, val.size(0)).copy_(val);
+    Tensors idx_all = empties_like(idx_pad, n);
+    Tensors val_all = empties_like(val_pad, n);
+    g.all_gather(idx_all, idx_pad, {.timeout = to});
+    g.all_gather(val_all, val_pad, {.timeout = to});
+    Tensors idx_parts, val_parts;
+    for (int r = 0; r < n; ++r) {
+      const int64_t nnz = counts[static_cast<size_t>(r)].item<int64_t>();
+      idx_parts.push_back(idx_all[static_cast<size_t>(r)].narrow(1, 0, nnz));
+      val_parts.push_back(val_all[static_cast<size_t>(r)].narrow(0, 0, nnz));
+    }
+    const at::Tensor sum =
+        at::sparse_coo_tensor(at::cat(idx_parts, 1), at::cat(val_parts, 0), in.sizes()).coalesce();
+    t.copy_(sum);
+  }
+
   /// all_to_all of parts whose sizes may differ between pairs: the ranks first agree on the
   /// largest part (a 2-element all_reduce MAX), then exchange parts padded to it.
   static void all_to_all_any(CollectiveGroup& g, const Tensors& out, const Tensors& in,
@@ -844,6 +894,8 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
       std::exception_ptr error;
       try {
         body(state->group);
+      } catch (const TimeoutError& e) {
+        error = std::make_exception_ptr(with_c10d_wording(e));
       } catch (...) {
         error = std::current_exception();
       }

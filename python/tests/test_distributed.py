@@ -13,6 +13,7 @@ within the group timeout; nothing stays in /dev/shm.
 import datetime
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import time
@@ -272,6 +273,14 @@ def _async_and_layout(rank, world):
     tt = (torch.arange(6.0).view(2, 3) + rank).t()
     dist.broadcast(tt, 0)
     _eq(tt, torch.arange(6.0).view(2, 3).t(), "transposed broadcast")
+    # Sparse COO: SUM, as Gloo's (the result coalesced, nnz differing between ranks).
+    i = torch.tensor([[rank, 3], [0, rank]])
+    sp = torch.sparse_coo_tensor(i, torch.tensor([1.0, 2.0]), (4, 4))
+    dist.all_reduce(sp)
+    dense = sum(torch.sparse_coo_tensor(torch.tensor([[r, 3], [0, r]]),
+                                        torch.tensor([1.0, 2.0]), (4, 4)).to_dense()
+                for r in range(world))
+    _eq(sp.to_dense(), dense, "sparse all_reduce")
     # Argument errors raise at the call, on every rank alike.
     try:
         dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
@@ -527,4 +536,5 @@ def test_stopped_rank_times_out(tmp_path):
     assert procs[0].exitcode == 0
     took, msg = (report / "rank0").read_text().split("\n", 1)
     assert 2.0 < float(took) < 10.0, f"took {took} s: {msg}"
+    assert re.search(" (Timed out|closed|timeout) ", msg), msg  # c10d's words, as Gloo's
     assert isinstance(torchpar.TimeoutError("x"), RuntimeError)
