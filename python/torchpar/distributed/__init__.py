@@ -16,12 +16,13 @@ holds two of its ranks. Host identity comes from the group's own exchange throug
 torch.distributed gives the backend (init_method / store, as with any backend).
 
 What it supports (torch.distributed names): all_reduce (SUM, AVG, PRODUCT, MIN, MAX; BAND,
-BOR, BXOR on integer and bool tensors), all_reduce_coalesced, broadcast, reduce, all_gather,
-all_gather_into_tensor (_all_gather_base), all_gather_coalesced, gather, scatter, reduce_scatter,
-reduce_scatter_tensor (_reduce_scatter_base), all_to_all, all_to_all_single (even or given
-split sizes), all_reduce SUM of sparse COO tensors, barrier, send, recv (from a rank or any rank), isend, irecv, new_group, and
-async_op=True with Work.wait(timeout), is_completed, exception and get_future (which DDP's
-reducer uses). CPU tensors, one per call; non-contiguous ones go through contiguous copies.
+BOR, BXOR on integer and bool tensors; SUM of sparse COO tensors), all_reduce_coalesced,
+broadcast, reduce, all_gather, all_gather_into_tensor (_all_gather_base),
+all_gather_coalesced, gather, scatter, reduce_scatter, reduce_scatter_tensor
+(_reduce_scatter_base), all_to_all, all_to_all_single (even or given split sizes), barrier,
+send, recv (from a rank or any rank), isend, irecv, new_group, and async_op=True with
+Work.wait(timeout), is_completed, exception and get_future (which DDP's reducer uses). CPU
+tensors, one per call; non-contiguous ones go through contiguous copies.
 
 Units: the group timeout is init_process_group's / new_group's `timeout` (a timedelta; 30
 minutes by default, as torch.distributed's): the limit for creating the group and for each
