@@ -20,6 +20,7 @@
 #include <ATen/core/ivalue.h>
 #include <Python.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -28,6 +29,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -723,6 +725,83 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
     return enqueue(c10d::OpType::BARRIER, {}, [o](CollectiveGroup& g) { g.barrier(o); });
   }
 
+  /// torch.distributed.monitored_barrier as Gloo's: every rank reports to rank 0, which
+  /// names the first rank (every rank, with wait_all_ranks) that did not within the timeout,
+  /// then releases the others; they raise when rank 0 does not answer within it. Synchronous,
+  /// over point-to-point messages on tags of its own. `opts.timeout` unset: the group's.
+  /// Errors (RuntimeError, Gloo's wording): "Rank r failed to pass monitoredBarrier in T ms",
+  /// "Ranks r, s failed to ...", "Rank 0 timed out in monitoredBarrier after T ms", "Rank r
+  /// successfully reached monitoredBarrier, but received errors while waiting for send/recv
+  /// from rank 0".
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    using std::chrono::milliseconds;
+    state_->worker->kick();  // collectives queued before it must be under way
+    const milliseconds limit = opts.timeout == c10d::kUnsetTimeout
+                                   ? std::chrono::duration_cast<milliseconds>(timeout_)
+                                   : opts.timeout;
+    const int tag = kMonitoredBarrierTag + 2 * static_cast<int>(monitored_calls_++ % 4096);
+    const int me = getRank();
+    const int n = getSize();
+    auto& g = state_->group;
+    if (me != 0) {
+      try {
+        torchpar::Work sent = g.isend(at::ones({1}, at::kByte), 0, tag);
+        at::Tensor ack = at::zeros({1}, at::kByte);
+        torchpar::Work got = g.irecv(ack, 0, tag + 1);
+        sent.wait(Seconds(limit));
+        got.wait(Seconds(limit));
+      } catch (const std::exception& e) {
+        throw Error(fmt::format(
+            "Rank {} successfully reached monitoredBarrier, but received errors while waiting "
+            "for send/recv from rank 0. Please check rank 0 logs for faulty rank. ({})",
+            me, e.what()));
+      }
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    // Posted at once, waited in rank order; a rank whose receive cannot even be posted (its
+    // Gloo pair closed by an earlier timeout) counts as not arrived.
+    std::vector<at::Tensor> tokens;
+    std::vector<std::optional<torchpar::Work>> arrivals;
+    for (int r = 1; r < n; ++r) {
+      tokens.push_back(at::zeros({1}, at::kByte));
+      try {
+        arrivals.emplace_back(g.irecv(tokens.back(), r, tag));
+      } catch (const std::exception&) {
+        arrivals.emplace_back(std::nullopt);
+      }
+    }
+    std::vector<int> failed;
+    for (int r = 1; r < n; ++r) {
+      Seconds left = Seconds(limit);
+      if (!wait_all_ranks) {
+        left -= std::chrono::steady_clock::now() - start;
+        if (left < Seconds(0)) {
+          throw Error(
+              fmt::format("Rank 0 timed out in monitoredBarrier after {} ms", limit.count()));
+        }
+      }
+      try {
+        auto& arrival = arrivals[static_cast<size_t>(r - 1)];
+        if (!arrival) throw Error("no receive");
+        arrival->wait(left);
+      } catch (const std::exception&) {
+        if (!wait_all_ranks) {
+          throw Error(
+              fmt::format("Rank {} failed to pass monitoredBarrier in {} ms", r, limit.count()));
+        }
+        failed.push_back(r);
+      }
+    }
+    if (!failed.empty()) {
+      throw Error(fmt::format("Ranks {} failed to pass monitoredBarrier in {} ms",
+                              fmt::join(failed, ", "), limit.count()));
+    }
+    std::vector<torchpar::Work> acks;
+    for (int r = 1; r < n; ++r) acks.push_back(g.isend(at::ones({1}, at::kByte), r, tag + 1));
+    for (auto& a : acks) a.wait(Seconds(limit));
+  }
+
   c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
     const at::Tensor& t = single(tensors, "send");
     return c10::make_intrusive<PointToPointWork>(
@@ -913,8 +992,12 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
     }
   }
 
+  /// Tags of monitoredBarrier's messages (2 a call, 4096 calls round): above what users pass.
+  static constexpr int kMonitoredBarrierTag = 1 << 30;
+
   std::shared_ptr<State> state_;
   Seconds timeout_;
+  std::atomic<uint64_t> monitored_calls_{0};
 };
 
 /// The creator torchpar/distributed/__init__.py registers (with the GIL released: it is

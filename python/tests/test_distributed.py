@@ -382,6 +382,36 @@ def test_unwaited_call_progresses(tmp_path):
     run_job(_unwaited_progress, 3, tmp_path=tmp_path)
 
 
+def _monitored(rank, world, absent):
+    # Through the process group (torch.distributed.monitored_barrier itself admits gloo only).
+    # A failed monitored barrier leaves Gloo's pairs with the absent ranks closed, as Gloo's
+    # own does: one failing round per job.
+    pg = dist.distributed_c10d._get_default_group()
+    store = dist.distributed_c10d._get_default_store()
+    two_s = datetime.timedelta(seconds=2)
+    pg.monitored_barrier(two_s)
+    pg.monitored_barrier(two_s, wait_all_ranks=True)
+    if rank == 0:
+        want = (f"Rank {absent[0]} failed to pass monitoredBarrier" if len(absent) == 1 else
+                "Ranks " + ", ".join(map(str, absent)) + " failed to pass monitoredBarrier")
+        with pytest.raises(RuntimeError, match=want):
+            pg.monitored_barrier(datetime.timedelta(seconds=1),
+                                 wait_all_ranks=len(absent) > 1)
+    elif rank not in absent:
+        with pytest.raises(RuntimeError, match=f"Rank {rank} successfully reached "
+                                               "monitoredBarrier, but received errors while "
+                                               "waiting for send/recv from rank 0"):
+            pg.monitored_barrier(datetime.timedelta(seconds=1))
+    store.add("done", 1)  # a store barrier: the absent ranks stay until the others are done
+    while store.add("done", 0) < world:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("absent", [[1], [1, 2]])
+def test_monitored_barrier(absent, tmp_path):
+    run_job(_monitored, 3, absent, tmp_path=tmp_path)
+
+
 # ---- across "hosts": hierarchical ------------------------------------------------------------
 
 def _become_another_host(rank):
