@@ -21,8 +21,9 @@ broadcast, reduce, all_gather, all_gather_into_tensor (_all_gather_base),
 all_gather_coalesced, gather, scatter, reduce_scatter, reduce_scatter_tensor
 (_reduce_scatter_base), all_to_all, all_to_all_single (even or given split sizes), barrier,
 send, recv (from a rank or any rank), isend, irecv, new_group, and async_op=True with
-Work.wait(timeout), is_completed, exception and get_future (which DDP's reducer uses). CPU
-tensors, one per call; non-contiguous ones go through contiguous copies.
+Work.wait(timeout), is_completed, exception and get_future (which DDP's reducer uses); the
+process group's monitored_barrier (torch.distributed.monitored_barrier itself admits gloo
+only). CPU tensors, one per call; non-contiguous ones go through contiguous copies.
 
 Units: the group timeout is init_process_group's / new_group's `timeout` (a timedelta; 30
 minutes by default, as torch.distributed's): the limit for creating the group and for each
