@@ -2,7 +2,8 @@
 this host (hierarchical across hosts), nothing else changed in the training script.
 
     python3 02_ddp_torchpar.py                       # starts 2 ranks itself
-    torchrun --nproc-per-node 3 02_ddp_torchpar.py   # or any launcher that sets RANK etc.
+    torchpar run --nproc-per-node 3 /usr/bin/python3 02_ddp_torchpar.py  # or any launcher
+                                                     # that sets RANK, WORLD_SIZE, MASTER_*
 """
 import os
 import socket
