@@ -85,10 +85,10 @@ BACKENDS = ("torchpar", "gloo")
 UNAVAILABLE = "torch.distributed is not available"
 
 # The CI subset (ctest python_dist_suite_test, run with --as-gloo at world size 3, where the
-# suite's subgroup cases run): collectives on CPU tensors, subgroups, DDP on CPU (with comm
-# hooks and get_future), barrier, send/recv. Each passes on "torchpar" (--as-gloo and, where
-# not gated on gloo's name, plain) and on "gloo" at world sizes 2 and 3. No timeout case is
-# in it: the suite's three (test_barrier_timeout_*) fail on torchpar (docs/python_c10d.md).
+# suite's subgroup cases run): collectives on CPU tensors (sparse too), subgroups, DDP on CPU
+# (with comm hooks and get_future), barrier, timeouts, send/recv. Each passes on "torchpar"
+# (--as-gloo and, where not gated on gloo's name, plain) and on "gloo" at world sizes 2 and
+# 3 (docs/python_c10d.md: what is left out and why).
 SUBSETS = {
     "ci": [
         # collectives
@@ -101,6 +101,7 @@ SUBSETS = {
         "test_all_reduce_complex_unsupported_ops",
         "test_all_reduce_coalesced_sum",
         "test_all_reduce_coalesced_max",
+        "test_sparse_all_reduce_sum",
         "test_broadcast",
         "test_reduce_sum",
         "test_reduce_max",
@@ -137,6 +138,10 @@ SUBSETS = {
         "test_barrier",
         "test_barrier_full_group",
         "test_barrier_group",
+        # timeouts (rank 0 alone in a barrier with a 1 s / 5 s group timeout)
+        "test_barrier_timeout_global",
+        "test_barrier_timeout_full_group",
+        "test_barrier_timeout_group",
         # send / recv
         "test_send_recv",
         "test_send_recv_any_source",
@@ -273,7 +278,7 @@ def _load_suite():
 
     class TestDistBackendWithSpawn(distributed_test.TestDistBackend,
                                    distributed_test.DistributedTest._DistTestBase):
-        """test_distributed_spawn.py's class: each case spawns WORLD_SIZE ranks."""
+        """test_distributed_spawn.py's class: each case starts WORLD_SIZE rank processes."""
 
         def setUp(self):
             super().setUp()
