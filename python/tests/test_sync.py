@@ -16,6 +16,10 @@ import torchpar.multiprocessing as tmp
 import tp_helpers
 from tp_helpers import WAIT_S
 
+#: Seconds within which a wait that times out (after 0.2-0.5 s) must have returned: far from
+#: a hang, loose enough for a loaded CI machine (load 13 seen).
+SLACK_S = 5.0
+
 
 # ---- children (module level: spawn imports them by name) --------------------------------
 
@@ -87,7 +91,7 @@ def test_rlock_recursion_and_owner():
             lock.release()
         t0 = time.monotonic()
         assert lock.acquire(timeout=0.3) is False
-        assert 0.25 <= time.monotonic() - t0 < 2.0
+        assert 0.25 <= time.monotonic() - t0 < SLACK_S
     finally:
         release.set()
         t.join(WAIT_S)
@@ -108,7 +112,7 @@ def test_semaphores():
         tmp.Semaphore(-1)
     t0 = time.monotonic()
     assert tmp.Semaphore(0).acquire(timeout=0.3) is False
-    assert 0.25 <= time.monotonic() - t0 < 2.0
+    assert 0.25 <= time.monotonic() - t0 < SLACK_S
 
 
 def test_value_array_counted_by_children(ctx):
@@ -224,7 +228,7 @@ def test_timeouts_fire_while_holder_is_stopped(ctx):
         for call in (lambda: lock.acquire(timeout=0.5), lambda: cond.acquire(True, 0.5)):
             t0 = time.monotonic()
             assert call() is False
-            assert 0.45 <= time.monotonic() - t0 < 1.5
+            assert 0.45 <= time.monotonic() - t0 < SLACK_S
     finally:
         os.kill(p.pid, signal.SIGCONT)
         p.kill()
@@ -243,7 +247,7 @@ def test_barrier_with_a_killed_party_breaks_in_time(ctx):
     t0 = time.monotonic()
     with pytest.raises(threading.BrokenBarrierError):
         barrier.wait()
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < SLACK_S
     assert barrier.broken
 
 
