@@ -25,16 +25,9 @@ import os
 import threading
 
 from torchpar import _C
+from torchpar.multiprocessing.queues import _timeout  # (block, timeout) -> seconds or None
 
 __all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Condition", "Event", "Barrier"]
-
-
-def _timeout(block, timeout):
-    if not block:
-        return 0.0
-    if timeout is None:
-        return None
-    return max(0.0, float(timeout))
 
 
 def _rebuild(cls, core_cls, data, fds, state):
