@@ -10,6 +10,7 @@
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/dist/collective_group.h"
+#include "torchpar/dist/elastic_state.h"
 #include "torchpar/dist/world.h"
 #include "torchpar/ipc/connection.h"
 #include "torchpar/ipc/listener.h"

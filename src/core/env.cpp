@@ -50,6 +50,14 @@ constexpr std::array kTable{
     EnvVariable{"TORCHPAR_TOOLS_DIR", EnvType::kPath,
                 "the source tree's tools/, else the installed share/torchpar",
                 "torchpar train: the directory that holds plot_curves.py", true},
+    EnvVariable{"TORCHPAR_ELASTIC_STATE_FDS", EnvType::kRaw, "no in-memory snapshots",
+                "set by `torchpar run` in elastic mode for each rank: its two snapshot memfds "
+                "(\"FD_A,FD_B\"), read by ElasticState",
+                true},
+    EnvVariable{"TORCHPAR_RDZV_ROUND", EnvType::kInteger, "TORCHELASTIC_RESTART_COUNT",
+                "set by `torchpar run`: the rendezvous round this rank was started in "
+                "(World::rendezvous_round)",
+                true},
     EnvVariable{"RANK", EnvType::kInteger, "WorldOptions::rank",
                 "this process's rank in the job (torchrun's)", false},
     EnvVariable{"WORLD_SIZE", EnvType::kInteger, "WorldOptions::world_size",
@@ -60,6 +68,8 @@ constexpr std::array kTable{
                 "rank 0's address (the store's)", false},
     EnvVariable{"MASTER_PORT", EnvType::kInteger, "WorldOptions::master_port", "the store's port",
                 false},
+    EnvVariable{"TORCHELASTIC_RESTART_COUNT", EnvType::kInteger, "0",
+                "restarts of the job's workers so far (torchrun's; World::restart_count)", false},
     EnvVariable{"GLOO_SOCKET_IFNAME", EnvType::kText, "TORCHPAR_GLOO_ADDR",
                 "the interface Gloo binds to (torch.distributed's)", false},
     EnvVariable{"XDG_CACHE_HOME", EnvType::kPath, "$HOME/.cache",

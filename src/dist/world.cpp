@@ -21,6 +21,7 @@
 #include "dist/rendezvous.h"
 #include "dist/store.h"
 #include "rpc/create.h"
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
@@ -155,6 +156,22 @@ const std::string& World::get_name() const { return impl_->rdv.name; }
 int World::get_local_rank() const { return impl_->rdv.local_rank; }
 int World::get_local_world_size() const { return impl_->rdv.local_world_size; }
 std::vector<std::string> World::get_names() const { return impl_->rdv.names; }
+
+namespace {
+/// A count of the launcher's (>= 0): `fallback` when unset or empty.
+int launcher_count(const char* name, int fallback) {
+  const std::optional<int> v = env_int(name);
+  if (!v) return fallback;
+  if (*v < 0) throw ValueError(fmt::format("{}={}: a count must not be negative", name, *v));
+  return *v;
+}
+}  // namespace
+
+int World::restart_count() const { return launcher_count("TORCHELASTIC_RESTART_COUNT", 0); }
+
+int World::rendezvous_round() const {
+  return launcher_count("TORCHPAR_RDZV_ROUND", restart_count());
+}
 
 CollectiveGroup World::create_collective_group(
     std::vector<int> ranks, Backend backend, std::optional<std::chrono::duration<double>> timeout) {

@@ -81,6 +81,22 @@ class World {
   /// Names of every rank, by rank.
   std::vector<std::string> get_names() const;
 
+  /// How many times the launcher restarted this job's workers before starting this process:
+  /// TORCHELASTIC_RESTART_COUNT, which torchrun and `torchpar run` set (0 when unset, as for
+  /// a process no elastic launcher started). Under torchrun a membership change (a node
+  /// joins or leaves, the workers restart in a new round) does not increase it; only a
+  /// failure does. Read from the environment at each call.
+  /// Errors: ValueError naming the variable when it is not a whole number >= 0.
+  /// Safety: thread-safe (as long as nobody changes the environment meanwhile).
+  /// Source: torch.distributed.elastic's TORCHELASTIC_RESTART_COUNT.
+  int restart_count() const;
+  /// The rendezvous round this process was started in: TORCHPAR_RDZV_ROUND, which
+  /// `torchpar run` sets and increases on every restart and every membership change; else
+  /// restart_count() (under torchrun, which exports no round). Use it to tell a fresh start
+  /// (0) from a restart, e.g. to call ElasticState::restore only when it is > 0.
+  /// Errors, safety: as restart_count().
+  int rendezvous_round() const;
+
   /// Creates a group of the world ranks `ranks` (empty: every rank). Collective over the
   /// members only: each member calls it with the same ranks, in the same order relative to
   /// its other group creations; non-members must not call it.
