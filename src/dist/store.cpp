@@ -475,9 +475,8 @@ UniqueFd connect_retrying(const std::string& addr, int port, Clock::time_point d
 }  // namespace
 
 StoreClient::StoreClient(const std::string& addr, int port, const AuthKey& key,
-                         std::chrono::milliseconds timeout)
-    : c10d::Store(timeout),
-      where_(fmt::format("the store at {}:{} (hosted by rank 0)", addr, port)) {
+                         std::chrono::milliseconds timeout, const std::string& host_role)
+    : c10d::Store(timeout), where_(fmt::format("the store at {}:{} ({})", addr, port, host_role)) {
   const auto deadline = after(timeout);
   for (;;) {
     fd_ = connect_retrying(addr, port, deadline, where_);
@@ -539,9 +538,9 @@ std::string StoreClient::call(const std::string& req, std::chrono::milliseconds 
     broken_ = fmt::format("{} stopped answering (a {} timed out)", where_, what);
     throw TimeoutError(broken_);
   } catch (const Error& e) {
-    broken_ =
-        fmt::format("lost the connection to {}: rank 0 exited or closed the store ({} failed: {})",
-                    where_, what, e.what_without_backtrace());
+    broken_ = fmt::format(
+        "lost the connection to {}: its host exited or closed the store ({} failed: {})", where_,
+        what, e.what_without_backtrace());
     fd_.reset();
     throw RankLostError(0, broken_);
   }

@@ -104,8 +104,9 @@ class StoreServer {
 class StoreClient final : public c10d::Store {
  public:
   /// Connects (retrying while nothing listens yet) and authenticates, within `timeout`.
+  /// `host_role` names the server's host in messages ("hosted by rank 0").
   StoreClient(const std::string& addr, int port, const AuthKey& key,
-              std::chrono::milliseconds timeout);
+              std::chrono::milliseconds timeout, const std::string& host_role = "hosted by rank 0");
   ~StoreClient() override;
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override;

@@ -85,6 +85,7 @@ pid_t exec_program(const std::vector<std::string>& argv, const ExecOptions& opti
     if (options.stdin_fd >= 0) ::dup2(options.stdin_fd, STDIN_FILENO);
     if (options.stdout_fd >= 0) ::dup2(options.stdout_fd, STDOUT_FILENO);
     if (options.stderr_fd >= 0) ::dup2(options.stderr_fd, STDERR_FILENO);
+    for (const int fd : options.inherit_fds) ::fcntl(fd, F_SETFD, 0);
     if (options.default_signals) {
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);

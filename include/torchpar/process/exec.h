@@ -40,6 +40,11 @@ struct ExecOptions {
   /// SIGINT and SIGTERM dispositions reset to default in the child (a launcher that
   /// handles them should not pass its handlers' "ignore" on).
   bool default_signals = true;
+  /// Descriptors the child keeps under the same numbers: their close-on-exec flag is
+  /// cleared in the child only (this process's copies keep theirs), so a launcher can hand
+  /// a rank a descriptor it owns (the elastic agent's snapshot memfds) without leaking it
+  /// into every other program it starts.
+  std::vector<int> inherit_fds{};
 };
 
 /// Starts argv[0] (looked up in PATH when it has no '/') with `argv`.
