@@ -124,6 +124,31 @@ void add_gpt_options(CLI::App* cmd, train::TrainConfig& c, ModelOptions& o) {
                            ->check(CLI::Range(int64_t{1}, int64_t{1} << 40)));
 }
 
+/// Checkpoints, in-memory snapshots and resume: --checkpoint-every .. --resume.
+void add_resume_options(CLI::App* cmd, train::TrainConfig& c) {
+  cmd->add_option("--checkpoint-every", c.checkpoint_every,
+                  "ddp as ranks of a job: write a checkpoint (model, optimizer, epoch, step, "
+                  "data position; atomic: a temporary file, then a rename) every N optimizer "
+                  "steps, on rank 0 (0: never)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->capture_default_str();
+  cmd->add_option("--checkpoint-dir", c.checkpoint_dir,
+                  "directory of the checkpoints (step_<N>.pt); after a restart (torchpar run "
+                  "--nnodes MIN:MAX, torchrun --max-restarts) the job resumes from it")
+      ->default_str("<out>/checkpoints");
+  cmd->add_option("--keep-checkpoints", c.keep_checkpoints, "the newest checkpoints kept")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--snapshot-every", c.snapshot_every,
+                  "copy the state into the memory `torchpar run --nnodes MIN:MAX` keeps for "
+                  "each rank every N steps (0: never; without that launcher: nothing)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->capture_default_str();
+  cmd->add_option("--resume", c.resume,
+                  "continue from the newest complete checkpoint in DIR (a newer in-memory "
+                  "snapshot of a rank wins)");
+}
+
 }  // namespace
 
 Command add_train(CLI::App& app) {
@@ -145,6 +170,7 @@ Command add_train(CLI::App& app) {
   add_run_options(cmd, *c);
   add_strategy_options(cmd, *c, o);
   add_gpt_options(cmd, *c, o);
+  add_resume_options(cmd, *c);
   cmd->add_option("--timeout", c->timeout,
                   "seconds: collective and RPC timeout, and how long workers may stay silent; "
                   "as one rank of a job also how long to wait for every rank to join")

@@ -15,7 +15,9 @@
 #include <utility>
 
 #include "fortunes.h"
+#include "gpt_stepper.h"
 #include "outputs.h"
+#include "resume.h"
 #include "torchpar/parallel/sampling.h"
 #include "torchpar/torchpar.h"
 #include "workers.h"
@@ -23,31 +25,9 @@
 namespace torchpar::train {
 namespace {
 
-// The recipe (nanoGPT's for small models): AdamW with betas (0.9, 0.95), weight decay on the
-// matrices and embeddings only, gradients clipped to norm 1, the learning rate warmed up
-// linearly and then decayed along a cosine to a tenth of its peak at the last step.
-constexpr double kBeta1 = 0.9;
-constexpr double kBeta2 = 0.95;
-constexpr double kWeightDecay = 0.1;
-constexpr double kGradClip = 1.0;
-constexpr double kFinalLrFraction = 0.1;
-constexpr int64_t kReportEverySteps = 5;  // steps between progress messages
-constexpr int64_t kEvalWindows = 64;      // held-out windows per evaluation (8 KiB at context 128)
+constexpr int64_t kEvalWindows = 64;  // held-out windows per evaluation (8 KiB at context 128)
 constexpr int64_t kEvalBatch = 16;
 constexpr const char* kSamplePrompt = "The meaning of life is";
-
-int64_t warmup_steps(const TrainConfig& c) { return std::clamp<int64_t>(c.steps / 10, 1, 100); }
-
-/// The learning rate of `step` (1-based): linear warmup, then a cosine down to
-/// kFinalLrFraction x lr at the last step.
-double lr_at(const TrainConfig& c, int64_t step) {
-  const int64_t warm = warmup_steps(c);
-  if (step <= warm) return c.lr * static_cast<double>(step) / static_cast<double>(warm);
-  const double progress =
-      static_cast<double>(step - warm) / static_cast<double>(std::max<int64_t>(1, c.steps - warm));
-  const double cosine = 0.5 * (1 + std::cos(std::numbers::pi * std::min(1.0, progress)));
-  return c.lr * (kFinalLrFraction + (1 - kFinalLrFraction) * cosine);
-}
 
 /// Rounds: the steps between two evaluations. Round r (1-based) ends at step last_step(r).
 int64_t rounds(const TrainConfig& c) { return (c.steps + c.eval_every - 1) / c.eval_every; }
@@ -62,102 +42,6 @@ at::Tensor ids_of(std::string_view bytes) {
   for (size_t i = 0; i < bytes.size(); ++i) p[i] = static_cast<unsigned char>(bytes[i]);
   return t;
 }
-
-/// Random training windows of a worker: `context` + 1 consecutive bytes from a uniformly
-/// drawn offset; the generator is seeded per worker, so a run draws the same windows again.
-class WindowSampler {
- public:
-  WindowSampler(at::Tensor bytes, int64_t context, uint64_t seed)
-      : bytes_(std::move(bytes)),
-        context_(context),
-        offsets_(at::arange(context + 1, at::kLong)),
-        gen_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
-
-  /// x = the windows' first `context` bytes, y = the `context` bytes after each of those:
-  /// int64 [batch, context] each.
-  std::pair<at::Tensor, at::Tensor> next(int64_t batch) {
-    const int64_t starts = bytes_.numel() - context_;  // offsets 0 .. starts - 1 fit
-    const at::Tensor first = at::randint(starts, {batch, 1}, gen_, at::kLong);
-    const at::Tensor w = bytes_.index_select(0, (first + offsets_).view(-1))
-                             .view({batch, context_ + 1})
-                             .to(at::kLong);
-    return {w.slice(1, 0, context_), w.slice(1, 1, context_ + 1)};
-  }
-
- private:
-  at::Tensor bytes_;
-  int64_t context_;
-  at::Tensor offsets_;
-  at::Generator gen_;
-};
-
-torch::optim::AdamW make_adamw(GptImpl& gpt, const TrainConfig& cfg) {
-  std::vector<at::Tensor> decay, no_decay;  // matrices and embeddings; biases and LayerNorms
-  for (const auto& p : gpt.parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  auto options = [&](double weight_decay) {
-    return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(cfg.lr)
-                                                            .betas(std::make_tuple(kBeta1, kBeta2))
-                                                            .weight_decay(weight_decay));
-  };
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, options(kWeightDecay));
-  groups.emplace_back(no_decay, options(0.0));
-  return torch::optim::AdamW(std::move(groups), torch::optim::AdamWOptions(cfg.lr));
-}
-
-/// What one training process holds: the model, its AdamW and its window sampler.
-/// step(n, sync) is one optimizer step; sync() runs between backward and the clipping (ddp
-/// averages the gradients there, so every rank clips and steps alike).
-class Stepper {
- public:
-  Stepper(Gpt gpt, const TrainConfig& cfg, int rank, at::Tensor train_bytes)
-      : gpt_(std::move(gpt)),
-        cfg_(cfg),
-        opt_(make_adamw(*gpt_, cfg)),
-        windows_(std::move(train_bytes), cfg.context,
-                 static_cast<uint64_t>(cfg.seed) * 1000003u + static_cast<uint64_t>(rank)) {}
-
-  /// Returns the batch's mean loss per byte (nats).
-  template <class Sync>
-  double step(int64_t n, Sync&& sync) {
-    gpt_->train();
-    const auto [x, y] = windows_.next(cfg_.batch_size);
-    gpt_->zero_grad();
-    const at::Tensor logits = gpt_->forward(x);
-    const at::Tensor loss =
-        at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
-    loss.backward();
-    sync();
-    torch::nn::utils::clip_grad_norm_(gpt_->parameters(), kGradClip);
-    for (auto& group : opt_.param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr_at(cfg_, n));
-    }
-    opt_.step();
-    return loss.item<double>();
-  }
-
-  /// Trains steps first .. last, calling report(tokens, loss_sum, steps) every kReportEverySteps
-  /// steps and at the end with the increments since the last call.
-  template <class Sync, class Report>
-  void train(int64_t first, int64_t last, Sync&& sync, Report&& report) {
-    int64_t steps = 0;
-    double loss_sum = 0;
-    for (int64_t s = first; s <= last; ++s) {
-      loss_sum += step(s, sync);
-      if (++steps == kReportEverySteps || s == last) {
-        report(steps * cfg_.batch_size * cfg_.context, loss_sum, steps);
-        steps = 0;
-        loss_sum = 0;
-      }
-    }
-  }
-
- private:
-  Gpt gpt_;
-  TrainConfig cfg_;
-  torch::optim::AdamW opt_;
-  WindowSampler windows_;
-};
 
 // ---- ddp workers (spawned) ------------------------------------------------------------------
 
@@ -212,6 +96,7 @@ struct GptSession {
   std::string status = "completed";
   std::string error;
   std::optional<std::string> sample;
+  nlohmann::json elastic;  // ranks of a job: Resumable::metrics()
 };
 
 /// The steps, tokens and losses reported in one round, summed and drawn.
@@ -422,7 +307,10 @@ void train_ddp(GptSession& s, Workers& w, ProgressBar& bar) {
 /// DistributedDataParallel), and only rank 0 draws progress and evaluates. A round's training
 /// losses are summed over the ranks (one all_reduce), so rank 0 reports the job's train loss
 /// as a spawned run's parent does.
-void train_ddp_as_rank(GptSession& s, ProgressBar& bar) {
+/// Resumable (resume.h): the model, AdamW and the step come from memory or a checkpoint when
+/// there is one, and training goes on from the round holding the next step.
+/// Returns 2 when --resume names a directory without a checkpoint (nothing trained), else 0.
+int train_ddp_as_rank(GptSession& s, ProgressBar& bar) {
   const TrainConfig& cfg = s.cfg;
   const int rank = s.env->rank;
   World world = join_env_world(cfg);
@@ -432,20 +320,34 @@ void train_ddp_as_rank(GptSession& s, ProgressBar& bar) {
   // s.gpt: seed cfg.seed, as every worker's; buckets start during backward.
   DistributedDataParallel ddp(*s.gpt, group, {.overlap_with_backward = true});
   Stepper stepper(s.gpt, cfg, rank, s.corpus.train);
+  Resumable res(cfg, s.lead());
+  res.state().add("model", *s.gpt);
+  res.state().add("optimizer", stepper.optimizer());
+  if (!res.restore(group, world)) return 2;
   const int64_t ranks = cfg.workers;
-  for (int64_t round = 1; round <= rounds(cfg); ++round) {
+  const int64_t resumed = std::min(res.step, cfg.steps);
+  for (int64_t round = std::min(rounds(cfg), resumed / cfg.eval_every + 1); round <= rounds(cfg);
+       ++round) {
+    const int64_t first = std::max(last_step(cfg, round - 1), resumed) + 1;
     std::optional<RoundProgress> progress;
-    if (s.lead()) progress.emplace(bar, cfg, round);
+    if (s.lead()) {
+      progress.emplace(bar, cfg, round);
+      progress->base = first - 1;
+    }
     double loss_sum = 0;
     int64_t steps = 0;
     stepper.train(
-        last_step(cfg, round - 1) + 1, last_step(cfg, round), [&] { ddp.synchronize_gradients(); },
+        first, last_step(cfg, round), [&] { ddp.synchronize_gradients(); },
         [&](int64_t tokens, double l, int64_t n) {
           throw_if_stopped();
           loss_sum += l;
           steps += n;
           // The ranks step in lockstep: as if every rank had reported this rank's numbers.
           if (progress) progress->add(tokens * ranks, l * static_cast<double>(ranks), n * ranks);
+        },
+        [&](int64_t step) {
+          res.step = step;
+          res.after_step();
         });
     at::Tensor sums = torch::tensor({loss_sum, static_cast<double>(steps)}, torch::kDouble);
     group.all_reduce(sums);
@@ -454,6 +356,8 @@ void train_ddp_as_rank(GptSession& s, ProgressBar& bar) {
     progress->steps = static_cast<int64_t>(sums[1].item<double>());
     record_round(s, round, Seconds(Clock::now() - progress->start).count(), *progress);
   }
+  s.elastic = res.metrics();
+  return 0;
 }
 
 nlohmann::json metrics_json(const GptSession& s) {
@@ -485,6 +389,7 @@ nlohmann::json metrics_json(const GptSession& s) {
                     {"final_lr", cfg.lr * kFinalLrFraction}};
   j["lr"] = cfg.lr;
   add_run_metrics(j, cfg, s.status, s.error);
+  if (!s.elastic.is_null()) j["elastic"] = s.elastic;
   j["corpus"] = {{"files", s.corpus.files},
                  {"fortunes", s.corpus.fortunes},
                  {"bytes", s.corpus.bytes},
@@ -557,7 +462,7 @@ int finish_run(GptSession& s, int code) {
     std::fprintf(stderr, "torchpar train: cannot write the outputs: %s\n", e.what());
     return 1;
   }
-  if (code == 0) {
+  if (code == 0 && !s.evals.empty()) {
     double secs = 0;
     int64_t tokens = 0;
     for (const auto& e : s.evals) {
@@ -627,6 +532,7 @@ int run_gpt_train(TrainConfig cfg) {
   // Started by a launcher as one rank of a job: no workers of its own (cfg.workers = ranks).
   if (int code = rank_from_env(cfg, s.env)) return code;
   if (int code = complete_gpt_config(cfg)) return code;
+  if (int code = check_resume_options(cfg, s.env.has_value())) return code;
   // Before any ATen work: an OpenMP pool made wider now keeps spinning beside the training.
   at::set_num_threads(cfg.threads_per_worker);
   s.cfg = cfg;
@@ -647,11 +553,11 @@ int run_gpt_train(TrainConfig cfg) {
     if (cfg.strategy == "single") {
       train_single(s, bar);
     } else if (s.env) {
-      train_ddp_as_rank(s, bar);
+      code = train_ddp_as_rank(s, bar);
     } else {
       train_ddp(s, workers.emplace(), bar);
     }
-    if (s.lead()) sample(s);
+    if (s.lead() && code == 0) sample(s);
   } catch (const Interrupted&) {
     code = 130;
   } catch (const std::exception& e) {  // Failed (a worker's end) and every other error
@@ -666,6 +572,10 @@ int run_gpt_train(TrainConfig cfg) {
       s.error = me + e.what();
       code = 1;
     }
+  }
+  if (code == 2) {  // --resume found nothing (Resumable::restore said so)
+    s.status = "failed";
+    s.error = "--resume: no checkpoint in " + cfg.resume;
   }
   if (code == 130) {
     if (s.lead()) {

@@ -85,10 +85,10 @@ void wait_until_drained(const PushPullGradServerImpl& server, Seconds limit) {
 
 }  // namespace
 
-at::Tensor shard(int64_t n, int64_t seed, int epoch, int part, int parts) {
+at::Tensor shard(int64_t n, int64_t seed, int epoch, int part, int parts, int64_t offset) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed + epoch));
-  at::Tensor perm = at::randperm(n, gen, at::kLong);
-  const int64_t per = n / parts;
+  at::Tensor perm = at::randperm(n, gen, at::kLong).slice(0, std::clamp<int64_t>(offset, 0, n));
+  const int64_t per = perm.numel() / parts;
   return perm.slice(0, part, part + per * parts, parts);
 }
 

@@ -19,9 +19,12 @@ namespace torchpar::train {
 
 constexpr int kReportEveryBatches = 20;  // batches between progress messages
 
-/// The sample indices of `part` of `parts` for `epoch`: a permutation seeded by seed+epoch
-/// (the same on every worker), dealt round-robin, every part the same length.
-at::Tensor shard(int64_t n, int64_t seed, int epoch, int part, int parts);
+/// The sample indices of `part` of `parts` for `epoch`: a permutation of the n samples seeded
+/// by seed+epoch (the same on every worker), without its first `offset` (the samples of the
+/// epoch the job consumed already), dealt round-robin, every part the same length. After k
+/// steps of batch B the parts consumed exactly the permutation's first k x B x parts samples,
+/// so a job that resumes at that offset with another number of parts continues the same order.
+at::Tensor shard(int64_t n, int64_t seed, int epoch, int part, int parts, int64_t offset = 0);
 
 /// One pass over `idx`; calls report(samples, loss_sum, batches) every kReportEveryBatches batches
 /// and at the end with the increments since the last call. `update()` runs after each

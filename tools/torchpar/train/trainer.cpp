@@ -16,6 +16,7 @@
 #include "mnist_workers.h"
 #include "net.h"
 #include "outputs.h"
+#include "resume.h"
 #include "torchpar/torchpar.h"
 #include "workers.h"
 
@@ -37,6 +38,7 @@ struct Run {
   std::vector<EpochMetrics> epochs;
   std::string status = "completed";
   std::string error;
+  nlohmann::json elastic;  // ranks of a job: Resumable::metrics()
 };
 
 nlohmann::json metrics_json(const Run& run) {
@@ -59,6 +61,7 @@ nlohmann::json metrics_json(const Run& run) {
   if (cfg.strategy == "ddp") j["lr_scaling"] = cfg.lr_scaling;
   j["momentum"] = cfg.momentum;
   add_run_metrics(j, cfg, run.status, run.error);
+  if (!run.elastic.is_null()) j["elastic"] = run.elastic;
   double secs = 0;
   int64_t samples = 0;
   nlohmann::json epochs = nlohmann::json::array();
@@ -126,11 +129,15 @@ struct EpochProgress {
     batches += n_batches;
     const double secs = Seconds(Clock::now() - start).count();
     bar.update(done, batches ? loss_sum / batches : 0,
-               secs > 0 ? static_cast<double>(done) / secs : 0);
+               secs > 0 ? static_cast<double>(done - resumed_at) / secs : 0);
   }
+  /// The job had consumed `position` samples of the epoch before this process resumed it.
+  void resume_at(int64_t position) { done = resumed_at = position; }
+  /// Samples trained in this epoch by this process's job (not before a resume).
+  int64_t trained() const { return done - resumed_at; }
   ProgressBar bar;
   Clock::time_point start = Clock::now();
-  int64_t done = 0, batches = 0;
+  int64_t done = 0, batches = 0, resumed_at = 0;
   double loss_sum = 0;
 };
 
@@ -204,11 +211,15 @@ void record_epoch(Session& s, int epoch, double secs, const EpochProgress& progr
   const Eval ev = evaluate(s.net, s.data.test);
   const double train_loss =
       progress.batches ? progress.loss_sum / static_cast<double>(progress.batches) : 0;
-  s.run.epochs.push_back({epoch, train_loss, ev.loss, ev.accuracy, secs, s.per_epoch, sync});
+  const int64_t samples = progress.trained();
+  s.run.epochs.push_back({epoch, train_loss, ev.loss, ev.accuracy, secs, samples, sync});
+  const std::string resumed =
+      progress.resumed_at > 0 ? fmt::format(" (resumed at sample {})", progress.resumed_at) : "";
   std::printf(
       "epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, %.0f "
-      "samples/s\n",
-      epoch, train_loss, ev.loss, ev.accuracy, secs, static_cast<double>(s.per_epoch) / secs);
+      "samples/s%s\n",
+      epoch, train_loss, ev.loss, ev.accuracy, secs, static_cast<double>(samples) / secs,
+      resumed.c_str());
   std::fflush(stdout);
 }
 
@@ -319,7 +330,13 @@ void train_with_workers(Session& s, Workers& w) {
 /// DistributedDataParallel), and only rank 0 draws progress and evaluates. The epoch's
 /// training losses are summed over the ranks (one all_reduce), so rank 0 reports the job's
 /// train loss as a spawned run's parent does.
-void train_as_rank(Session& s) {
+/// Resumable (resume.h): the model, SGD, the epoch, the job's position in it and the step come
+/// from memory or a checkpoint when there is one; the rest of the epoch's permutation is dealt
+/// to the ranks there are now (shard's offset), so a job that lost or gained ranks goes on
+/// with the same samples. The learning rate is this world size's (--lr-scaling), not the
+/// saved one.
+/// Returns 2 when --resume names a directory without a checkpoint (nothing trained), else 0.
+int train_as_rank(Session& s) {
   const TrainConfig& cfg = s.cfg();
   const int rank = s.env->rank;
   World world = join_env_world(cfg);
@@ -331,13 +348,25 @@ void train_as_rank(Session& s) {
   // Every rank starts from rank 0's parameters; buckets start during backward.
   DistributedDataParallel ddp(*s.net, group, {.overlap_with_backward = true});
   auto opt = make_sgd(s.net, cfg);
-  for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
+  Resumable res(cfg, s.lead());
+  res.state().add("model", *s.net);
+  res.state().add("optimizer", opt);
+  if (!res.restore(group, world)) return 2;
+  for (auto& g : opt.param_groups()) {
+    static_cast<torch::optim::SGDOptions&>(g.options()).lr(effective_lr(cfg));
+  }
+  const int64_t ranks = cfg.workers;
+  for (; res.epoch <= cfg.epochs; ++res.epoch, res.position = 0) {
+    const int epoch = static_cast<int>(res.epoch);
     const auto t0 = Clock::now();
     std::optional<EpochProgress> progress;
     if (s.lead()) progress.emplace(s, epoch);
+    if (progress) progress->resume_at(res.position);
     double loss_sum = 0;
     int64_t batches = 0;
-    const auto idx = shard(s.data.train.size(), cfg.seed, epoch, rank, cfg.workers);
+    const int64_t offset = res.position;
+    const auto idx = shard(s.data.train.size(), cfg.seed, epoch, rank, cfg.workers, offset);
+    int64_t mine = 0;  // samples of idx this rank trained
     train_epoch(
         s.net, s.data.train, idx, cfg.batch_size,
         [&](int64_t n, double l, int64_t b) {
@@ -345,11 +374,15 @@ void train_as_rank(Session& s) {
           loss_sum += l;
           batches += b;
           // The ranks step in lockstep: the job trained world size times this rank's samples.
-          if (progress) progress->add(n * cfg.workers, l, b);
+          if (progress) progress->add(n * ranks, l, b);
         },
         [&] {
           ddp.synchronize_gradients();
           opt.step();
+          mine += std::min<int64_t>(cfg.batch_size, idx.numel() - mine);
+          res.position = offset + mine * ranks;
+          ++res.step;
+          res.after_step();
         });
     at::Tensor sums = torch::tensor({loss_sum, static_cast<double>(batches)}, torch::kDouble);
     group.all_reduce(sums);
@@ -360,6 +393,8 @@ void train_as_rank(Session& s) {
     progress->batches = static_cast<int64_t>(sums[1].item<double>());
     record_epoch(s, epoch, secs, *progress);
   }
+  s.run.elastic = res.metrics();
+  return 0;
 }
 
 /// Writes the outputs (with the model when the run completed or finished an epoch) and, for
@@ -372,15 +407,17 @@ int finish_run(Session& s, int code) {
     std::fprintf(stderr, "torchpar train: cannot write the outputs: %s\n", e.what());
     return 1;
   }
-  if (code == 0) {
-    double secs = 0;
-    for (const auto& e : s.run.epochs) secs += e.seconds;
+  if (code == 0 && !s.run.epochs.empty()) {
+    double secs = 0, samples = 0;
+    for (const auto& e : s.run.epochs) {
+      secs += e.seconds;
+      samples += static_cast<double>(e.samples);
+    }
     const auto& last = s.run.epochs.back();
     std::printf(
         "done: test accuracy %.2f%% after %d epoch(s); training %.1f s, %.0f samples/s; "
         "outputs in %s\n",
-        last.test_accuracy, cfg.epochs, secs, static_cast<double>(s.per_epoch) * cfg.epochs / secs,
-        cfg.out.c_str());
+        last.test_accuracy, cfg.epochs, secs, samples / secs, cfg.out.c_str());
   }
   return code;
 }
@@ -397,6 +434,7 @@ int run_train(TrainConfig cfg) {
   // Started by a launcher as one rank of a job: no workers of its own (cfg.workers = ranks).
   if (int code = rank_from_env(cfg, s.env)) return code;
   if (int code = complete_config(cfg)) return code;
+  if (int code = check_resume_options(cfg, s.env.has_value())) return code;
   // Before any ATen work: an OpenMP pool made wider now keeps spinning beside the training.
   at::set_num_threads(cfg.threads_per_worker);
   s.run.cfg = cfg;
@@ -419,7 +457,7 @@ int run_train(TrainConfig cfg) {
     if (cfg.strategy == "single") {
       train_single(s);
     } else if (s.env) {
-      train_as_rank(s);
+      code = train_as_rank(s);
     } else {
       train_with_workers(s, workers.emplace());
     }
@@ -437,6 +475,10 @@ int run_train(TrainConfig cfg) {
       s.run.error = me + e.what();
       code = 1;
     }
+  }
+  if (code == 2) {  // --resume found nothing (Resumable::restore said so)
+    s.run.status = "failed";
+    s.run.error = "--resume: no checkpoint in " + cfg.resume;
   }
   if (code == 130) {
     if (s.lead()) {

@@ -42,12 +42,20 @@ struct TrainConfig {
   int64_t steps = 0;                  ///< gpt: optimizer steps (0: kGptDefaultSteps)
   int64_t eval_every = 0;             ///< gpt: steps between evaluations (0: steps / 10)
   bool plot = true;                   ///< draw curves.png (tools/plot_curves.py) after the run
+  // Checkpoints, snapshots and resume (resume.h; ddp as the ranks of a job).
+  int64_t checkpoint_every = 0;  ///< optimizer steps between checkpoints (0: none)
+  std::string checkpoint_dir;    ///< where checkpoints go ("": <out>/checkpoints)
+  int keep_checkpoints = 2;      ///< the newest checkpoints kept
+  int64_t snapshot_every = 1;    ///< steps between in-memory snapshots (0: none); needs the
+                                 ///< launcher's slots (`torchpar run --nnodes MIN:MAX`)
+  std::string resume;            ///< a checkpoint directory to continue from ("": none)
 
   template <class Archive>
   void serialize(Archive& ar) {
     ar(model, strategy, workers, epochs, batch_size, lr, momentum, seed, data, out,
        threads_per_worker, backend, limit, timeout, lr_scaling, reduce_batch_size, max_queue_size,
-       layers, width, heads, context, steps, eval_every, plot);
+       layers, width, heads, context, steps, eval_every, plot, checkpoint_every, checkpoint_dir,
+       keep_checkpoints, snapshot_every, resume);
   }
 };
 

@@ -140,6 +140,7 @@ int complete_common_config(TrainConfig& cfg) {
     return 2;
   }
   if (cfg.out.empty()) cfg.out = "runs/" + now_stamp();
+  if (cfg.checkpoint_dir.empty()) cfg.checkpoint_dir = cfg.out + "/checkpoints";
   try {
     (void)backend_from_string(cfg.backend);
   } catch (const std::exception& e) {
