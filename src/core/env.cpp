@@ -70,6 +70,10 @@ constexpr std::array kTable{
                 false},
     EnvVariable{"TORCHELASTIC_RESTART_COUNT", EnvType::kInteger, "0",
                 "restarts of the job's workers so far (torchrun's; World::restart_count)", false},
+    EnvVariable{"TORCHELASTIC_RUN_ID", EnvType::kRaw, "not started by an elastic launcher",
+                "the job's rendezvous id (torchrun's); torchpar train resumes from "
+                "--checkpoint-dir under it",
+                false},
     EnvVariable{"GLOO_SOCKET_IFNAME", EnvType::kText, "TORCHPAR_GLOO_ADDR",
                 "the interface Gloo binds to (torch.distributed's)", false},
     EnvVariable{"XDG_CACHE_HOME", EnvType::kPath, "$HOME/.cache",

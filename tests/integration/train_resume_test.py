@@ -8,7 +8,8 @@ restarts. The resumed runs print where they resumed and end within a point of an
 run (mnist) or below the unigram baseline (gpt).
 
     train_resume_test.py BIN_DIR mnist   the options refused outside a job (exit 2);
-                                         checkpoint + SIGKILL + --resume (2 ranks -> 2 ranks);
+                                         checkpoint + SIGKILL, restarted as torchrun restarts
+                                         (from --checkpoint-dir, no --resume; 2 ranks -> 2);
                                          memory: 2 ranks -> 1 (a node lost) -> 2 (a node back,
                                          empty slots); accuracy within 1 point of a run
                                          without failures
@@ -60,7 +61,7 @@ class Job:
     """`n` ranks of `torchpar train args` with the launcher's variables; rank 0's stdout is
     read line by line, the others' goes to a file. rank_slots[r]: that rank's memfds."""
 
-    def __init__(self, n, args, rank_slots=None, log="job"):
+    def __init__(self, n, args, rank_slots=None, log="job", extra_env=None):
         port, key = free_port(), os.urandom(32).hex()
         self.procs, self.lines = [], []
         for r in range(n):
@@ -68,6 +69,7 @@ class Job:
                    if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHPAR_ELASTIC_STATE_FDS")}
             env.update(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), TORCHPAR_AUTHKEY=key, OMP_WAIT_POLICY="passive")
+            env.update(extra_env or {})
             fds = ()
             if rank_slots:
                 fds = rank_slots[r]
@@ -145,7 +147,9 @@ def mnist_baseline():
 
 def mnist_checkpoint_resume(base):
     """2 ranks checkpoint every 25 steps; SIGKILLed after the checkpoint of step 200 (in epoch
-    2); 2 new ranks --resume from the directory's newest checkpoint."""
+    2); 2 new ranks started as torchrun restarts them (TORCHELASTIC_RUN_ID set; after a
+    membership change TORCHELASTIC_RESTART_COUNT stays 0) resume from --checkpoint-dir's newest
+    checkpoint without --resume."""
     out_dir, ckpt = os.path.join(tmp, "ckpt_run"), os.path.join(tmp, "ckpts")
     args = [*MNIST, "--out", out_dir, "--checkpoint-every", "25", "--checkpoint-dir", ckpt]
     job = Job(2, args, log="ckpt1")
@@ -158,7 +162,8 @@ def mnist_checkpoint_resume(base):
     kept = sorted(os.listdir(ckpt))
     check(len([n for n in kept if n.endswith(".pt")]) <= 2, f"mnist: 2 checkpoints kept: {kept}")
     started = time.time()
-    job = Job(2, [*MNIST, "--out", out_dir, "--resume", ckpt], log="ckpt2")
+    job = Job(2, args, log="ckpt2",
+              extra_env={"TORCHELASTIC_RUN_ID": "resume-test", "TORCHELASTIC_RESTART_COUNT": "0"})
     code, out = job.finish()
     want = rf"resumed at epoch 2 step {last} from checkpoint {re.escape(ckpt)}/step_{last}\.pt"
     check(re.search(want, out) is not None,

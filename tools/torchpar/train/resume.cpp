@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "torchpar/core/env.h"
+
 namespace torchpar::train {
 
 int check_resume_options(const TrainConfig& cfg, bool env_rank) {
@@ -34,6 +36,11 @@ bool Resumable::restore(CollectiveGroup& group, const World& world) {
     dir = cfg_.resume;
   } else if (world.rendezvous_round() > 0) {
     dir = cfg_.checkpoint_dir;  // a restart: this job's own checkpoints
+  } else if (env_value("TORCHELASTIC_RUN_ID") && !env_value("TORCHPAR_RDZV_ROUND")) {
+    // torchrun restarts its workers on a membership change (a node joins or leaves) without
+    // counting a restart, and exports no round: any start may be a restart, so its
+    // checkpoints are taken whenever there are some (torch.distributed.elastic's own advice).
+    dir = cfg_.checkpoint_dir;
   }
   restored_ = state_.restore(group, dir);
   const RestoreResult& r = *restored_;
