@@ -35,9 +35,10 @@ class Resumable {
   /// Collective: the newest state of the job's memory (snapshots the launcher's agent kept) or
   /// checkpoints: --resume DIR when given, else --checkpoint-dir after a restart
   /// (World::rendezvous_round() > 0) and under torchrun (TORCHELASTIC_RUN_ID without
-  /// TORCHPAR_RDZV_ROUND: its restarts after a membership change are not counted). On the lead prints "resumed at epoch E step S from memory (rank R) in X s"
-  /// or "... from checkpoint PATH in X s". Returns false after a message when --resume names a
-  /// directory without a checkpoint and no rank holds a snapshot (exit 2).
+  /// TORCHPAR_RDZV_ROUND: its restarts after a membership change are not counted). On the lead
+  /// prints "resumed at epoch E step S from memory (rank R) in X s" or "... from checkpoint PATH in
+  /// X s". Returns false after a message when --resume names a directory without a checkpoint and
+  /// no rank holds a snapshot (exit 2).
   bool restore(CollectiveGroup& group, const World& world);
 
   /// After each optimizer step (`step` already counts it): a snapshot every --snapshot-every
