@@ -28,6 +28,11 @@ Benchmarks (names for --only), run in this order:
                bare link and on one shaped to 1 Gbit/s with tc (netem with 0.2 ms delay, else tbf);
                needs root (skipped with a note otherwise); OpenMPI only where mpirun runs
   train        torchpar train --strategy single|hogwild|ddp vs peers/mnist_hogwild.py, mnist_ddp.py
+  elastic      peers/elastic_scenario.py: `torchpar run --nnodes 1:2` vs torchrun (python3-torch's
+               torch.distributed.run) on one scenario, two agents on loopback with one
+               `torchpar train --strategy ddp` rank each: one node SIGKILLed mid-run, started again;
+               seconds to training again on the survivor and on both, steps lost (in-memory
+               snapshots vs checkpoints)
   inference    infer_bench (TensorParallel::generate on a seeded GPT-2-small-shaped model) at TP = 2
                (2 processes x 1 thread) and TP = 1 (1 process x 2 threads) vs
                peers/python_tp_infer.py (the same Megatron-style TP = 2 with torch.distributed gloo):
@@ -85,7 +90,7 @@ PEERS = BENCH_DIR / "peers"
 RESULTS = BENCH_DIR / "results"
 PY = "/usr/bin/python3"
 BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "pserver", "collectives", "scale-out",
-              "train", "inference", "python", "python_dist")
+              "train", "elastic", "inference", "python", "python_dist")
 KiB, MiB = 1 << 10, 1 << 20
 # The programs each section runs from --bin (the CMake target `benchmarks` builds them all).
 SECTION_PROGRAMS = {"limits": ("shm_bench",), "handoff": ("ipc_bench", "shm_bench"),
@@ -1585,6 +1590,182 @@ def plot_train(runs, out):
 
 
 # ----------------------------------------------------------------------------------------------
+# elastic: a node lost and back under `torchpar run --nnodes 1:2` and torchrun (elastic_scenario.py)
+
+ELASTIC_DATA = Path("/usr/share/datasets/fashion-mnist")
+# The scenario's settings, the same for both launchers (elastic_scenario.py's flags).
+ELASTIC = {"checkpoint_every": 20, "kill_after": 3.0, "rejoin_after": 2.0, "monitor_interval": 0.5,
+           "last_call": 5, "heartbeat_timeout": 5.0, "limit": 60000, "timeout": 240}
+ELASTIC_SYSTEMS = (("torchpar run", "torchpar"), ("torchrun", "torchrun"))
+# label, measure, unit (lower is better everywhere); (a1)-(a3) split (a), (b1)-(b3) split (b)
+ELASTIC_ROWS = [
+    ("(a) node lost: SIGKILL to the survivor's resume line", "kill_to_resume_s", "s"),
+    ("(a1) detection: to the survivor's rank stopped", "detect_s", "s"),
+    ("(a2) new round: to the survivor's new rank started", "relaunch_s", "s"),
+    ("(a3) rank start-up and restore: to its resume line", "rank_start_s", "s"),
+    ("(b) node back: its agent started to the grown round's resume line", "join_to_resume_s", "s"),
+    ("(b1) newcomer's agent up and joined, the survivor's rank stopped", "grow_detect_s", "s"),
+    ("(b2) new round: to the grown round's ranks started", "grow_relaunch_s", "s"),
+    ("(b3) ranks' start-up and restore: to the resume line", "grow_rank_start_s", "s"),
+    ("(c) steps lost per failure: steps complete at the SIGKILL - step resumed at",
+     "kill_steps_lost", "steps"),
+    ("(c1) steps complete at the SIGKILL (the failed call #C - 4)", "kill_step", "step"),
+    ("(c2) the newest checkpoint written before it", "kill_last_checkpoint", "step"),
+    ("(c3) step resumed at", "kill_resumed_step", "step"),
+    ("whole scenario: first agent started to both agents stopped", "run_s", "s"),
+]
+
+
+def fmt_steps(v):
+    """A step count: whole numbers without a decimal point (values come back as floats)."""
+    return fmt(int(v)) if isinstance(v, float) and v.is_integer() else fmt(v)
+
+
+def parse_elastic(out):
+    r = json_lines(out)[-1]
+    res = {k: float(v) for k, v in r.items() if isinstance(v, (int, float))}
+    res["kill_from_memory"] = float(r.get("kill_source") == "memory")
+    res["grow_from_memory"] = float(r.get("grow_source") == "memory")
+    return res
+
+
+def runners_elastic(cfg):
+    skip = None if ELASTIC_DATA.is_dir() else f"{ELASTIC_DATA} not found (Fashion-MNIST)"
+    # whether torch is there, without importing it (1.5 s)
+    has_torch = skip is None and quiet(
+        [PY, "-c", "import importlib.util as u; print(u.find_spec('torch') is not None)"]).strip()
+    peer_skip = skip or (None if has_torch == "True" else
+                         f"{PY} has no torch (Debian: python3-torch), so no torchrun")
+    runners = []
+    for name, launcher in ELASTIC_SYSTEMS:
+        cmd = [PY, PEERS / "elastic_scenario.py", "--launcher", launcher, "--torchpar", cfg.torchpar,
+               "--work", cfg.raw / "elastic"]
+        for key, value in ELASTIC.items():
+            cmd += [f"--{key.replace('_', '-')}", value]
+        runners.append(Runner(name, launcher == "torchpar", cmd, parse_elastic, ELASTIC["timeout"] + 60,
+                              skip=skip if launcher == "torchpar" else peer_skip,
+                              before=lambda: (cfg.raw / "elastic").mkdir(parents=True, exist_ok=True)))
+    return runners
+
+
+def report_elastic(runs, limits, cfg):
+    med = {name: runs.get(name, {}).get("median", {}) for name, _ in ELASTIC_SYSTEMS}
+    ours, peer = (med[name] for name, _ in ELASTIC_SYSTEMS)
+    rows, summary = [], {}
+    for label, key, unit in ELASTIC_ROWS:
+        o, p = ours.get(key), peer.get(key)
+        top = key in ("kill_to_resume_s", "join_to_resume_s")
+        ratio = advantage(o, p, False) if top else None
+        f = fmt if unit == "s" else fmt_steps
+        rows.append((label, unit, f(o), f(p), fmt_x(ratio) if ratio else "-"))
+        summary[key] = {"torchpar": o, "torchrun": p, "unit": unit}
+        if top:
+            summary[key]["torchrun_over_torchpar"] = ratio
+
+    def sources(key):
+        cells = []
+        for name, _ in ELASTIC_SYSTEMS:
+            vals = [v.get(key) for v in runs.get(name, {}).get("values", []) if key in v]
+            mem = sum(1 for v in vals if v == 1.0)
+            cells.append("n/a" if not vals else "memory" if mem == len(vals) else
+                         "checkpoint" if mem == 0 else f"memory in {mem} of {len(vals)} rounds")
+        return cells
+    names = [name for name, _ in ELASTIC_SYSTEMS]
+    for label, key in (("(c4) resumed from, after the failure", "kill_from_memory"),
+                       ("resumed from, after the grow", "grow_from_memory")):
+        rows.insert(len(rows) - 1, (label, "-", *sources(key), "-"))
+        summary.setdefault("sources", {})[key] = dict(zip(names, sources(key)))
+    md = table(["measure (median over rounds)", "unit", "torchpar run", "torchrun", "torchpar vs torchrun"],
+               rows, left=2)
+    prow = []
+    for name, _ in ELASTIC_SYSTEMS:
+        for i, v in enumerate(runs.get(name, {}).get("values", [])):
+            prow.append((name, str(i + 1), fmt(v.get("kill_to_resume_s")), fmt(v.get("join_to_resume_s")),
+                         *(fmt_steps(v.get(k)) for k in (
+                             "kill_failed_call", "kill_step", "kill_last_checkpoint",
+                             "kill_resumed_step", "kill_steps_lost")),
+                         "memory" if v.get("kill_from_memory") else "checkpoint",
+                         fmt_steps(v.get("grow_resumed_step")),
+                         "memory" if v.get("grow_from_memory") else "checkpoint"))
+    e = ELASTIC
+    md += (
+        "\n\n\"torchpar vs torchrun\": torchrun's time / torchpar's (> 1: torchpar faster); no target "
+        "(issue 41 asks for the figures). The scenario (bench/peers/elastic_scenario.py, one run per "
+        f"launcher and round, {cfg.rounds('elastic')} round(s), interleaved): two \"nodes\" on this "
+        "host, two agents on loopback (`--nnodes 1:2`, 1 rank each, the rendezvous endpoint "
+        "127.0.0.1 on node A), both running `torchpar train --strategy ddp --model mnist` on "
+        f"Fashion-MNIST (--limit {e['limit']} per epoch, batch 64, collectives on shm: both ranks "
+        f"share the host) with --checkpoint-every {e['checkpoint_every']} (rank 0 writes a "
+        f"checkpoint every {e['checkpoint_every']} optimizer steps) and the trainer's default "
+        "--snapshot-every 1 (a "
+        "snapshot every step into the memory `torchpar run` keeps per rank; torchrun keeps none, "
+        f"so its ranks resume from the newest checkpoint). {e['kill_after']:g} s after rank 0 "
+        "printed its plan for 2 ranks (about 2 s of training), node B is lost: its agent and every "
+        "process under it are SIGKILLed at once, as a host's crash would (torchrun's worker "
+        "outlives a SIGKILL of its agent alone: tried once, the orphaned worker finished the "
+        "epoch with the survivor, whose agent then waited 300 s on its exit barrier for the dead "
+        f"agent before exiting 0). {e['rejoin_after']:g} s after the survivor's resume line B is started "
+        "again; once the grown round has resumed and written a checkpoint, both agents get "
+        "SIGTERM. (a) and (b) end at rank 0's \"resumed at epoch E step S from memory|checkpoint\" "
+        "line, printed once the state is restored, before the first step; each rank line is "
+        "timed when it reaches the driver (torchpar run's pipes; torchrun's workers' stdout.log "
+        "read every 10 ms, since its -t copy comes through a file it polls every 0.1 s). The "
+        "splits come from a process scan every 0.05 s (a rank: the agent's child running "
+        "`torchpar train`). (c): the steps complete when node B was killed against the step the "
+        "next round resumed at. The survivor's error names its group's collective call that "
+        "failed (\"all_reduce call #C\"); `torchpar train` makes 3 collective calls before its "
+        "first step and one all_reduce a step, so C - 4 steps were complete: exactly the step "
+        "torchpar's ranks resumed at from memory in every run so far (results.json also holds "
+        "an estimate from the timed checkpoint lines alone, kill_step_estimate, which runs a "
+        "few steps low while the step rate still climbs). From a checkpoint every N steps a "
+        "failure costs up to N - 1 steps (N/2 on average; the step under way, lost by both, "
+        "is not counted); at a grow torchrun restarts its job from the newest checkpoint as "
+        "well, torchpar from memory (the step each resumed at is in the table below).\n\n"
+        "Where the time goes. (a2), torchpar run: its new round waits out the last call "
+        "(--rdzv-timeout): the survivor's round ended on its own rank's failure (the collective "
+        "saw the peer die within a second, before the node's heartbeat timed out), so the next "
+        "round still expects the lost node (the same with --heartbeat-timeout 2: the "
+        "heartbeats are not looked at while a round gathers). torchrun: its rendezvous keeps "
+        "the lost node until its keep-alive expires (15 s), then waits the last call. (b1): "
+        "the newcomer's agent start-up (a C++ program against Python importing torch), its "
+        "join, the survivor's agent noticing it (one monitor interval) and stopping its rank. "
+        "(a3) and (b3) run the same program under both launchers (in (b3) both ranks start at "
+        "once on the 2 cores).\n\n"
+        "Settings, the same for both launchers: --monitor-interval / --monitor_interval "
+        f"{e['monitor_interval']:g} s, last call (--rdzv-timeout / rdzv_conf last_call_timeout) "
+        f"{e['last_call']} s, join timeout 600 s, 2 restarts. Node heartbeat: torchpar run's "
+        f"--heartbeat-timeout {e['heartbeat_timeout']:g} s; torchrun 1.13's is fixed at 5 s x 3 "
+        "attempts (a lost node leaves its rendezvous 15 s after its last keep-alive: most of "
+        "torchrun's \"new round\" after a failure). torchrun runs as `python3 -m "
+        "torch.distributed.run --nnodes=1:2 --nproc_per_node=1 --rdzv_backend=c10d ... -r 1 -t 1 "
+        "--no_python torchpar train ...`: Debian's torch 1.13 fails on Python 3.11 with the "
+        "default redirects (`AttributeError: 'NoneType' object has no attribute 'get'` in "
+        "to_map: Std.from_str(\"0\") returns None because iterating an IntFlag skips 0 on 3.11) "
+        "before starting any worker; -r 1 -t 1 (stdout to a file and copied to the console, "
+        "stderr direct) avoids it. Both agents of a run get one fresh TORCHPAR_AUTHKEY in their "
+        "environment (torchrun's ranks inherit it). After each run no process of either agent and "
+        "no /dev/shm name of its ranks is left (the driver checks, and fails the run otherwise).\n\n"
+        "Each round:\n\n"
+        + table(["launcher", "round", "(a) s", "(b) s", "failed call #C", "steps complete",
+                 "last checkpoint", "resumed at", "steps lost", "from", "grow resumed at",
+                 "from"], prow, left=2)
+        + "\n\n![elastic](elastic.png)")
+    return md, summary
+
+
+def plot_elastic(runs, out):
+    med = {name: runs.get(name, {}).get("median", {}) for name, _ in ELASTIC_SYSTEMS}
+    if not any(med.values()):
+        return
+    panels = [(title, [(name, med[name].get(key)) for name, _ in ELASTIC_SYSTEMS], None, False)
+              for title, key in (("(a) node lost to training again (s)", "kill_to_resume_s"),
+                                 ("(b) node back to training on both (s)", "join_to_resume_s"),
+                                 ("(c) steps lost per failure", "kill_steps_lost"))]
+    bar_grid(out / "elastic.png", "Elastic job, a node lost and back: torchpar run vs torchrun",
+             panels, cols=3)
+
+
+# ----------------------------------------------------------------------------------------------
 # inference: infer_bench (TensorParallel) vs python_tp_infer.py (torch.distributed gloo)
 
 INFER_BATCHES = (1, 8)
@@ -2223,6 +2404,7 @@ def draw_plots(cfg, results):
                 "collectives": lambda r: plot_collectives(r, cfg.out, cfg),
                 "scale-out": lambda r: plot_scaleout(r, cfg.out, cfg),
                 "train": lambda r: plot_train(r, cfg.out),
+                "elastic": lambda r: plot_elastic(r, cfg.out),
                 "inference": lambda r: plot_inference(r, cfg.out),
                 "python": lambda r: plot_python(r, cfg.out),
                 "python_dist": lambda r: plot_python_dist(r, cfg.out, cfg)}
@@ -2276,6 +2458,7 @@ def machine_facts(cfg):
 TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "Process pools",
           "manager": "Manager", "rpc": "RPC", "pserver": "Parameter server",
           "collectives": "Collectives", "scale-out": "Scale-out: two hosts", "train": "Training",
+          "elastic": "Elastic jobs: a node lost and back",
           "inference": "Tensor-parallel inference", "python": "Python package",
           "python_dist": "Python torch.distributed backend"}
 
@@ -2324,12 +2507,12 @@ def update_latest(out):
 RUNNERS = {"limits": runners_limits, "handoff": runners_handoff, "pools": runners_pools,
            "manager": runners_manager, "rpc": runners_rpc, "pserver": runners_pserver,
            "collectives": runners_collectives, "train": runners_train,
-           "inference": runners_inference, "python": runners_python,
+           "elastic": runners_elastic, "inference": runners_inference, "python": runners_python,
            "python_dist": runners_python_dist}
 REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_pools,
            "manager": report_manager, "rpc": report_rpc, "pserver": report_pserver,
            "collectives": report_collectives, "scale-out": report_scaleout, "train": report_train,
-           "inference": report_inference, "python": report_python,
+           "elastic": report_elastic, "inference": report_inference, "python": report_python,
            "python_dist": report_python_dist}
 
 
