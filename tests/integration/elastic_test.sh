@@ -50,6 +50,12 @@ agent() {
   LAST_PID=$!
   PIDS+=("$LAST_PID")
 }
+hosting() {  # hosting PORT: waits until the case's first agent listens there (it hosts the store:
+  # the test loses the others, and a stranger must not get there first)
+  local i
+  for ((i = 0; i < 100; i++)); do ss -ltn "sport = :$1" | grep -q LISTEN && return 0; sleep 0.1; done
+  return 1
+}
 agent_pid() {  # agent_pid TIMEOUT_PID: the agent (timeout's child)
   pgrep -P "$1" | head -1
 }
@@ -57,6 +63,7 @@ agent_pid() {  # agent_pid TIMEOUT_PID: the agent (timeout's child)
 # ---- 1. a rank SIGKILLed, a stranger refused
 d=$TMP/c1 && mkdir -p "$d"
 agent c1a 29631 --nnodes 2 --max-restarts 1 -- "$RANK_PY" "$d" 30 0.1; a=$LAST_PID
+hosting 29631
 agent c1b 29631 --nnodes 2 --max-restarts 1 -- "$RANK_PY" "$d" 30 0.1; b=$LAST_PID
 # The stranger: the same endpoint and job, another key.
 TORCHPAR_AUTHKEY=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n') timeout 30 "$BIN/torchpar" run \
@@ -82,6 +89,7 @@ no_leftovers "$d"; check $? "case 1: no process left"
 # ---- 2. a rank SIGSTOPped: detected by the peer's collective timeout (5 s)
 d=$TMP/c2 && mkdir -p "$d"
 agent c2a 29632 --nnodes 2 --max-restarts 1 -- "$RANK_PY" "$d" 30 0.1; a=$LAST_PID
+hosting 29632
 agent c2b 29632 --nnodes 2 --max-restarts 1 -- "$RANK_PY" "$d" 30 0.1; b=$LAST_PID
 wait_file "$d/pid.0.0" 30 && sleep 1 && kill -STOP "$(cat "$d/pid.0.0")"
 t0=$(date +%s)
@@ -98,6 +106,7 @@ no_leftovers "$d"; check $? "case 2: no process left (the stopped rank was kille
 # ---- 3. no restart left
 d=$TMP/c3 && mkdir -p "$d"
 agent c3a 29633 --nnodes 2 --max-restarts 0 -- "$RANK_PY" "$d" 100 0.1; a=$LAST_PID
+hosting 29633
 agent c3b 29633 --nnodes 2 --max-restarts 0 -- "$RANK_PY" "$d" 100 0.1; b=$LAST_PID
 wait_file "$d/pid.1.0" 30 && sleep 1 && kill -9 "$(cat "$d/pid.1.0")"
 wait $a; ca=$?
@@ -112,6 +121,7 @@ no_leftovers "$d"; check $? "case 3: no process left"
 # ---- 4. a node lost, the job shrinks; it comes back, the job grows
 d=$TMP/c4 && mkdir -p "$d"
 agent c4a 29634 --nnodes 1:2 --max-restarts 2 --rdzv-timeout 10 -- "$RANK_PY" "$d" 120 0.1; a=$LAST_PID
+hosting 29634
 agent c4b 29634 --nnodes 1:2 --max-restarts 2 --rdzv-timeout 10 -- "$RANK_PY" "$d" 120 0.1; b=$LAST_PID
 wait_file "$d/pid.1.0" 30 && sleep 1
 kill -9 "$(agent_pid $b)"
@@ -137,8 +147,7 @@ no_leftovers "$d"; check $? "case 4: no process left"
 # ---- 5. the rendezvous endpoint's node lost
 d=$TMP/c5 && mkdir -p "$d"
 agent c5a 29635 --nnodes 2 --max-restarts 2 -- "$RANK_PY" "$d" 200 0.1; a=$LAST_PID
-# a hosts the store: b starts once something listens on the endpoint
-for ((i = 0; i < 100; i++)); do ss -ltn 'sport = :29635' | grep -q LISTEN && break; sleep 0.1; done
+hosting 29635
 agent c5b 29635 --nnodes 2 --max-restarts 2 -- "$RANK_PY" "$d" 200 0.1; b=$LAST_PID
 wait_file "$d/pid.1.0" 30 && sleep 1
 kill -9 "$(agent_pid $a)"
@@ -154,7 +163,7 @@ no_leftovers "$d"; check $? "case 5: no process left"
 # ---- 6. a node's agent SIGSTOPped (its ranks run on): lost by its heartbeat
 d=$TMP/c6 && mkdir -p "$d"
 agent c6a 29636 --nnodes 1:2 --max-restarts 1 --rdzv-timeout 10 -- "$RANK_PY" "$d" 120 0.1; a=$LAST_PID
-for ((i = 0; i < 100; i++)); do ss -ltn 'sport = :29636' | grep -q LISTEN && break; sleep 0.1; done
+hosting 29636
 agent c6b 29636 --nnodes 1:2 --max-restarts 1 --rdzv-timeout 10 -- "$RANK_PY" "$d" 120 0.1; b=$LAST_PID
 wait_file "$d/pid.1.0" 30 && sleep 1
 kill -STOP "$(agent_pid $b)"
