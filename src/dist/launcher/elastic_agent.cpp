@@ -4,12 +4,13 @@
 // Store layout (every key under "elastic/<rdzv_id>/"; docs/distributed.md, "Elastic jobs"):
 //   current          the round being gathered or run (decimal; missing: 0)
 //   r<R>/joined      counter: a node's join index is the value its add() returned, minus 1
-//   r<R>/node<i>     {"addr","host","nproc"} of join index i
+//   alive/<id>       counter: the agent <id>'s heartbeat, advanced every monitor interval
+//                    while it gathers, waits or runs a round
+//   r<R>/node<i>     {"addr","host","nproc","id"} of join index i
 //   r<R>/expect      nodes the round waits for before closing early (set when R-1 ended)
 //   r<R>/closed      the number of nodes in the round (first compareSet wins); join indices
 //                    below it are the round's nodes, in group-rank order; later ones wait
 //   r<R>/master      {"addr","port","restarts"}: group rank 0's MASTER_ADDR/PORT, restarts used
-//   r<R>/hb<i>       counter: node i's heartbeat, advanced every monitor interval
 //   r<R>/done        counter: nodes whose ranks all exited 0
 //   r<R>/waiting     counter: nodes that arrived after the round closed
 //   r<R>/end         {"kind","code","rank","node","what"}: why the round ended (first wins);
@@ -25,6 +26,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -160,6 +162,7 @@ class Agent {
     endpoint_ = fmt::format("{}:{}", ep.host, ep.port);
     local_addr_ = o_.local_addr.empty() ? route_source(ep) : o_.local_addr;
     host_ = host_name();
+    id_ = fmt::format("{}/{}/{}", host_, ::getpid(), to_hex(random_authkey(4)));
     prefix_ = fmt::format("elastic/{}/", o_.rdzv_id);
     const AuthKey key = authkey_from_env().value_or(AuthKey{});
     const auto join_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -230,6 +233,66 @@ class Agent {
     return {v.begin(), v.end()};
   }
 
+  /// Advances this agent's heartbeat, at most once per monitor interval.
+  void beat() {
+    const auto now = Clock::now();
+    if (now - last_beat_ < seconds(o_.monitor_interval_seconds)) return;
+    add(prefix_ + "alive/" + id_, 1);
+    last_beat_ = now;
+  }
+
+  /// Whether the agent `id`'s heartbeat has stood still for the heartbeat timeout, as this
+  /// agent has watched it (the first look starts the clock).
+  bool stale(const std::string& id) {
+    const int64_t v = add(prefix_ + "alive/" + id, 0);
+    const auto now = Clock::now();
+    auto it = seen_.find(id);
+    if (it == seen_.end() || it->second.first != v) {
+      seen_[id] = {v, now};
+      return false;
+    }
+    return now - it->second.second > seconds(o_.heartbeat_timeout_seconds);
+  }
+
+  /// The ids of round R's nodes (join indices below `count` whose record is there yet).
+  std::vector<std::string> node_ids(int64_t round, int64_t count) {
+    std::vector<std::string> ids;
+    for (int64_t i = 0; i < count; ++i) {
+      const std::string k = key(round, fmt::format("node{}", i));
+      ids.push_back(has(k) ? json::parse(get(k)).at("id").get<std::string>() : "");
+    }
+    return ids;
+  }
+
+  /// The agents of round R-1's nodes that round R may wait for: all but this one and the
+  /// one R-1's end named gone (empty for round 0).
+  std::vector<std::string> previous_nodes(int64_t R) {
+    std::vector<std::string> out;
+    if (R == 0 || !has(key(R - 1, "closed"))) return out;
+    const auto prev = node_ids(R - 1, std::stoll(get(key(R - 1, "closed"))));
+    const auto end = RoundEnd::parse(get(key(R - 1, "end")));
+    for (size_t i = 0; i < prev.size(); ++i) {
+      if (prev[i].empty() || prev[i] == id_) continue;
+      if (end.node_gone() && end.node == static_cast<int>(i)) continue;
+      out.push_back(prev[i]);
+    }
+    return out;
+  }
+
+  /// Of `previous` (previous_nodes), those not among round R's first `joined` nodes whose
+  /// agents are gone (heartbeat still for the timeout): round R need not wait for them.
+  int64_t gone_since_last_round(const std::vector<std::string>& previous, int64_t R,
+                                int64_t joined) {
+    if (previous.empty()) return 0;
+    const auto now_in = node_ids(R, joined);
+    int64_t gone = 0;
+    for (const auto& id : previous) {
+      if (std::find(now_in.begin(), now_in.end(), id) != now_in.end()) continue;
+      if (stale(id)) ++gone;
+    }
+    return gone;
+  }
+
   std::optional<Exit> check_signal() {
     const int sig = o_.pending_signal();
     if (sig == 0) return std::nullopt;
@@ -262,11 +325,14 @@ class Agent {
       r->number = R;
       const int idx = static_cast<int>(add(key(R, "joined"), 1) - 1);
       set(key(R, fmt::format("node{}", idx)),
-          json{{"addr", local_addr_}, {"host", host_}, {"nproc", o_.nproc_per_node}}.dump());
+          json{{"addr", local_addr_}, {"host", host_}, {"nproc", o_.nproc_per_node}, {"id", id_}}
+              .dump());
       std::optional<Clock::time_point> min_since;
       bool told = false;
+      const auto previous = previous_nodes(R);
       while (!has(key(R, "closed"))) {
         if (auto stop = check_signal()) return stop;
+        beat();
         if (Clock::now() > deadline) {
           say("round {}: {} of at least {} node(s) joined within {} s (--rdzv-join-timeout); "
               "giving up",
@@ -274,8 +340,11 @@ class Agent {
           return Exit{1};
         }
         const int64_t n = add(key(R, "joined"), 0);
+        // A node of the last round that is gone (its agent's heartbeat stands still: killed
+        // with its ranks, whose peers' failure ended that round) is not waited for either.
         const int64_t expect =
-            has(key(R, "expect")) ? std::stoll(get(key(R, "expect"))) : o_.max_nodes;
+            (has(key(R, "expect")) ? std::stoll(get(key(R, "expect"))) : o_.max_nodes) -
+            gone_since_last_round(previous, R, n);
         if (n >= o_.max_nodes || (n >= o_.min_nodes && n >= expect)) {
           cas(key(R, "closed"), "", std::to_string(std::min<int64_t>(n, o_.max_nodes)));
         } else if (n >= o_.min_nodes) {
@@ -294,6 +363,7 @@ class Agent {
         add(key(R, "waiting"), 1);
         while (!has(key(R, "end"))) {
           if (auto stop = check_signal()) return stop;
+          beat();
           if (Clock::now() > deadline) {
             say("round {} did not end within {} s (--rdzv-join-timeout) for this node to "
                 "join; giving up",
@@ -384,7 +454,7 @@ class Agent {
                      o_.prefix_output);
     const auto interval = std::chrono::milliseconds(
         std::max<int64_t>(1, static_cast<int64_t>(o_.monitor_interval_seconds * 1000)));
-    std::map<int, std::pair<int64_t, Clock::time_point>> seen;  // node: heartbeat, since
+    const auto ids = node_ids(R, r.nodes);
     bool done = false;
     const std::string end_key = key(R, "end");
     const auto finish = [&](const RoundEnd& e) { cas(end_key, "", e.dump()); };
@@ -398,7 +468,7 @@ class Agent {
         return stop;
       }
       ranks.poll(interval);
-      add(key(R, fmt::format("hb{}", r.node)), 1);
+      beat();
       if (const auto& f = ranks.failure()) {
         finish({"failed", exit_code_of(f->status), f->rank, r.node,
                 fmt::format("rank {} (pid {}) on node {} ({}) {}", f->rank, f->pid, r.node, host_,
@@ -409,14 +479,9 @@ class Agent {
         done = true;
       }
       if (done && add(key(R, "done"), 0) >= r.nodes) finish({"done", 0, -1, -1, "every rank done"});
-      const auto now = Clock::now();
       for (int i = 0; i < r.nodes; ++i) {
         if (i == r.node) continue;
-        const int64_t hb = add(key(R, fmt::format("hb{}", i)), 0);
-        auto it = seen.find(i);
-        if (it == seen.end() || it->second.first != hb) {
-          seen[i] = {hb, now};
-        } else if (now - it->second.second > seconds(o_.heartbeat_timeout_seconds)) {
+        if (stale(ids[static_cast<size_t>(i)])) {
           const auto info = json::parse(get(key(R, fmt::format("node{}", i))));
           finish({"lost", 1, -1, i,
                   fmt::format("node {} ({}, {}) lost: no heartbeat for {} s", i,
@@ -455,6 +520,9 @@ class Agent {
 
   const LaunchOptions& o_;
   std::string endpoint_, local_addr_, host_, prefix_;
+  std::string id_;  // this agent, in the store: host/pid/random
+  Clock::time_point last_beat_{};
+  std::map<std::string, std::pair<int64_t, Clock::time_point>> seen_;  // id: heartbeat, since
   std::unique_ptr<StoreServer> server_;
   c10::intrusive_ptr<StoreClient> store_;
   std::vector<UniqueFd> slots_;  // two memfds per local rank: ElasticState's snapshots
