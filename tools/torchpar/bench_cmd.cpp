@@ -33,7 +33,9 @@ Command add_bench(CLI::App& app) {
                   "comma-separated subset of handoff, pools, manager, rpc, pserver, collectives, "
                   "scale-out (root: two network namespaces), train, inference, python (the "
                   "Python package against torch.multiprocessing and multiprocessing), "
-                  "python_dist (torch.distributed on backend torchpar against gloo), limits");
+                  "python_dist (torch.distributed on backend torchpar against gloo), elastic "
+                  "(a node lost and back under torchpar run --nnodes 1:2 against torchrun), "
+                  "limits");
   cmd->add_option("--out", o->out, "output directory (default bench/results/<date>)");
   cmd->add_option("--rounds", o->rounds, "interleaved rounds per benchmark (default 3; --quick 1)")
       ->check(CLI::Range(1, 100));
