@@ -24,7 +24,17 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kForever = Clock::time_point::max();
 constexpr size_t kMaxFrame = kStoreMaxValueBytes * 2 + 64 * 1024;
 
-enum Cmd : uint8_t { kSet = 1, kGet, kAdd, kCompareSet, kCheck, kWait, kDelete, kNumKeys };
+enum Cmd : uint8_t {
+  kSet = 1,
+  kGet,
+  kAdd,
+  kCompareSet,
+  kCheck,
+  kWait,
+  kDelete,
+  kNumKeys,
+  kSetEphemeral
+};
 enum Status : uint8_t { kOk = 0, kTimedOut = 1, kRefused = 2 };
 
 // ---- encoding ---------------------------------------------------------------------------
@@ -243,19 +253,27 @@ void StoreServer::accept_loop() {
 void StoreServer::serve(Conn* c) {
   const int fd = c->fd.get();
   bool authenticated = false;
+  std::vector<std::string> ephemeral;  // keys set with kSetEphemeral on this connection
   try {
     auth_accept(fd, key_, Clock::now() + handshake_timeout_);
     authenticated = true;
     handshaking_.fetch_sub(1);
     while (!stop_) {
       const std::string req = read_message(fd, kForever, "store connection");
-      if (!handle(fd, req)) break;
+      if (!handle(fd, req, &ephemeral)) break;
     }
   } catch (const std::exception&) {
     // A stranger, a wrong key, a stalled or closed client, a violation: end this connection
     // only. The client sees the refusal (#FAILURE#) or the closed socket.
   }
   if (!authenticated) handshaking_.fetch_sub(1);
+  if (!ephemeral.empty()) {  // the connection's own keys go with it (an agent's liveness)
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (const auto& k : ephemeral) data_.erase(k);
+    }
+    cv_.notify_all();
+  }
   ::shutdown(fd, SHUT_RDWR);
   c->done = true;
 }
@@ -345,7 +363,7 @@ std::string StoreServer::compare_set(const std::string& k, std::string_view expe
   return out;
 }
 
-bool StoreServer::handle(int fd, const std::string& req) {
+bool StoreServer::handle(int fd, const std::string& req, std::vector<std::string>* ephemeral) {
   Reader in{req};
   const uint8_t cmd = in.u8();
   std::string out;
@@ -406,6 +424,18 @@ bool StoreServer::handle(int fd, const std::string& req) {
       if (!in.ok) return false;
       std::lock_guard<std::mutex> g(mu_);
       out.push_back(data_.erase(k) ? 1 : 0);
+      return send_reply(fd, kOk, out);
+    }
+    case kSetEphemeral: {
+      auto k = read_key(in);
+      auto v = in.bytes(kStoreMaxValueBytes);
+      if (!in.ok || ephemeral->size() >= kStoreMaxKeys) return false;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        data_[k].assign(v.begin(), v.end());
+      }
+      ephemeral->push_back(k);
+      cv_.notify_all();
       return send_reply(fd, kOk, out);
     }
     case kNumKeys: {
@@ -606,6 +636,18 @@ int64_t StoreClient::add(const std::string& key, int64_t value) {
   const std::string rep = call(req, std::chrono::milliseconds(0), "add");
   Reader r{rep};
   return r.i64();
+}
+
+void StoreClient::set_ephemeral(const std::string& key, const std::vector<uint8_t>& value) {
+  check_key(key);
+  if (value.size() > kStoreMaxValueBytes) {
+    throw Error(fmt::format("store: value of {} bytes is over the limit of {}", value.size(),
+                            kStoreMaxValueBytes));
+  }
+  std::string req(1, static_cast<char>(kSetEphemeral));
+  put_str(req, key);
+  put_vec(req, value);
+  call(req, std::chrono::milliseconds(0), "set_ephemeral");
 }
 
 bool StoreClient::deleteKey(const std::string& key) {

@@ -61,8 +61,9 @@ class StoreServer {
   };
   void accept_loop();
   void serve(Conn* c);
-  /// Handles one request; false ends the connection (protocol violation).
-  bool handle(int fd, const std::string& req);
+  /// Handles one request; false ends the connection (protocol violation). `ephemeral`
+  /// collects the keys this connection set with set_ephemeral (erased when it ends).
+  bool handle(int fd, const std::string& req, std::vector<std::string>* ephemeral);
   /// Under mu_: every key of `ks` exists.
   bool all_present(const std::vector<std::string>& ks) const;
   /// Waits under `lk` (on mu_) until every key exists; false on timeout or shutdown.
@@ -116,6 +117,10 @@ class StoreClient final : public c10d::Store {
   std::vector<uint8_t> get(const std::string& key) override;
   int64_t add(const std::string& key, int64_t value) override;
   bool deleteKey(const std::string& key) override;
+  /// set(), and the server erases the key when this connection ends (the client's process
+  /// died, or closed it): ZooKeeper's ephemeral nodes; an elastic agent's liveness. At most
+  /// kStoreMaxKeys per connection (more ends the connection).
+  void set_ephemeral(const std::string& key, const std::vector<uint8_t>& value);
   bool check(const std::vector<std::string>& keys) override;
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;

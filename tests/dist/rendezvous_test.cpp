@@ -511,6 +511,29 @@ TEST(StoreServer, EveryCommandAnswersAsTCPStoreDoes) {
   setter.join();
 }
 
+// An ephemeral key (an elastic agent's liveness) lives as long as the connection that set
+// it: another client sees it, and sees it gone once that connection ends; plain keys of the
+// same connection stay.
+TEST(StoreServer, EphemeralKeyGoesWithItsConnection) {
+  using Bytes = std::vector<uint8_t>;
+  const tp::AuthKey key = "store-test";
+  tp::detail::StoreServer server("127.0.0.1", 0, key, std::chrono::milliseconds(5000));
+  tp::detail::StoreClient watcher("127.0.0.1", server.port(), key,
+                                  std::chrono::milliseconds(10000));
+  {
+    tp::detail::StoreClient agent("127.0.0.1", server.port(), key,
+                                  std::chrono::milliseconds(10000));
+    agent.set_ephemeral("conn/a", Bytes{'1'});
+    agent.set("plain", Bytes{'2'});
+    EXPECT_TRUE(watcher.check({"conn/a", "plain"}));
+  }
+  const auto by = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (watcher.check({"conn/a"}) && std::chrono::steady_clock::now() < by)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_FALSE(watcher.check({"conn/a"}));
+  EXPECT_TRUE(watcher.check({"plain"}));
+}
+
 int main(int argc, char** argv) {
   tp::init(argc, argv);
   return torchpar::testing::run_tests(argc, argv);

@@ -34,9 +34,10 @@ struct LaunchOptions {
 
   // ---- elastic mode
   /// "host:port" of the rendezvous store: the agent that can listen there hosts it (the
-  /// job's key required), the others connect. Empty in elastic mode: "127.0.0.1:29400".
+  /// job's key required), the others connect. Required when max_nodes > 1; empty with
+  /// --nnodes 1:1 elastic: "127.0.0.1:29400".
   std::string rdzv_endpoint;
-  std::string rdzv_id = "none";  ///< the job's name in the store (several jobs may share one)
+  std::string rdzv_id = "none";  ///< the job's name in the store
   /// Seconds a round stays open for more nodes once min_nodes have joined (torchrun's
   /// last_call_timeout), unless every node known to be alive has joined.
   double rdzv_last_call_seconds = 30.0;
@@ -45,7 +46,9 @@ struct LaunchOptions {
   double rdzv_join_seconds = 600.0;
   /// Seconds between two looks at the ranks and the store (heartbeat, end of round).
   double monitor_interval_seconds = 0.5;
-  /// A node whose heartbeat has not moved for this long is lost: its round ends.
+  /// A node whose heartbeat has not moved for this long is lost: its round ends (a node
+  /// whose agent died on a host that is still up is known lost at once: its connection to
+  /// the store closes). At least 3 x monitor_interval_seconds.
   double heartbeat_timeout_seconds = 5.0;
   /// The address other nodes reach this one at (its rank 0's store and RPC). Empty: the
   /// local address of the route to the rendezvous endpoint.
@@ -57,11 +60,14 @@ struct LaunchOptions {
 };
 
 /// Runs the job on this node to its end and returns the exit code the launcher exits with:
-/// 0 when every rank of the last round exited 0; the failing rank's code (128 + signal for a
-/// signal) when restarts ran out, with a line on stderr naming the rank and node; 1 when a
-/// node was lost with no restart left, the rendezvous endpoint went away, or a round could
-/// not gather min_nodes within rdzv_join_seconds; 2 for bad options (also named on stderr);
-/// 128 + the signal when pending_signal() returned one.
+/// 0 when every rank of the last round exited 0 (also for a node that waited to join and
+/// saw the job finish); the failing rank's code (128 + signal for a signal) when restarts ran
+/// out, with a line on stderr naming the rank and node; 1 when a node was lost with no
+/// restart left, this node was declared lost by the others (it was stopped or cut off), the
+/// rendezvous endpoint went away, a round could not gather min_nodes within
+/// rdzv_join_seconds, or a waiting node could not join within it; 2 for bad options (also
+/// named on stderr); 128 + the signal when pending_signal() returned one (fixed mode: the
+/// failing rank's code when a rank had failed first).
 /// Elastic mode needs TORCHPAR_AUTHKEY when max_nodes > 1 (the store refuses other keys).
 /// Safety: call from the main thread (ranks get PR_SET_PDEATHSIG) of a process that does
 /// nothing else meanwhile; it reaps only its own children. Source: torchrun

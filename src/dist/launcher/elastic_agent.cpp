@@ -6,6 +6,8 @@
 //   r<R>/joined      counter: a node's join index is the value its add() returned, minus 1
 //   alive/<id>       counter: the agent <id>'s heartbeat, advanced every monitor interval
 //                    while it gathers, waits or runs a round
+//   conn/<id>        set by agent <id> as an ephemeral key: the store erases it when the
+//                    agent's connection ends, so a killed agent is known gone at once
 //   r<R>/node<i>     {"addr","host","nproc","id"} of join index i
 //   r<R>/expect      nodes the round waits for before closing early (set when R-1 ended)
 //   r<R>/closed      the number of nodes in the round (first compareSet wins); join indices
@@ -22,6 +24,7 @@
 #include <fmt/format.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -173,10 +176,21 @@ class Agent {
     } catch (const Error&) {
       server_.reset();  // not this node's address, or another agent listens there already
     }
-    store_ = c10::make_intrusive<StoreClient>(
-        ep.host, ep.port, key, join_ms,
+    // Connect in short tries, so that a signal is seen while the endpoint is not up yet.
+    const auto connect_by = Clock::now() + join_ms;
+    const std::string role =
         fmt::format("the rendezvous store of job '{}'{}", o_.rdzv_id,
-                    server_ ? ", hosted by this agent" : ", hosted by the endpoint's agent"));
+                    server_ ? ", hosted by this agent" : ", hosted by the endpoint's agent");
+    for (;;) {
+      if (const int sig = o_.pending_signal()) return 128 + sig;
+      try {
+        store_ = c10::make_intrusive<StoreClient>(ep.host, ep.port, key,
+                                                  std::chrono::milliseconds(2000), role);
+        break;
+      } catch (const TimeoutError&) {
+        if (Clock::now() > connect_by) throw;
+      }
+    }
     store_->setTimeout(std::chrono::seconds(30));
     for (int local = 0; local < o_.nproc_per_node; ++local) {
       for (int s = 0; s < 2; ++s) {
@@ -185,6 +199,7 @@ class Agent {
         slots_.push_back(std::move(fd));
       }
     }
+    store_->set_ephemeral(prefix_ + "conn/" + id_, bytes_of(host_));
     if (!has(prefix_ + "current")) cas(prefix_ + "current", "", "0");
     for (;;) {
       Round r;
@@ -241,17 +256,26 @@ class Agent {
     last_beat_ = now;
   }
 
-  /// Whether the agent `id`'s heartbeat has stood still for the heartbeat timeout, as this
-  /// agent has watched it (the first look starts the clock).
-  bool stale(const std::string& id) {
+  /// Why the agent `id` is gone, if it is: its connection to the store ended (it died, on a
+  /// host that is still up: known at once), or its heartbeat has stood still for the
+  /// heartbeat timeout as this agent watched it (an unreachable or stopped host).
+  std::optional<std::string> gone(const std::string& id) {
+    if (!has(prefix_ + "conn/" + id)) return "its agent's connection to the store closed";
     const int64_t v = add(prefix_ + "alive/" + id, 0);
     const auto now = Clock::now();
+    // This agent could not look for a while (the store's host or this agent was stopped):
+    // the others' heartbeats could not be seen to move either, so their clocks restart.
+    if (now - last_look_ > seconds(o_.heartbeat_timeout_seconds / 2)) {
+      for (auto& entry : seen_) entry.second.second = now;
+    }
+    last_look_ = now;
     auto it = seen_.find(id);
     if (it == seen_.end() || it->second.first != v) {
       seen_[id] = {v, now};
-      return false;
+      return std::nullopt;
     }
-    return now - it->second.second > seconds(o_.heartbeat_timeout_seconds);
+    if (now - it->second.second <= seconds(o_.heartbeat_timeout_seconds)) return std::nullopt;
+    return fmt::format("no heartbeat for {} s", o_.heartbeat_timeout_seconds);
   }
 
   /// The ids of round R's nodes (join indices below `count` whose record is there yet).
@@ -288,7 +312,7 @@ class Agent {
     int64_t gone = 0;
     for (const auto& id : previous) {
       if (std::find(now_in.begin(), now_in.end(), id) != now_in.end()) continue;
-      if (stale(id)) ++gone;
+      if (this->gone(id)) ++gone;
     }
     return gone;
   }
@@ -301,16 +325,23 @@ class Agent {
   }
 
   /// Restarts used before round R: those before R-1, plus one when R-1 ended in a failure.
+  /// (A round that ended before it started has no master record: its own count is taken
+  /// from the round before.)
   int restarts_before(int64_t round) {
     if (round == 0) return 0;
-    const auto m = json::parse(get(key(round - 1, "master")));
     const auto end = RoundEnd::parse(get(key(round - 1, "end")));
-    return m.at("restarts").get<int>() + (end.failure() ? 1 : 0);
+    const int before = has(key(round - 1, "master"))
+                           ? json::parse(get(key(round - 1, "master"))).at("restarts").get<int>()
+                           : restarts_before(round - 1);
+    return before + (end.failure() ? 1 : 0);
   }
 
   /// After round R ended: how many nodes R+1 waits for before closing early, and `current`.
   void prepare_next(int64_t round, const RoundEnd& end, int nodes) {
-    const int64_t expect = nodes - (end.node_gone() ? 1 : 0) + add(key(round, "waiting"), 0);
+    // Late joiners (join indices past `closed`) are the nodes waiting for the next round,
+    // counted also when they had not yet said so.
+    const int64_t late = std::max<int64_t>(0, add(key(round, "joined"), 0) - nodes);
+    const int64_t expect = nodes - (end.node_gone() ? 1 : 0) + late;
     cas(key(round + 1, "expect"), "", std::to_string(std::max<int64_t>(expect, 1)));
     cas(prefix_ + "current", std::to_string(round), std::to_string(round + 1));
   }
@@ -318,9 +349,9 @@ class Agent {
   /// Joins rounds until one closes with this node in it (*r filled), or the job ends for
   /// this node (the returned Exit).
   std::optional<Exit> join(Round* r) {
-    const auto deadline = Clock::now() + seconds(o_.rdzv_join_seconds);
     const auto pause = std::chrono::milliseconds(50);
     for (;;) {
+      const auto deadline = Clock::now() + seconds(o_.rdzv_join_seconds);
       const int64_t R = std::stoll(get(prefix_ + "current"));
       r->number = R;
       const int idx = static_cast<int>(add(key(R, "joined"), 1) - 1);
@@ -362,12 +393,16 @@ class Agent {
         say("round {} runs with {} node(s); this node waits to join the next round", R, closed);
         add(key(R, "waiting"), 1);
         while (!has(key(R, "end"))) {
-          if (auto stop = check_signal()) return stop;
+          if (auto stop = check_signal()) {
+            add(key(R, "waiting"), -1);  // nobody to grow the job for
+            return stop;
+          }
           beat();
           if (Clock::now() > deadline) {
             say("round {} did not end within {} s (--rdzv-join-timeout) for this node to "
                 "join; giving up",
                 R, o_.rdzv_join_seconds);
+            add(key(R, "waiting"), -1);
             return Exit{1};
           }
           std::this_thread::sleep_for(seconds(o_.monitor_interval_seconds));
@@ -386,25 +421,70 @@ class Agent {
         prepare_next(R, end, closed);
         continue;
       }
+      // The round's records: every node's, then group rank 0's master. A node of the round
+      // that is gone before the round starts (it died or quit while the round gathered, or
+      // never published itself) ends the round as "left": no restart used, a new round.
+      if (auto stop = await_records(R, idx, closed)) return stop;
+      if (has(key(R, "end"))) {
+        const auto end = RoundEnd::parse(get(key(R, "end")));
+        say("round {} ended before it started: {}; new rendezvous", R, end.what);
+        prepare_next(R, end, closed);
+        continue;
+      }
       r->node = idx;
       r->nodes = closed;
       r->world_size = 0;
+      r->first_rank = 0;
       for (int i = 0; i < closed; ++i) {
         const int nproc = json::parse(get(key(R, fmt::format("node{}", i)))).at("nproc");
         if (i < idx) r->first_rank += nproc;
         r->world_size += nproc;
-      }
-      if (idx == 0) {
-        set(key(R, "master"), json{{"addr", local_addr_},
-                                   {"port", find_free_port(/*loopback_only=*/false)},
-                                   {"restarts", restarts_before(R)}}
-                                  .dump());
       }
       const auto m = json::parse(get(key(R, "master")));
       r->master_addr = m.at("addr");
       r->master_port = m.at("port");
       r->restarts = m.at("restarts");
       return std::nullopt;
+    }
+  }
+
+  /// Waits until round R (closed with `closed` nodes, this one at `idx`) has every node's
+  /// record and its master (published here when idx is 0), or has ended: a node gone, or
+  /// one whose record did not come within the heartbeat timeout, ends it as "left".
+  std::optional<Exit> await_records(int64_t R, int idx, int closed) {
+    const std::string end_key = key(R, "end");
+    const auto left = [&](int node, const std::string& why) {
+      cas(end_key, "",
+          RoundEnd{"left", 0, -1, node, fmt::format("node {} left: {}", node, why)}.dump());
+    };
+    const auto by = Clock::now() + seconds(o_.heartbeat_timeout_seconds);
+    for (;;) {
+      if (auto stop = check_signal()) {
+        left(idx, fmt::format("its agent got signal {}", stop->code - 128));
+        return stop;
+      }
+      beat();
+      if (has(end_key)) return std::nullopt;
+      bool all = true;
+      for (int i = 0; i < closed && !has(end_key); ++i) {
+        const std::string k = key(R, fmt::format("node{}", i));
+        if (!has(k)) {
+          all = false;
+          if (Clock::now() > by) left(i, "it never published itself");
+          continue;
+        }
+        const auto id = json::parse(get(k)).at("id").get<std::string>();
+        if (id == id_) continue;
+        if (const auto why = gone(id)) left(i, *why);
+      }
+      if (all && idx == 0 && !has(key(R, "master"))) {
+        set(key(R, "master"), json{{"addr", local_addr_},
+                                   {"port", find_free_port(/*loopback_only=*/false)},
+                                   {"restarts", restarts_before(R)}}
+                                  .dump());
+      }
+      if (all && has(key(R, "master"))) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   }
 
@@ -456,6 +536,7 @@ class Agent {
         std::max<int64_t>(1, static_cast<int64_t>(o_.monitor_interval_seconds * 1000)));
     const auto ids = node_ids(R, r.nodes);
     bool done = false;
+    Clock::time_point last_pass{};
     const std::string end_key = key(R, "end");
     const auto finish = [&](const RoundEnd& e) { cas(end_key, "", e.dump()); };
     for (;;) {
@@ -464,10 +545,16 @@ class Agent {
                 fmt::format("node {} ({}) left: its agent got signal {}", r.node, host_,
                             stop->code - 128)});
         ranks.terminate(stop->code - 128);
-        while (!ranks.finished()) ranks.poll(std::chrono::milliseconds(50));
+        while (!ranks.finished()) {
+          ranks.poll(std::chrono::milliseconds(50));
+          beat();
+        }
         return stop;
       }
       ranks.poll(interval);
+      // The store work below once per interval, however often the ranks' output wakes us.
+      if (Clock::now() - last_pass < interval && !ranks.failure() && !ranks.all_exited()) continue;
+      last_pass = Clock::now();
       beat();
       if (const auto& f = ranks.failure()) {
         finish({"failed", exit_code_of(f->status), f->rank, r.node,
@@ -481,12 +568,11 @@ class Agent {
       if (done && add(key(R, "done"), 0) >= r.nodes) finish({"done", 0, -1, -1, "every rank done"});
       for (int i = 0; i < r.nodes; ++i) {
         if (i == r.node) continue;
-        if (stale(ids[static_cast<size_t>(i)])) {
+        if (const auto why = gone(ids[static_cast<size_t>(i)])) {
           const auto info = json::parse(get(key(R, fmt::format("node{}", i))));
           finish({"lost", 1, -1, i,
-                  fmt::format("node {} ({}, {}) lost: no heartbeat for {} s", i,
-                              info.at("host").get<std::string>(),
-                              info.at("addr").get<std::string>(), o_.heartbeat_timeout_seconds)});
+                  fmt::format("node {} ({}, {}) lost: {}", i, info.at("host").get<std::string>(),
+                              info.at("addr").get<std::string>(), *why)});
         }
       }
       if (!done && r.nodes < o_.max_nodes && add(key(R, "waiting"), 0) > 0) {
@@ -495,7 +581,11 @@ class Agent {
       if (has(end_key)) break;
     }
     *end = RoundEnd::parse(get(end_key));
-    if (!ranks.finished()) ranks.stop();
+    ranks.terminate(SIGTERM);    // and SIGKILL after the grace; beating meanwhile, so that
+    while (!ranks.finished()) {  // slow-stopping ranks do not make this node look lost
+      ranks.poll(std::chrono::milliseconds(50));
+      beat();
+    }
     return std::nullopt;
   }
 
@@ -522,6 +612,7 @@ class Agent {
   std::string endpoint_, local_addr_, host_, prefix_;
   std::string id_;  // this agent, in the store: host/pid/random
   Clock::time_point last_beat_{};
+  Clock::time_point last_look_{};
   std::map<std::string, std::pair<int64_t, Clock::time_point>> seen_;  // id: heartbeat, since
   std::unique_ptr<StoreServer> server_;
   c10::intrusive_ptr<StoreClient> store_;

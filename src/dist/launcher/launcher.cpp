@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "core/signals.h"
 #include "dist/launcher/elastic_agent.h"
 #include "dist/launcher/local_ranks.h"
 #include "torchpar/core/auth.h"
@@ -93,6 +94,21 @@ int launch_job(const LaunchOptions& o) {
                  o.max_nodes);
     return 2;
   }
+  if (elastic && o.max_nodes > 1 && o.rdzv_endpoint.empty()) {
+    std::fprintf(stderr,
+                 "torchpar run: --nnodes %d:%d needs --rdzv-endpoint HOST:PORT (the same on every "
+                 "node): without it each node would meet only itself\n",
+                 o.min_nodes, o.max_nodes);
+    return 2;
+  }
+  if (elastic && o.heartbeat_timeout_seconds < 3 * o.monitor_interval_seconds) {
+    std::fprintf(stderr,
+                 "torchpar run: --heartbeat-timeout %g s must be at least 3 x --monitor-interval "
+                 "(%g s): heartbeats come once an interval, and a late one would look like a "
+                 "lost node\n",
+                 o.heartbeat_timeout_seconds, o.monitor_interval_seconds);
+    return 2;
+  }
   if (!elastic && o.node_rank >= o.max_nodes) {
     std::fprintf(stderr, "torchpar run: --node-rank %d must be below --nnodes %d\n", o.node_rank,
                  o.max_nodes);
@@ -127,6 +143,9 @@ int launch_job(const LaunchOptions& o) {
     std::fprintf(stderr, "torchpar run: %s\n", e.what());
     return 2;
   }
+  // A closed stdout (`torchpar run ... | head`, a dropped ssh session) must not kill the
+  // launcher (and with an elastic agent, the store it may host): writes fail with EPIPE.
+  detail::ignore_sigpipe_if_default();
   return elastic ? detail::run_elastic(o) : run_fixed(o);
 }
 

@@ -99,6 +99,16 @@ LocalRanks::LocalRanks(const std::vector<std::string>& program,
                        const std::vector<RankLaunch>& launches, std::chrono::duration<double> grace,
                        bool prefix_output)
     : group_(grace), grace_(grace), prefix_output_(prefix_output) {
+  try {
+    start(program, launches);
+  } catch (...) {
+    reap_all();  // the destructor does not run for a constructor that throws
+    throw;
+  }
+}
+
+void LocalRanks::start(const std::vector<std::string>& program,
+                       const std::vector<RankLaunch>& launches) {
   ranks_.reserve(launches.size());
   for (const auto& l : launches) {
     int po[2], pe[2];
@@ -123,7 +133,9 @@ LocalRanks::LocalRanks(const std::vector<std::string>& program,
   }
 }
 
-LocalRanks::~LocalRanks() {
+LocalRanks::~LocalRanks() { reap_all(); }
+
+void LocalRanks::reap_all() noexcept {
   group_.signal(SIGKILL);
   for (auto& r : ranks_) {
     if (r.running) {
@@ -131,8 +143,10 @@ LocalRanks::~LocalRanks() {
       while (::waitpid(r.pid, &status, 0) < 0 && errno == EINTR) {
       }
     }
+    r.running = false;
     if (r.out >= 0) ::close(r.out);
     if (r.err >= 0) ::close(r.err);
+    r.out = r.err = -1;
   }
 }
 

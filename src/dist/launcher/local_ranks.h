@@ -62,6 +62,9 @@ class LocalRanks {
 
  private:
   struct Rank;
+  void start(const std::vector<std::string>& program, const std::vector<RankLaunch>& launches);
+  /// SIGKILL to the group, every started rank reaped, every pipe closed.
+  void reap_all() noexcept;
   std::vector<Rank> ranks_;
   JobGroup group_;
   std::chrono::duration<double> grace_;
