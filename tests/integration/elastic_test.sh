@@ -99,8 +99,8 @@ wait $a; ca=$?
 wait $b; cb=$?
 cat "$TMP/c2a.log" "$TMP/c2b.log"
 check $(( ca != 0 || cb != 0 )) "rank SIGSTOPped: both agents exit 0 after a restart (got $ca, $cb)"
-[ $took -le 20 ]
-check $? "the stopped rank's round ended and restarted within 20 s (took $took s)"
+[ $took -le 40 ]
+check $? "the stopped rank's round ended and restarted within 40 s (5 s collective timeout, Python ranks starting at CI load) (took $took s)"
 no_leftovers "$d"; check $? "case 2: no process left (the stopped rank was killed)"
 
 # ---- 3. no restart left
