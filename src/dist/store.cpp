@@ -540,15 +540,20 @@ std::string StoreClient::call(const std::string& req, std::chrono::milliseconds 
 }
 
 void StoreClient::set(const std::string& key, const std::vector<uint8_t>& value) {
+  put(kSet, key, value, "set");
+}
+
+void StoreClient::put(uint8_t cmd, const std::string& key, const std::vector<uint8_t>& value,
+                      const char* what) {
   check_key(key);
   if (value.size() > kStoreMaxValueBytes) {
     throw Error(fmt::format("store: value of {} bytes is over the limit of {}", value.size(),
                             kStoreMaxValueBytes));
   }
-  std::string req(1, static_cast<char>(kSet));
+  std::string req(1, static_cast<char>(cmd));
   put_str(req, key);
   put_vec(req, value);
-  call(req, std::chrono::milliseconds(0), "set");
+  call(req, std::chrono::milliseconds(0), what);
 }
 
 std::vector<uint8_t> StoreClient::compareSet(const std::string& key,
@@ -587,15 +592,7 @@ int64_t StoreClient::add(const std::string& key, int64_t value) {
 }
 
 void StoreClient::set_ephemeral(const std::string& key, const std::vector<uint8_t>& value) {
-  check_key(key);
-  if (value.size() > kStoreMaxValueBytes) {
-    throw Error(fmt::format("store: value of {} bytes is over the limit of {}", value.size(),
-                            kStoreMaxValueBytes));
-  }
-  std::string req(1, static_cast<char>(kSetEphemeral));
-  put_str(req, key);
-  put_vec(req, value);
-  call(req, std::chrono::milliseconds(0), "set_ephemeral");
+  put(kSetEphemeral, key, value, "set_ephemeral");
 }
 
 bool StoreClient::deleteKey(const std::string& key) {

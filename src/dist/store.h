@@ -128,6 +128,9 @@ class StoreClient final : public c10d::Store {
             const std::chrono::milliseconds& timeout) override;
 
  private:
+  /// set and set_ephemeral: command `cmd` with a key and a value (caps checked).
+  void put(uint8_t cmd, const std::string& key, const std::vector<uint8_t>& value,
+           const char* what);
   /// Sends one request, returns the reply's fields (status checked).
   std::string call(const std::string& req, std::chrono::milliseconds wait_ms, const char* what);
 
