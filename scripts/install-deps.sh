@@ -25,7 +25,8 @@ PACKAGES=(
   libssl-dev              # OpenSSL libcrypto: HMAC of the auth handshake
   libgloo-dev             # headers of the Gloo that LibTorch's c10d links
   libtensorpipe-dev       # TensorPipe: the RPC transport (src/rpc/transport/tensorpipe/)
-  iproute2                # ip netns for the two-host collective test
+  iproute2                # ip netns for the two-host tests, ss for the elastic tests
+  procps                  # pgrep / pkill in the launcher and elastic tests
   python3-torch           # interop test (torch.distributed rank) and benchmark peers
   python3-matplotlib      # curves.png of torchpar train, benchmark plots
   pybind11-dev python3-dev   # the Python package (python/): pybind11 2.10, whose internals
