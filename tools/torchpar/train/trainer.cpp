@@ -215,6 +215,14 @@ void record_epoch(Session& s, int epoch, double secs, const EpochProgress& progr
   s.run.epochs.push_back({epoch, train_loss, ev.loss, ev.accuracy, secs, samples, sync});
   const std::string resumed =
       progress.resumed_at > 0 ? fmt::format(" (resumed at sample {})", progress.resumed_at) : "";
+  if (samples == 0 && progress.resumed_at > 0) {
+    // Resumed at the epoch's end (the state was saved after its last step, before its
+    // evaluation): nothing was trained here, only the evaluation is new.
+    std::printf("epoch %d: trained before the resume; test loss %.4f, test accuracy %.2f%%%s\n",
+                epoch, ev.loss, ev.accuracy, resumed.c_str());
+    std::fflush(stdout);
+    return;
+  }
   std::printf(
       "epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, %.0f "
       "samples/s%s\n",
