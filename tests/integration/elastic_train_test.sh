@@ -129,19 +129,8 @@ else
   check $? "under torchrun the survivor resumed from the checkpoint on disk"
 fi
 lose_node "$HOST_A"
-# A leak is a torchpar name whose creator (torchpar_<pid>_...) is dead after its cleaner had
-# time: other tests running beside this one may hold live names.
-leaked() {
-  local f p
-  for f in /dev/shm/torchpar_*; do
-    [ -e "$f" ] || continue
-    p=${f#/dev/shm/torchpar_}
-    p=${p%%_*}
-    kill -0 "$p" 2>/dev/null || echo "$f"
-  done
-}
-for ((i = 0; i < 100; i++)); do [ -z "$(leaked)" ] && break; sleep 0.1; done
-[ -z "$(leaked)" ]
+. "$(dirname "$0")/shm_leaks.sh"
+no_shm_leak
 check $? "no torchpar segment of a dead process left $(leaked | tr '\n' ' ')"
 echo "$failures failure(s)"
 [ $failures -eq 0 ]
