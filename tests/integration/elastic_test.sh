@@ -8,12 +8,13 @@
 #   4. a node lost (its agent SIGKILLed) under --nnodes 1:2: the survivor goes on alone (one
 #      restart used); the node comes back, waits, and the job grows to two nodes again;
 #   5. the rendezvous endpoint's node lost: the other agent stops with a clear error;
-#   6. a node's agent SIGSTOPped: its heartbeat stands still, the job goes on without it.
+#   6. a node's agent SIGSTOPped: its heartbeat stands still, the job goes on without it;
+#   7. MIN never met: the join timeout ends the agent with exit code 1.
 # After each: no rank or agent left. usage: elastic_test.sh BIN_DIR [CASE...] (default: all)
 set -u
 BIN=$1
 shift
-CASES=" ${*:-1 2 3 4 5 6} "
+CASES=" ${*:-1 2 3 4 5 6 7} "
 want() { [[ $CASES == *" $1 "* ]]; }
 RANK_PY=$(dirname "$0")/elastic_rank.py
 TMP=$(mktemp -d /tmp/torchpar_elastic.XXXXXX)
@@ -197,6 +198,20 @@ check $(( ca != 0 || cb != 1 )) "the job finishes on the survivor (exit $ca); th
 grep -q "lost this node's heartbeat" "$TMP/c6b.log"
 check $? "the resumed node says why it leaves"
 no_leftovers "$d"; check $? "case 6: no process left"
+fi
+
+if want 7; then
+# ---- 7. MIN never met: the join timeout ends the agent (exit 1), naming the shortfall
+d=$TMP/c7 && mkdir -p "$d"
+t0=$(date +%s)
+agent c7a 29637 --nnodes 2 --rdzv-join-timeout 3 -- "$RANK_PY" "$d" 1 0; a=$LAST_PID
+wait $a; ca=$?
+took=$(( $(date +%s) - t0 ))
+cat "$TMP/c7a.log"
+check $(( ca != 1 || took > 20 )) "MIN never met: exit 1 after the 3 s join timeout (got $ca in $took s)"
+grep -q "1 of at least 2 node(s) joined within 3 s (--rdzv-join-timeout); giving up" "$TMP/c7a.log"
+check $? "and says how many joined"
+no_leftovers "$d"; check $? "case 7: no process left"
 fi
 
 . "$(dirname "$0")/shm_leaks.sh"
