@@ -1,6 +1,8 @@
 // Collective latency and bandwidth between ranks on this host: all_reduce (SUM), broadcast
-// (root 0) and all_gather of float32 tensors, for torchpar's shm and gloo backends and for
-// c10d's ProcessGroupGloo driven directly from C++ (the peer a C++ user would write by hand).
+// (root 0), all_gather, reduce_scatter (SUM) and all_to_all of float32 tensors, for torchpar's
+// shm and gloo backends and for c10d's ProcessGroupGloo driven directly from C++ (the peer a
+// C++ user would write by hand; it has no reduce_scatter on CPU, and its all_to_all takes one
+// flat tensor: c10d-gloo-cpp prints neither row).
 //
 //   coll_bench [--systems torchpar-shm,torchpar-gloo,c10d-gloo-cpp] [--ops all_reduce,...]
 //              [--sizes 4,4096,1048576,16777216,67108864] [--iters 200] [--warmup 10]
@@ -16,8 +18,10 @@
 // that is the maximum), min_us = the fastest iteration. busbw uses the median.
 // Iterations shrink with size: max(3, iters * 1 MiB / bytes) above 1 MiB, and the untimed
 // warm-up calls before them to max(1, min(warmup, iterations)), as in the peers.
+// Sizes: bytes of each rank's input (all_reduce, broadcast, all_gather: one tensor; reduce_scatter
+// and all_to_all: the whole input list of n tensors of max(1, bytes / 4 / n) floats each).
 // Bus bandwidth as nccl-tests: all_reduce 2(n-1)/n x bytes/t, broadcast bytes/t,
-// all_gather (n-1)/n x n*bytes/t.
+// all_gather (n-1)/n x n*bytes/t, reduce_scatter and all_to_all (n-1)/n x bytes/t.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
@@ -46,30 +50,43 @@ namespace {
 
 struct Args {
   std::vector<std::string> systems{"torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp"};
-  std::vector<std::string> ops{"all_reduce", "broadcast", "all_gather"};
+  std::vector<std::string> ops{"all_reduce", "broadcast", "all_gather", "reduce_scatter",
+                               "all_to_all"};
   std::vector<long> sizes{4, 4096, 1 << 20, 16 << 20, 64 << 20};
   int iters = 200;
   int warmup = 10;
   int ranks = 2;
 };
 
-enum class OpKind { kAllReduce, kBroadcast, kAllGather };
+enum class OpKind { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kAllToAll };
 
 OpKind op_kind(const std::string& op) {
   if (op == "all_reduce") return OpKind::kAllReduce;
   if (op == "broadcast") return OpKind::kBroadcast;
+  if (op == "reduce_scatter") return OpKind::kReduceScatter;
+  if (op == "all_to_all") return OpKind::kAllToAll;
   return OpKind::kAllGather;
 }
 
+/// One call's tensors: `t` (all_reduce, broadcast, all_gather's input, reduce_scatter's output),
+/// `out` (all_gather's and all_to_all's outputs), `in` (reduce_scatter's and all_to_all's inputs).
+struct Bufs {
+  at::Tensor t;
+  std::vector<at::Tensor> out;
+  std::vector<at::Tensor> in;
+};
+
 /// One call of an op. The op is an enum, resolved before timing (as the OpenMPI peer's
 /// `int op`): a string compare per call was a few ns of each timed 4-byte call.
-using Op = std::function<void(OpKind op, at::Tensor& t, std::vector<at::Tensor>& out)>;
+/// Returns false when the system has no such op (nothing is printed for it).
+using Op = std::function<bool(OpKind op, Bufs& b)>;
 
 double busbw(const std::string& op, long bytes, int n, double seconds) {
   const double b = static_cast<double>(bytes);
   if (op == "all_reduce") return b / seconds * 2.0 * (n - 1) / n / 1e9;
   if (op == "broadcast") return b / seconds / 1e9;
-  return b * n / seconds * (n - 1) / n / 1e9;  // all_gather
+  if (op == "all_gather") return b * n / seconds * (n - 1) / n / 1e9;
+  return b / seconds * (n - 1) / n / 1e9;  // reduce_scatter, all_to_all
 }
 
 /// 4-byte all_reduces for at least `settle` after the group is made, rank 0 deciding when to
@@ -78,12 +95,11 @@ double busbw(const std::string& op, long bytes, int n, double seconds) {
 /// that placement (the bimodal small-collective rows of issue 19), not the collective.
 void settle(int rank, const Op& run, std::chrono::milliseconds settle) {
   const auto t0 = std::chrono::steady_clock::now();
-  at::Tensor go = at::zeros({1});
-  std::vector<at::Tensor> none;
+  Bufs go{at::zeros({1}), {}, {}};
   for (;;) {
-    go.fill_(rank == 0 && std::chrono::steady_clock::now() - t0 < settle ? 1.0 : 0.0);
-    run(OpKind::kAllReduce, go, none);
-    if (go.item<float>() == 0) return;
+    go.t.fill_(rank == 0 && std::chrono::steady_clock::now() - t0 < settle ? 1.0 : 0.0);
+    run(OpKind::kAllReduce, go);
+    if (go.t.item<float>() == 0) return;
   }
 }
 
@@ -93,18 +109,23 @@ void measure(const Args& a, const std::string& system, int rank, const Op& run,
   settle(rank, run, std::chrono::milliseconds(50));
   for (const auto& op : a.ops) {
     for (long bytes : a.sizes) {
-      const long numel = std::max(1L, bytes / 4);
-      at::Tensor t = at::ones({numel});
-      std::vector<at::Tensor> out;
-      if (op == "all_gather") {
-        for (int q = 0; q < a.ranks; ++q) out.push_back(at::empty({numel}));
+      const OpKind kind = op_kind(op);
+      const bool lists = kind == OpKind::kReduceScatter || kind == OpKind::kAllToAll;
+      const long numel = std::max(1L, bytes / 4 / (lists ? a.ranks : 1));
+      Bufs b{at::ones({numel}), {}, {}};
+      if (kind == OpKind::kAllGather || kind == OpKind::kAllToAll) {
+        for (int q = 0; q < a.ranks; ++q) b.out.push_back(at::empty({numel}));
+      }
+      if (lists) {
+        for (int q = 0; q < a.ranks; ++q) b.in.push_back(at::ones({numel}));
       }
       const int iters = torchpar::bench::iters_for(bytes, a.iters);
       barrier();
       const int warmup = torchpar::bench::warmup_for(iters, a.warmup);
-      const OpKind kind = op_kind(op);
-      for (int i = 0; i < warmup; ++i) run(kind, t, out);
-      const auto times = torchpar::bench::time_calls(iters, [&] { run(kind, t, out); });
+      bool has = true;
+      for (int i = 0; i < warmup && has; ++i) has = run(kind, b);
+      if (!has) continue;
+      const auto times = torchpar::bench::time_calls(iters, [&] { run(kind, b); });
       if (rank == 0) {
         std::printf("%s\n", fmt::format("{{\"system\": \"{}\", \"op\": \"{}\", \"bytes\": {}, "
                                         "\"ranks\": {}, \"median_us\": {:.3f}, "
@@ -132,14 +153,19 @@ void run_torchpar(const Args& a, const std::string& system, int rank, int port) 
       {}, system == "torchpar-shm" ? tp::Backend::kShm : tp::Backend::kGloo);
   measure(
       a, system, rank,
-      [&](OpKind op, at::Tensor& t, std::vector<at::Tensor>& out) {
+      [&](OpKind op, Bufs& b) {
         if (op == OpKind::kAllReduce) {
-          g.all_reduce(t);
+          g.all_reduce(b.t);
         } else if (op == OpKind::kBroadcast) {
-          g.broadcast(t, 0);
+          g.broadcast(b.t, 0);
+        } else if (op == OpKind::kReduceScatter) {
+          g.reduce_scatter(b.t, b.in);
+        } else if (op == OpKind::kAllToAll) {
+          g.all_to_all(b.out, b.in);
         } else {
-          g.all_gather(out, t);
+          g.all_gather(b.out, b.t);
         }
+        return true;
       },
       [&] { g.barrier(); });
 }
@@ -157,16 +183,19 @@ void run_c10d(const Args& a, int rank, int port) {
       c10::make_intrusive<c10d::PrefixStore>("bench", store), rank, a.ranks, opts);
   measure(
       a, "c10d-gloo-cpp", rank,
-      [&](OpKind op, at::Tensor& t, std::vector<at::Tensor>& out) {
-        std::vector<at::Tensor> v{t};
+      [&](OpKind op, Bufs& b) {
+        std::vector<at::Tensor> v{b.t};
         if (op == OpKind::kAllReduce) {
           pg->allreduce(v)->wait();
         } else if (op == OpKind::kBroadcast) {
           pg->broadcast(v)->wait();
-        } else {
-          std::vector<std::vector<at::Tensor>> outs{out};
+        } else if (op == OpKind::kAllGather) {
+          std::vector<std::vector<at::Tensor>> outs{b.out};
           pg->allgather(outs, v)->wait();
+        } else {
+          return false;  // no reduce_scatter on CPU; all_to_all only of flat tensors
         }
+        return true;
       },
       [&] { pg->barrier()->wait(); });
 }
@@ -200,9 +229,10 @@ int main(int argc, char** argv) {
   app.add_option("--systems", a.systems, "torchpar-shm, torchpar-gloo, c10d-gloo-cpp")
       ->delimiter(',')
       ->check(CLI::IsMember({"torchpar-shm", "torchpar-gloo", "c10d-gloo-cpp"}));
-  app.add_option("--ops", a.ops, "all_reduce, broadcast, all_gather")
+  app.add_option("--ops", a.ops, "all_reduce, broadcast, all_gather, reduce_scatter, all_to_all")
       ->delimiter(',')
-      ->check(CLI::IsMember({"all_reduce", "broadcast", "all_gather"}));
+      ->check(
+          CLI::IsMember({"all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"}));
   torchpar::bench::add_size_options(app, a.sizes, a.iters, a.warmup);
   app.add_option("--ranks", a.ranks, "ranks (forked processes)")->check(CLI::Range(2, 64));
   CLI11_PARSE(app, argc, argv);

@@ -40,6 +40,10 @@ constexpr std::array kTable{
                 "bytes of each rank's slot in the shm collective backend (below 4096: the "
                 "default)",
                 true},
+    EnvVariable{"TORCHPAR_SHM_SINGLE_COPY", EnvType::kFlag, "1",
+                "0: the shm collective backend never copies straight between the ranks' "
+                "tensors (process_vm_readv/writev); every byte goes through its slots",
+                true},
     EnvVariable{"TORCHPAR_SPAWN", EnvType::kRaw, "a normal start",
                 "set by the library for a spawn child: its launch record", true},
     EnvVariable{"TORCHPAR_FORKSERVER", EnvType::kRaw, "a normal start",

@@ -1,9 +1,10 @@
 // CollectiveGroup on gloo and shm with 2, 3 and 4 ranks: every operation, several dtypes and
 // sizes (1 element to 16 MiB), contiguous and strided tensors, async handles, point-to-point
 // with any-source receives; ranks that disagree (shm and gloo), a rank SIGKILLed before an
-// all_reduce, a rank SIGSTOPped (shm, gloo, and hierarchical across two "hosts" made with a
-// private /dev/shm), a per-call timeout shorter than the group's, bad World configurations.
-// Each rank checks its results against values it computes locally.
+// all_reduce, shm's single copies turned off on one rank, a rank SIGKILLed or SIGSTOPped in the
+// middle of large single-copy operations, a rank SIGSTOPped (shm, gloo, and hierarchical across two
+// "hosts" made with a private /dev/shm), a per-call timeout shorter than the group's, bad World
+// configurations. Each rank checks its results against values it computes locally.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sched.h>
@@ -429,6 +430,114 @@ TEST(Collective, ShmBroadcastWithAStoppedRankTimesOut) {
 TEST(Collective, ShmBroadcastRootLearnsOfADisagreementAtItsNextCall) {
   auto res = run_ranks(2, 60, &root_disagree_rank, 2, free_port());
   for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
+// ---- single copies (process_vm_readv / process_vm_writev between the ranks' tensors) -----------
+
+/// Rank `off` (-1: none) turns single copies off before the group is made: the whole group then
+/// goes through its slots, and every large operation still matches (a rank copying straight
+/// while another waits for its slot would hang or read garbage).
+void single_copy_mixed_rank(int rank, int world, int port, int off) {
+  if (rank == off) ::setenv("TORCHPAR_SHM_SINGLE_COPY", "0", 1);
+  auto w = make_world(rank, world, port);
+  auto g = w.create_collective_group({}, tp::Backend::kShm);
+  check_ops(g, at::kFloat, 70000, false);
+  check_ops(g, at::kFloat, 1 << 20, false);
+  check_ops(g, at::kLong, 100003, false);
+}
+
+TEST(Collective, ShmSingleCopyOffOnOneRankTurnsItOffForTheGroup) {
+  for (int off : {-1, 1}) {
+    auto res = run_ranks(2, 120, &single_copy_mixed_rank, 2, free_port(), off);
+    for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << "rank " << off << " off: " << r.error;
+  }
+}
+
+/// `victim` SIGKILLs itself from a thread 30 ms into a run of 16 MiB broadcasts (root 0) and
+/// all_gathers, most of whose time goes to copying straight between the ranks' tensors: the
+/// other rank raises RankLostError naming it within the group's 8 s, wherever the kill landed
+/// (before, inside or after a process_vm_readv/writev of its memory).
+void single_copy_killed_rank(int rank, int world, int port, int victim) {
+  auto w = make_world(rank, world, port, 30);
+  auto g = w.create_collective_group({}, tp::Backend::kShm, 8.0s);
+  auto t = at::ones({4 << 20});
+  std::vector<at::Tensor> out{at::empty_like(t), at::empty_like(t)};
+  g.barrier();
+  std::thread killer;
+  if (rank == victim) {
+    killer = std::thread([] {
+      std::this_thread::sleep_for(30ms);
+      ::raise(SIGKILL);
+    });
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (int i = 0; i < 100000; ++i) {
+      t0 = std::chrono::steady_clock::now();
+      g.broadcast(t, 0);
+      g.all_gather(out, t);
+    }
+  } catch (const tp::RankLostError& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    TORCHPAR_RCHECK(rank != victim && e.rank() == victim, "rank {}: lost rank {}: {}", rank,
+                    e.rank(), e.what());
+    TORCHPAR_RCHECK(s < 8.5, "raised after {:.1f} s, beyond the 8 s timeout", s);
+    return;
+  }
+  if (killer.joinable()) killer.join();
+  throw std::runtime_error(
+      "100000 large broadcasts and all_gathers with a dead rank did not throw");
+}
+
+TEST(Collective, ShmSingleCopyWithAKilledRankRaisesNamingIt) {
+  for (int victim : {1, 0}) {  // a reader of the broadcasts, then their root
+    auto res = run_ranks(2, 60, &single_copy_killed_rank, 2, free_port(), victim);
+    EXPECT_EQ(res[victim].exitcode, -SIGKILL) << "victim " << victim << ": " << res[victim].error;
+    EXPECT_EQ(res[1 - victim].exitcode, 0) << "victim " << victim << ": " << res[1 - victim].error;
+  }
+}
+
+/// Rank 1 SIGSTOPs itself from a thread 30 ms into a run of 16 MiB all_to_alls and
+/// reduce_scatters: rank 0 (whose copies from a stopped process still succeed) raises
+/// TimeoutError within the group's 2 s and a slack, then SIGKILLs it.
+void single_copy_stopped_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port, 30);
+  auto g = w.create_collective_group({}, tp::Backend::kShm, 2.0s);
+  auto pid = at::full({1}, rank == 1 ? static_cast<int64_t>(::getpid()) : 0, at::kLong);
+  g.all_reduce(pid);
+  std::vector<at::Tensor> in{at::ones({2 << 20}), at::ones({2 << 20})};
+  std::vector<at::Tensor> out{at::empty({2 << 20}), at::empty({2 << 20})};
+  auto piece = at::empty({2 << 20});
+  std::thread stopper;
+  if (rank == 1) {
+    stopper = std::thread([] {
+      std::this_thread::sleep_for(30ms);
+      ::raise(SIGSTOP);  // rank 0 SIGKILLs it
+    });
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (int i = 0; i < 100000; ++i) {
+      t0 = std::chrono::steady_clock::now();
+      g.all_to_all(out, in);
+      g.reduce_scatter(piece, in);
+    }
+  } catch (const tp::TimeoutError& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ::kill(static_cast<pid_t>(pid.item<int64_t>()), SIGKILL);
+    TORCHPAR_RCHECK(rank == 0, "rank {} timed out: {}", rank, e.what());
+    TORCHPAR_RCHECK(s < 6, "timed out after {:.1f} s (group timeout 2 s)", s);
+    return;
+  }
+  if (rank == 0) ::kill(static_cast<pid_t>(pid.item<int64_t>()), SIGKILL);
+  if (stopper.joinable()) stopper.join();
+  throw std::runtime_error("100000 large all_to_alls with a stopped rank did not time out");
+}
+
+TEST(Collective, ShmSingleCopyWithAStoppedRankTimesOut) {
+  auto res = run_ranks(2, 60, &single_copy_stopped_rank, 2, free_port());
+  EXPECT_EQ(res[0].exitcode, 0) << res[0].error;
+  EXPECT_EQ(res[1].exitcode, -SIGKILL);
 }
 
 // ---- a rank SIGKILLed before an all_reduce ------------------------------------------------------

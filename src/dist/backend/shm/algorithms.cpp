@@ -127,6 +127,7 @@ void ShmBackend::broadcast(const at::Tensor& t, int src, const CallOptions& o) {
     return;
   }
   begin(OpCode::kBroadcast, t, src, ReduceOp::kSum, o.timeout);
+  if (single_copy(bytes)) return broadcast_single_copy(data, bytes, src);
   const bool stream = bytes >= kStreamBytes;
   for_chunks(bytes, slot_, [&](size_t off, size_t len) {
     if (rank() == src) {
@@ -144,6 +145,7 @@ void ShmBackend::broadcast(const at::Tensor& t, int src, const CallOptions& o) {
 void ShmBackend::all_gather(const std::vector<at::Tensor>& out, const at::Tensor& in,
                             const CallOptions& o) {
   begin(OpCode::kAllGather, in, -1, ReduceOp::kSum, o.timeout);
+  if (single_copy(in.nbytes())) return all_gather_single_copy(in, out);
   gather_impl(in, out, /*to_all=*/true, -1);
 }
 
@@ -173,6 +175,7 @@ void ShmBackend::scatter(const at::Tensor& out, const std::vector<at::Tensor>& i
 void ShmBackend::reduce_scatter(const at::Tensor& out, const std::vector<at::Tensor>& in,
                                 const ReduceCallOptions& o) {
   begin(OpCode::kReduceScatter, out, -1, o.op, o.timeout);
+  if (single_copy(out.nbytes() * size())) return reduce_scatter_single_copy(out, in, o.op);
   const size_t es = out.element_size();
   const size_t piece = piece_bytes(es);
   char* dst = static_cast<char*>(out.data_ptr());
@@ -188,6 +191,7 @@ void ShmBackend::reduce_scatter(const at::Tensor& out, const std::vector<at::Ten
 void ShmBackend::all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
                             const CallOptions& o) {
   begin(OpCode::kAllToAll, in[0], -1, ReduceOp::kSum, o.timeout);
+  if (single_copy(in[0].nbytes() * size())) return all_to_all_single_copy(out, in);
   const size_t piece = piece_bytes(in[0].element_size());
   for_chunks(in[0].nbytes(), piece, [&](size_t off, size_t len) {
     for (int q = 0; q < size(); ++q) {

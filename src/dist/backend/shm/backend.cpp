@@ -114,6 +114,8 @@ void ShmBackend::attach(const c10::intrusive_ptr<c10d::Store>& store) {
   for (int q = 0; q < P; ++q) rings_.push_back(layout_.ring(region_.data(), q));
   touch_pages();
   ctl_[rank()].cpu.store(-1, std::memory_order_relaxed);
+  probe_word_ = kMagic ^ static_cast<uint64_t>(::getpid());
+  ctl_[rank()].probe_addr = reinterpret_cast<uintptr_t>(&probe_word_);
   ctl_[rank()].pid = static_cast<int32_t>(::getpid());
   // Every rank attached -> unlink the name: the memory goes with the last mapping.
   bool all_attached = false;
@@ -134,7 +136,7 @@ void ShmBackend::attach(const c10::intrusive_ptr<c10d::Store>& store) {
     throw TimeoutError(
         fmt::format("{}: rank(s) {} did not attach to the shared-memory segment within {:.1f} s",
                     name(), missing, timeout().count()));
-  }
+  }  probe_single_copy(*store, SteadyClock::now() + ms);
 }
 
 void ShmBackend::touch_pages() {

@@ -6,13 +6,22 @@
 // Every rank of the group maps one segment. Files: backend.h (the options and the factory),
 // segment_layout.h (the segment: header, control blocks, slots, and the step protocol),
 // step_barrier.{h,cpp} (arrive/wait with deadline and liveness, the one abort),
-// algorithms.cpp (the nine collectives over the slots), backend.cpp (the segment's creation
-// through shm/'s ShmRegion, the rendezvous through the group's store, per-operation
-// bookkeeping, the factory).
+// algorithms.cpp (the nine collectives over the slots), single_copy.cpp (large broadcast,
+// all_gather, reduce_scatter and all_to_all copied straight between the ranks' tensors),
+// backend.cpp (the segment's creation through shm/'s ShmRegion, the rendezvous through the
+// group's store, per-operation bookkeeping, the factory).
 //
 // all_reduce: small messages in one step (each rank reduces all slots, in rank order so every
 // rank gets the same bits); large ones per chunk in two steps: reduce-scatter (rank r
 // reduces its 1/P of the chunk into its slot of the other set) then all-gather.
+//
+// Single copies: where every rank may read every other rank's memory (probed at attach), a
+// large broadcast, all_gather, reduce_scatter or all_to_all publishes the addresses of its
+// tensors in its slot and the ranks copy straight between them with process_vm_readv /
+// process_vm_writev (the cross-memory attach Open MPI's vader uses): one copy per byte where
+// the slots take two, and on 2 ranks a broadcast's root writes half of the tensor while the
+// other rank reads the other half. A second step ends the operation, so no rank returns (and
+// frees or changes its tensor) while another still copies from or into it.
 //
 // Failure: waits spin, then yield, then futex-sleep in slices of 100 ms, checking the
 // deadline and that the awaited rank's pid lives. The first rank to see a failure marks
@@ -24,6 +33,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -187,6 +198,36 @@ class ShmBackend final : public GroupBackend {
   const char* inline_of(int q) const { return ctl_[q].inline_step[step_ & 1].data; }
   size_t piece_bytes(size_t es) const { return slot_ / size() / es * es; }
 
+  // ---- single_copy.cpp
+  /// At attach, after every rank published its pid and probe word (before the "attached"
+  /// barrier): reads every other rank's probe word with process_vm_readv, publishes whether
+  /// that worked, and once every rank did (a store barrier) sets single_copy_ when it worked
+  /// for all. Errors: TimeoutError when a rank does not publish within the group's timeout.
+  void probe_single_copy(c10d::Store& store, SteadyClock::time_point deadline);
+  /// Whether an operation moving `bytes` per rank goes the single-copy way.
+  bool single_copy(size_t bytes) const { return single_copy_ && bytes >= kSingleCopyBytes; }
+  /// Copies `len` bytes between this process's `local` and rank q's `remote` (write: to q).
+  /// A failure breaks the group: RankLostError when q's process is gone, the abort's own
+  /// error when q gave up first, torchpar::Error naming the system call otherwise.
+  void cma_copy(bool write, int q, char* local, uint64_t remote, size_t len);
+  /// Publishes `addrs` (this rank's tensors' addresses) in its slot and runs the step;
+  /// peer_addr(q, i) is then rank q's i-th address.
+  void exchange_addresses(std::initializer_list<const void*> addrs);
+  void exchange_addresses(const std::vector<at::Tensor>& tensors);
+  uint64_t peer_addr(int q, size_t i) const {
+    uint64_t a;
+    std::memcpy(&a, slot(q) + i * sizeof(uint64_t), sizeof a);
+    return a;
+  }
+  void broadcast_single_copy(char* data, size_t bytes, int src);
+  void all_gather_single_copy(const at::Tensor& in, const std::vector<at::Tensor>& out);
+  void reduce_scatter_single_copy(const at::Tensor& out, const std::vector<at::Tensor>& in,
+                                  ReduceOp op);
+  void all_to_all_single_copy(const std::vector<at::Tensor>& out,
+                              const std::vector<at::Tensor>& in);
+  /// Operations of at least this many bytes per rank copy straight between the tensors.
+  static constexpr size_t kSingleCopyBytes = 128 << 10;
+
   // ---- algorithms.cpp
   void combine_all(char* dst, size_t byte_off, size_t n, at::ScalarType dtype, ReduceOp op);
   /// dst = op over ranks (in rank order) of their inline data (n elements).
@@ -202,7 +243,9 @@ class ShmBackend final : public GroupBackend {
   char* data_ = nullptr;
   RankCtl* ctl_ = nullptr;
   StepBarrier barrier_;
-  bool spin_ = true;  // busy-wait first (ranks <= cores)
+  bool spin_ = true;          // busy-wait first (ranks <= cores)
+  bool single_copy_ = false;  // every rank may read and write every other rank's memory
+  uint64_t probe_word_ = 0;   // kMagic ^ pid: what the others read at attach
   size_t slot_ = 0;
   uint32_t step_ = 0;
   uint32_t synced_ = 0;               // every other rank is known to have arrived at this step
@@ -210,6 +253,8 @@ class ShmBackend final : public GroupBackend {
   std::vector<uint32_t> ring_steps_;  // tiny broadcasts published as root, not yet checked
   /// A chunked reduction's result block (kReduceBlockBytes) before it is copied out.
   std::unique_ptr<char[]> reduce_block_;
+  /// A single-copy reduce_scatter's two blocks of the others' data (single_copy.cpp).
+  std::unique_ptr<char[]> single_copy_blocks_;
   /// The first step of an operation this rank left without waiting (arrive_and_go): the
   /// others' metadata at that step is checked against `meta` once they arrive there.
   struct Deferred {

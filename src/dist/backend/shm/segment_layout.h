@@ -125,9 +125,16 @@ struct alignas(64) RankCtl {
   uint32_t pad0;
   InlineStep inline_step[2];  // by step parity, in the counter's cache line
   OpMeta meta[2];             // by step parity: read only when signatures differ
-  uint8_t pad1[256 - 64 - 2 * sizeof(OpMeta)];
+  /// Single copies (single_copy.cpp): the address of a word of this process that holds
+  /// kMagic ^ pid, which the others read with process_vm_readv once at attach; and whether
+  /// this rank could read every other rank's word that way (kSingleCopyYes/No, 0 not yet).
+  uint64_t probe_addr;
+  std::atomic<int32_t> single_copy;
+  uint8_t pad1[256 - 64 - 2 * sizeof(OpMeta) - 16];
 };
 static_assert(sizeof(RankCtl) == 256);
+inline constexpr int32_t kSingleCopyYes = 1;
+inline constexpr int32_t kSingleCopyNo = 2;
 static_assert(offsetof(RankCtl, meta) == 64, "seq, signatures and inline data share one line");
 
 /// How many tiny broadcasts a root may run ahead of the slowest rank (ring entries per rank).
