@@ -1,6 +1,7 @@
 // The shm backend's collectives: chunked copies and reductions through the segment's data
-// slots, one step barrier per chunk (segment_layout.h has the step protocol). Tensors of at
-// most kInlineBytes travel inline, in the cache line of each rank's step counter.
+// slots, one step barrier per chunk (segment_layout.h has the step protocol). Tensors (and the
+// whole input lists of reduce_scatter and all_to_all) of at most kInlineBytes travel inline, in
+// the cache line of each rank's step counter.
 
 #include <ATen/core/Tensor.h>
 #if defined(__x86_64__)
@@ -176,6 +177,21 @@ void ShmBackend::reduce_scatter(const at::Tensor& out, const std::vector<at::Ten
                                 const ReduceCallOptions& o) {
   begin(OpCode::kReduceScatter, out, -1, o.op, o.timeout);
   if (single_copy(out.nbytes() * size())) return reduce_scatter_single_copy(out, in, o.op);
+  const size_t bytes = out.nbytes();
+  if (bytes * size() <= kInlineBytes) {
+    // Every piece in the counter's cache line (a 4-byte reduce_scatter of 2 ranks: 8 bytes).
+    for (int q = 0; q < size(); ++q) copy_inline(my_inline() + q * bytes, in[q].data_ptr(), bytes);
+    arrive_and_wait();
+    const size_t off = static_cast<size_t>(rank()) * bytes;
+    char* dst = static_cast<char*>(out.data_ptr());
+    if (size() == 1) return copy_inline(dst, inline_of(0) + off, bytes);
+    reduce_combine(dst, inline_of(0) + off, inline_of(1) + off, out.numel(), out.scalar_type(),
+                   o.op);
+    for (int q = 2; q < size(); ++q) {
+      reduce_combine(dst, dst, inline_of(q) + off, out.numel(), out.scalar_type(), o.op);
+    }
+    return;
+  }
   const size_t es = out.element_size();
   const size_t piece = piece_bytes(es);
   char* dst = static_cast<char*>(out.data_ptr());
@@ -192,6 +208,15 @@ void ShmBackend::all_to_all(const std::vector<at::Tensor>& out, const std::vecto
                             const CallOptions& o) {
   begin(OpCode::kAllToAll, in[0], -1, ReduceOp::kSum, o.timeout);
   if (single_copy(in[0].nbytes() * size())) return all_to_all_single_copy(out, in);
+  const size_t bytes = in[0].nbytes();
+  if (bytes * size() <= kInlineBytes) {
+    for (int q = 0; q < size(); ++q) copy_inline(my_inline() + q * bytes, in[q].data_ptr(), bytes);
+    arrive_and_wait();
+    for (int q = 0; q < size(); ++q) {
+      copy_inline(out[q].data_ptr(), inline_of(q) + static_cast<size_t>(rank()) * bytes, bytes);
+    }
+    return;
+  }
   const size_t piece = piece_bytes(in[0].element_size());
   for_chunks(in[0].nbytes(), piece, [&](size_t off, size_t len) {
     for (int q = 0; q < size(); ++q) {
