@@ -138,7 +138,7 @@ inline constexpr int32_t kSingleCopyNo = 2;
 static_assert(offsetof(RankCtl, meta) == 64, "seq, signatures and inline data share one line");
 
 /// How many tiny broadcasts a root may run ahead of the slowest rank (ring entries per rank).
-inline constexpr uint32_t kRingDepth = 64;
+inline constexpr uint32_t kRingDepth = 256;
 
 /// One tiny broadcast as its root publishes it, in a cache line of the root's ring: entry
 /// step % kRingDepth. Only the root writes it, `step` last (release); a reader that sees its
