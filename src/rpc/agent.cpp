@@ -6,11 +6,14 @@
 //   - user threads: RpcGroup calls (call, fetch, release), group creation and destruction;
 //     they send on the calling thread (a first contact connects, bounded by the deadline).
 //   - the transport's receive threads (a TCP connection's reader, TensorPipe's loop):
-//     on_message and on_peer_lost. They never block: a reply completes its future there, RRef
-//     bookkeeping (created, deleted) happens there, so it follows arrival order per peer; calls
-//     and fetches go to the pool.
+//     on_message and on_peer_lost. A reply completes its future there, RRef bookkeeping
+//     (created, deleted) happens there, so it follows arrival order per peer; fetches go to
+//     the pool; calls go to the pool from TensorPipe's loop (which must never block) and run
+//     on a TCP reader itself (no hand-off; the transport starts another reader for the
+//     connection when the call runs past kReaderRescueAfter or waits in RpcFutureState::wait).
 //   - the pool (ThreadPoolCore, RpcAgentOptions::num_threads): execute (the user's function
-//     or service) and serve_fetch; each sends its reply itself.
+//     or service) of calls that came through TensorPipe or from this process, and
+//     serve_fetch; each sends its reply itself.
 //   - the timer thread (timer_loop): sleeps until the earliest deadline of pending_ and fails
 //     the calls whose deadline passed with TimeoutError.
 // mu_ guards every table of the agent; nothing blocking (a send, user code, a store request)
@@ -115,6 +118,12 @@ void RpcFutureState::complete(RpcValue v, std::exception_ptr e) {
 
 bool RpcFutureState::wait(Timeout timeout) {
   std::unique_lock<std::mutex> lk(mu);
+  if (done) return true;
+  // A call run inline on a transport's reader that waits here (a nested call, to_here) must
+  // not hold up the messages behind it, its own reply among them: hand the reading over.
+  lk.unlock();
+  rpc::release_reader_thread();
+  lk.lock();
   if (!timeout) {
     cv.wait(lk, [&] { return done; });
     return true;
@@ -291,11 +300,13 @@ void RpcAgent::timer_loop() {
       lk.lock();
       continue;
     }
+    timer_wake_ = next;
     if (next == Clock::time_point::max()) {
       timer_cv_.wait(lk);
     } else {
       timer_cv_.wait_until(lk, next);
     }
+    timer_wake_ = Clock::time_point::min();
   }
 }
 

@@ -10,8 +10,10 @@
 // (on_message, inline: a TCP connection's reader thread, or TensorPipe's shm loop thread; so
 // messages of different members may be handled concurrently, those of one member in arrival
 // order): replies complete futures there, RRef bookkeeping happens there (so it follows
-// arrival order), calls and fetches go to the agent's thread pool. One timer thread fails
-// calls whose deadline passed. User threads and the pool send.
+// arrival order), fetches go to the agent's thread pool, and so do calls, except on a TCP
+// reader (a message with may_block), which runs the call itself: the transport gives the
+// connection another reader when the call runs long or waits. One timer thread fails calls
+// whose deadline passed. User threads, readers running calls and the pool send.
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -150,8 +152,8 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent> {
   std::string address_of(const std::string& member);
   void send(const std::string& to, const Header& h, RpcValue body,
             std::chrono::steady_clock::time_point deadline);
-  /// A message from `peer` (receive thread): replies and RRef bookkeeping inline, calls and
-  /// fetches to the pool. Never blocks.
+  /// A message from `peer` (receive thread): replies and RRef bookkeeping inline, fetches to
+  /// the pool, calls to the pool or (msg.may_block) run here. Blocks only in a call run here.
   void on_message(const std::string& peer, rpc::Message msg);
   /// `peer`'s connection ended (receive or dispatch thread): fails the calls waiting for it
   /// and frees the values only it referenced.
@@ -184,6 +186,9 @@ class RpcAgent : public std::enable_shared_from_this<RpcAgent> {
   // Everything below is guarded by mu_.
   mutable std::mutex mu_;
   std::condition_variable timer_cv_;  // a new earliest deadline, or shutdown
+  /// When the timer thread wakes next (time_point::max(): not before a notify); min() while
+  /// it is awake, when it sees every call filed anyway.
+  std::chrono::steady_clock::time_point timer_wake_ = std::chrono::steady_clock::time_point::min();
   bool closed_ = false;
   uint64_t next_call_ = 1;
   uint64_t next_rref_ = 1;

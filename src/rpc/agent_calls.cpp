@@ -25,7 +25,10 @@ std::shared_ptr<RpcFutureState> RpcAgent::track(const std::string& to, const std
   if (closed_) throw ClosedError("rpc: the RPC agent of '" + opts_.name + "' is shut down");
   *id = next_call_++;
   Pending p{to, group, what, state, rpc_deadline(timeout), timeout ? timeout->count() : 0.0};
-  const bool earliest = pending_.empty() || p.deadline < pending_.begin()->second.deadline;
+  // The timer wakes by itself at timer_wake_: only an earlier deadline wakes it (not one per
+  // call: a wake-up costs the caller a system call and the host a context switch).
+  const bool earliest = p.deadline < timer_wake_;
+  if (earliest) timer_wake_ = p.deadline;
   pending_.emplace(*id, std::move(p));
   if (earliest) timer_cv_.notify_all();
   return state;
@@ -85,6 +88,7 @@ void RpcAgent::on_message(const std::string& peer, rpc::Message msg) {
                peer, e.what());
     return;
   }
+  const bool may_block = msg.may_block;
   RpcValue body{std::move(msg.body), std::move(msg.storages)};
   switch (h.kind) {
     case kRpcReply: {  // completes the caller's future, here (no pool hop)
@@ -103,9 +107,16 @@ void RpcAgent::on_message(const std::string& peer, rpc::Message msg) {
       }
       return;
     }
-    case kRpcCall: {  // runs user code: on the pool
+    case kRpcCall: {  // runs user code: here when this thread may block, else on the pool
       // A remote(): the RRef exists from now on, in arrival order (before any delete of it).
       if (!h.rref.empty()) rref_created(peer, h.rref);
+      if (may_block) {
+        // A TCP reader: running the call here saves two thread hand-offs (to the pool, and
+        // the pool's wake-up) per call; the transport gives the connection another reader
+        // when the call runs long or waits (RpcFutureState::wait releases it at once).
+        execute(peer, std::move(h), std::move(body));
+        return;
+      }
       auto self = shared_from_this();
       try {
         pool_->submit(

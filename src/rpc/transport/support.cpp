@@ -11,7 +11,24 @@
 #include "torchpar/core/auth.h"
 #include "torchpar/core/error.h"
 
+namespace torchpar::rpc {
+
+void release_reader_thread() noexcept {
+  auto& reader = detail::current_reader();
+  if (auto* r = reader) {
+    reader = nullptr;
+    r->release();
+  }
+}
+
+}  // namespace torchpar::rpc
+
 namespace torchpar::rpc::detail {
+
+ReaderHandoff*& current_reader() noexcept {
+  static thread_local ReaderHandoff* reader = nullptr;
+  return reader;
+}
 
 void log_line(const std::string& line) noexcept {
   std::fprintf(stderr, "torchpar: %s\n", line.c_str());
@@ -126,7 +143,15 @@ void TaskThreads::join_all() {
     all.swap(running_);
     finished_.clear();
   }
-  for (auto& t : all) t.join();
+  for (auto& t : all) {
+    // A handler run inline on one of these threads may close the transport (user code);
+    // that thread returns on its own.
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();
+    } else {
+      t.join();
+    }
+  }
 }
 
 // ---- Dispatcher -------------------------------------------------------------------------------

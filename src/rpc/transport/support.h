@@ -65,6 +65,21 @@ torchpar::detail::SocketAddress parse_tcp_address(std::string_view address);
 /// 107 bytes of [0-9A-Za-z._-] (it autobinds 5 hex digits).
 bool is_shm_url(std::string_view url);
 
+/// What release_reader_thread() calls on a reader thread that runs an inline handler of a
+/// `may_block` message: hands its connection to another reader. Set (current_reader) only
+/// for the duration of that handler, on that thread.
+class ReaderHandoff {
+ public:
+  /// Gives the connection another reader now (once; later calls do nothing). Never throws.
+  virtual void release() noexcept = 0;
+
+ protected:
+  ~ReaderHandoff() = default;
+};
+
+/// The hand-off of the handler running on this thread, or nullptr (release_reader_thread).
+ReaderHandoff*& current_reader() noexcept;
+
 /// Threads that run one task each (a handshake, a connection's reader) and are joined at the
 /// end; a finished one is joined by the next start().
 /// Safety: start() from any thread; join_all() once, after the last start() returned, never

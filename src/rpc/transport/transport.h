@@ -32,7 +32,24 @@ struct Message {
   std::string header;
   std::string body;
   std::vector<c10::Storage> storages;
+  /// Set by a transport on a message it delivers inline (options.inline_handlers) when the
+  /// handler may run long or blocking work on the delivering thread: the transport then gives
+  /// the connection another reader when the handler runs longer than kReaderRescueAfter or
+  /// calls release_reader_thread(), so the messages behind this one are still read (TCP).
+  /// False where the delivering thread must never block (TensorPipe's loop thread, the
+  /// dispatch thread). Ignored on sending.
+  bool may_block = false;
 };
+
+/// How long an inline handler of a message with `may_block` holds its connection's reader
+/// before the transport starts another reader for the connection (TCP).
+inline constexpr std::chrono::milliseconds kReaderRescueAfter{10};
+
+/// Called by a thread that is about to wait: when it is a transport's reader running an inline
+/// handler of a message with `may_block`, its connection gets another reader now (so a reply
+/// this thread waits for, from the same peer, is read meanwhile) and this thread stops reading
+/// once the handler returns. Elsewhere a no-op. Never throws; thread-safe.
+void release_reader_thread() noexcept;
 
 /// Options of a transport.
 struct TransportOptions {
@@ -69,7 +86,7 @@ struct TransportOptions {
   /// per connection, instead of handing it to the transport's dispatch thread. Saves a thread
   /// hand-off per message (the RPC agent's handlers only queue work and complete futures);
   /// messages of different connections may then be handled concurrently. on_peer_lost still
-  /// runs on the dispatch thread.
+  /// runs on the dispatch thread. TCP marks such messages `may_block` (Message).
   bool inline_handlers = false;
 };
 

@@ -92,14 +92,40 @@ void TcpTransport::stop_writer(Conn& conn) noexcept {
 }
 // ---- messages ---------------------------------------------------------------------------------
 
-/// Reads exactly `n` bytes of `conn`. Errors: ClosedError at EOF or a reset; SystemError.
-void read_exact(const Conn& conn, void* data, size_t n) {
+/// Bytes one recv asks for ahead of the frame being read.
+constexpr size_t kReadAhead = size_t{64} << 10;
+
+/// Reads exactly `n` bytes of `conn`: first what was read ahead; a short rest with one recv of
+/// up to kReadAhead bytes (whatever is there: the next frames too), a long one straight into
+/// `data`. Errors: ClosedError at EOF or a reset; SystemError.
+void read_exact(Conn& conn, void* data, size_t n) {
   auto* p = static_cast<char*>(data);
+  const size_t buffered = std::min(n, conn.rend - conn.rpos);
+  if (buffered > 0) {
+    std::memcpy(p, conn.rbuf.data() + conn.rpos, buffered);
+    conn.rpos += buffered;
+    p += buffered;
+    n -= buffered;
+  }
   while (n > 0) {
-    const ssize_t r = ::recv(conn.fd.get(), p, std::min<size_t>(n, size_t{1} << 30), 0);
+    const bool ahead = n < kReadAhead;
+    if (ahead && conn.rbuf.size() < kReadAhead) conn.rbuf.resize(kReadAhead);
+    char* into = ahead ? conn.rbuf.data() : p;
+    const size_t want = ahead ? kReadAhead : std::min<size_t>(n, size_t{1} << 30);
+    const ssize_t r = ::recv(conn.fd.get(), into, want, 0);
     if (r > 0) {
-      p += r;
-      n -= static_cast<size_t>(r);
+      const auto got = static_cast<size_t>(r);
+      if (!ahead) {
+        p += got;
+        n -= got;
+        continue;
+      }
+      const size_t take = std::min(n, got);
+      std::memcpy(p, into, take);
+      p += take;
+      n -= take;
+      conn.rpos = take;
+      conn.rend = got;
       continue;
     }
     if (r == 0) throw ClosedError("the peer closed the connection");
@@ -109,7 +135,7 @@ void read_exact(const Conn& conn, void* data, size_t n) {
   }
 }
 
-Message TcpTransport::read_message(const Conn& conn) const {
+Message TcpTransport::read_message(Conn& conn) const {
   unsigned char fixed[kFixedBytes];
   read_exact(conn, fixed, sizeof fixed);
   if (std::memcmp(fixed, kMagic, sizeof kMagic) != 0 || get_le(fixed + 20, 4) != 0) {
@@ -167,7 +193,31 @@ Message TcpTransport::read_message(const Conn& conn) const {
   return msg;
 }
 
-void TcpTransport::read_loop(const std::shared_ptr<Conn>& conn) {
+namespace {
+
+/// The hand-off of a reader thread while it runs an inline handler (release_reader_thread).
+class Handoff final : public detail::ReaderHandoff {
+ public:
+  Handoff(TcpTransport* transport, std::shared_ptr<Conn> conn, uint64_t gen,
+          void (TcpTransport::*rescue)(const std::shared_ptr<Conn>&, uint64_t) noexcept)
+      : transport_(transport), conn_(std::move(conn)), gen_(gen), rescue_(rescue) {}
+  void release() noexcept override { (transport_->*rescue_)(conn_, gen_); }
+
+ private:
+  TcpTransport* transport_;
+  std::shared_ptr<Conn> conn_;
+  uint64_t gen_;
+  void (TcpTransport::*rescue_)(const std::shared_ptr<Conn>&, uint64_t) noexcept;
+};
+
+}  // namespace
+
+void TcpTransport::read_loop(const std::shared_ptr<Conn>& conn, uint64_t gen) {
+  if (gen == 0) {  // the connection's first reader: the rescue thread watches it
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    std::erase_if(watched_, [](const std::weak_ptr<Conn>& w) { return w.expired(); });
+    watched_.push_back(conn);
+  }
   for (;;) {
     Message msg;
     try {
@@ -176,11 +226,102 @@ void TcpTransport::read_loop(const std::shared_ptr<Conn>& conn) {
       lose(conn, e.what());
       return;
     }
-    if (options_.inline_handlers) {
-      if (!closed()) dispatcher_.deliver(conn->peer, std::move(msg));
-    } else {
+    if (!options_.inline_handlers) {
       dispatcher_.post_message(conn->peer, std::move(msg));
+      continue;
     }
+    if (closed()) continue;
+    // The handler may run user code here (a call executed inline, without a hand-off to a
+    // pool): a handler that runs long or waits gets this connection a new reader.
+    msg.may_block = true;
+    {
+      std::lock_guard<std::mutex> lock(conn->rmu);
+      conn->handler_since = Clock::now();
+    }
+    note_handler();
+    Handoff handoff(this, conn, gen, &TcpTransport::rescue);
+    detail::current_reader() = &handoff;
+    dispatcher_.deliver(conn->peer, std::move(msg));
+    detail::current_reader() = nullptr;
+    std::lock_guard<std::mutex> lock(conn->rmu);
+    if (conn->reader_gen != gen) return;  // another reader took over meanwhile
+    conn->handler_since = Clock::time_point::max();
+  }
+}
+
+void TcpTransport::rescue(const std::shared_ptr<Conn>& conn, uint64_t gen) noexcept {
+  uint64_t next = 0;
+  {
+    std::lock_guard<std::mutex> lock(conn->rmu);
+    if (conn->reader_gen != gen || conn->handler_since == Clock::time_point::max()) return;
+    next = ++conn->reader_gen;
+    // The new reader reads, in no handler: the old one's handler is not the connection's.
+    conn->handler_since = Clock::time_point::max();
+  }
+  std::string error;
+  {
+    // Under mutex_: close() sets closed_ before it joins the connection threads, so a reader
+    // started here is one it joins.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_ || conn->dead) return;
+    try {
+      threads_.start([this, conn, next] { read_loop(conn, next); });
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (!error.empty()) lose(conn, fmt::format("no thread to read the connection: {}", error));
+}
+
+void TcpTransport::note_handler() {
+  handlers_entered_.fetch_add(1);
+  if (watch_sleeping_.load()) {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    watch_cv_.notify_one();
+  }
+}
+
+void TcpTransport::watch_loop() {
+  // Ticks every half rescue period while handlers run or ran in the last tick; then sleeps
+  // until a reader enters a handler (note_handler), so an idle transport does not wake.
+  constexpr auto kTick = kReaderRescueAfter / 2;
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  uint64_t seen = handlers_entered_.load();
+  while (!watch_stop_) {
+    std::vector<std::shared_ptr<Conn>> conns;
+    for (const auto& w : watched_) {
+      if (auto c = w.lock()) conns.push_back(std::move(c));
+    }
+    lock.unlock();
+    const auto now = Clock::now();
+    bool running = false;
+    for (const auto& c : conns) {
+      uint64_t gen = 0;
+      bool late = false;
+      {
+        std::lock_guard<std::mutex> l(c->rmu);
+        if (c->handler_since == Clock::time_point::max()) continue;
+        running = true;
+        late = now - c->handler_since >= kReaderRescueAfter;
+        gen = c->reader_gen;
+      }
+      if (late) rescue(c, gen);
+    }
+    conns.clear();  // released unlocked
+    lock.lock();
+    const uint64_t entered = handlers_entered_.load();
+    if (running || entered != seen) {
+      seen = entered;
+      watch_cv_.wait_for(lock, kTick, [&] { return watch_stop_; });
+      continue;
+    }
+    // Idle: sleep until a reader enters a handler. A reader that entered after `seen` was
+    // read either sees watch_sleeping_ (and notifies under watch_mu_) or is seen here.
+    watch_sleeping_.store(true);
+    if (handlers_entered_.load() == seen) {
+      watch_cv_.wait(lock, [&] { return watch_stop_ || handlers_entered_.load() != seen; });
+    }
+    watch_sleeping_.store(false);
   }
 }
 

@@ -20,6 +20,7 @@ TcpTransport::TcpTransport(TransportOptions options, TransportHandlers handlers)
   if (!wake_) torchpar::detail::throw_system_error("eventfd", errno, address_);
   try {
     dispatcher_.start();
+    watch_thread_ = std::thread([this] { watch_loop(); });
     accept_thread_ = std::thread([this] { accept_loop(); });
   } catch (...) {
     close();  // joins what started; no destructor runs after a constructor throws
@@ -56,7 +57,13 @@ void TcpTransport::close_now() {
   }
   dispatcher_.stop();
   if (accept_thread_.joinable()) accept_thread_.join();
-  const auto peers = drain_after_close();  // connections close when this goes, unlocked
+  {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    watch_stop_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watch_thread_.joinable()) watch_thread_.join();  // it starts no reader once closed
+  const auto peers = drain_after_close();              // connections close when this goes, unlocked
   // No thread starts any more: the accept thread is gone and so are the senders.
   threads_.join_all();
   dispatcher_.join();

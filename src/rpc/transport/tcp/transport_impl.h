@@ -57,6 +57,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <condition_variable>
@@ -151,6 +152,16 @@ struct Conn {
   bool writing = false;                         // a thread is writing to the socket
   bool writer = false;                          // the writer thread was started
   bool stop = false;                            // lost or closing: nothing more is written
+
+  // The read side: bytes read ahead of the current frame (one recv takes what is there, so a
+  // small message costs one system call). Used only by the connection's current reader.
+  std::vector<char> rbuf;
+  size_t rpos = 0, rend = 0;
+  // Which reader thread reads (its generation) and since when it runs an inline handler of a
+  // may_block message (time_point::max(): none); guarded by rmu.
+  std::mutex rmu;
+  uint64_t reader_gen = 0;
+  Clock::time_point handler_since = Clock::time_point::max();
 };
 
 /// Writes what `fd` takes of `out` now, without waiting. Returns whether all of it is out;
@@ -207,8 +218,17 @@ class TcpTransport final : public Transport, private detail::ConnectionTable<Con
   static void stop_writer(Conn& conn) noexcept;
 
   // Messages.
-  void read_loop(const std::shared_ptr<Conn>& conn);
-  Message read_message(const Conn& conn) const;
+  /// Reads and delivers the messages of `conn` while its reader generation is `gen`.
+  void read_loop(const std::shared_ptr<Conn>& conn, uint64_t gen = 0);
+  Message read_message(Conn& conn) const;
+  /// Starts a new reader for `conn` when reader `gen` still runs an inline handler (it stops
+  /// reading after it). Never throws (no thread: the connection is lost).
+  void rescue(const std::shared_ptr<Conn>& conn, uint64_t gen) noexcept;
+  /// The rescue thread: gives a connection whose inline handler ran kReaderRescueAfter
+  /// another reader; ticks only while handlers run, sleeps otherwise.
+  void watch_loop();
+  /// A reader enters an inline handler: wakes the rescue thread when it sleeps.
+  void note_handler();
   /// Writes what the socket takes of `out` now and queues the rest for the writer thread.
   void write(const std::shared_ptr<Conn>& conn, std::unique_ptr<Outgoing> out);
   void write_loop(const std::shared_ptr<Conn>& conn);
@@ -242,6 +262,15 @@ class TcpTransport final : public Transport, private detail::ConnectionTable<Con
   detail::Dispatcher dispatcher_;
   detail::TaskThreads threads_;  // connection threads
   std::thread accept_thread_;
+
+  // The rescue thread (watch_loop) and what it watches; guarded by watch_mu_.
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false;
+  std::vector<std::weak_ptr<Conn>> watched_;  // connections that have had a reader
+  std::atomic<uint64_t> handlers_entered_{0};
+  std::atomic<bool> watch_sleeping_{false};
+  std::thread watch_thread_;
 };
 
 }  // namespace torchpar::rpc::tcp
