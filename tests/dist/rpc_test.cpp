@@ -279,6 +279,68 @@ TEST(RpcGroup, ValuesErrorsTimeoutsAndRRefCounting) {
   expect_ok(run_ranks(2, 180, &values_rank, free_port()));
 }
 
+// ---- calls that wait on the callee ---------------------------------------------------------
+
+// A call that waits for a later call of the same caller ("gate_wait" until "gate_open"), and
+// one that calls its caller back ("call_back"): over TCP a call runs on its connection's
+// reader, which must then hand the connection to another reader (after 10 ms, or at once
+// when the call waits on an RPC future) so the later call and the nested reply are read.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+};
+Gate& gate() {
+  static Gate g;
+  return g;
+}
+const bool kGateWait = tp::register_function(
+    "gate_wait", +[]() {
+      std::unique_lock<std::mutex> lock(gate().mu);
+      return gate().cv.wait_for(lock, std::chrono::seconds(30), [] { return gate().open; }) ? 1 : 0;
+    });
+const bool kGateOpen = tp::register_function(
+    "gate_open", +[]() {
+      std::lock_guard<std::mutex> lock(gate().mu);
+      gate().open = true;
+      gate().cv.notify_all();
+      return 1;
+    });
+tp::RpcGroup* g_back = nullptr;  // the callee's group, for call_back
+const bool kCallBack = tp::register_function(
+    "call_back", +[](int a, int b) {
+      return g_back->rpc_sync<int>("0", "add", std::tuple{a, b});
+    });
+
+void waiting_calls_rank(int rank, int port) {
+  auto w = make_world(rank, 2, port);
+  auto g = w.create_rpc_group("waiting", {"0", "1"});
+  g_back = &g;
+  g.barrier();
+  if (rank == 0) {
+    using Clock = std::chrono::steady_clock;
+    const auto t0 = Clock::now();
+    auto blocked = g.rpc_async<int>("1", "gate_wait", std::tuple{}, 30s);
+    TORCHPAR_RCHECK(g.rpc_sync<int>("1", "gate_open", std::tuple{}, 30s) == 1, "gate_open");
+    TORCHPAR_RCHECK(blocked.wait() == 1, "gate_wait was not released");
+    const double gated = std::chrono::duration<double>(Clock::now() - t0).count();
+    TORCHPAR_RCHECK(gated < 5, "a call behind a waiting one took {} s", gated);
+    const auto t1 = Clock::now();
+    for (int i = 0; i < 20; ++i) {
+      TORCHPAR_RCHECK(g.rpc_sync<int>("1", "call_back", std::tuple{i, 1}, 30s) == i + 1,
+                      "call_back {}", i);
+    }
+    const double nested = std::chrono::duration<double>(Clock::now() - t1).count();
+    TORCHPAR_RCHECK(nested < 5, "20 nested calls took {} s", nested);
+  }
+  g.barrier();
+  g.destroy();
+}
+
+TEST(RpcGroup, CallsThatWaitKeepTheirConnectionRead) {
+  expect_ok(run_ranks(2, 120, &waiting_calls_rank, free_port()));
+}
+
 // ---- faults ------------------------------------------------------------------------------------
 
 void killed_rank(int rank, int port) {
