@@ -1,9 +1,12 @@
 #include "torchpar/server/ordered_server.h"
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <exception>
+
+#include "server/flat_buffer.h"
 
 namespace torchpar::detail {
 
@@ -61,6 +64,56 @@ void OrderedStore::close() {
   std::lock_guard<std::mutex> g(mu_);
   closed_ = true;
   dropped.swap(chains_);
+}
+
+namespace {
+
+bool fits_shared(const at::Tensor& t) {
+  return !t.defined() || (t.layout() == at::kStrided && !t.is_quantized() && t.has_storage());
+}
+
+at::ScalarType own_type(const at::Tensor& t) { return t.scalar_type(); }
+
+// The fallback: a private copy on the CPU.
+at::Tensor cpu_copy(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  return t.device().is_cpu() ? t.detach().clone() : t.detach().to(at::kCPU);
+}
+
+StateDict cpu_copy(const StateDict& tensors) {
+  StateDict out;
+  for (const auto& [k, t] : tensors) out.emplace(k, cpu_copy(t));
+  return out;
+}
+
+}  // namespace
+
+StateDict shared_copy(const StateDict& tensors) {
+  bool any_bytes = false;
+  for (const auto& [k, t] : tensors) {
+    if (!fits_shared(t)) return cpu_copy(tensors);
+    any_bytes = any_bytes || (t.defined() && t.numel() > 0);
+  }
+  if (!any_bytes) return cpu_copy(tensors);
+  at::Tensor flat;
+  try {
+    flat = empty_shared({flat_bytes(tensors, own_type)}, at::kByte);
+  } catch (const ShmError&) {  // shared memory is short: a private copy is still a copy
+    return cpu_copy(tensors);
+  }
+  return copy_into_flat(flat, tensors, own_type);
+}
+
+at::Tensor shared_copy(const at::Tensor& tensor) {
+  if (!tensor.defined() || !fits_shared(tensor) || tensor.numel() == 0) return cpu_copy(tensor);
+  at::Tensor out;
+  try {
+    out = empty_shared(tensor.sizes(), at::TensorOptions().dtype(tensor.scalar_type()));
+  } catch (const ShmError&) {
+    return cpu_copy(tensor);
+  }
+  out.copy_(tensor.detach());
+  return out;
 }
 
 std::string ordered_push_service(const std::string& server_name) {

@@ -14,6 +14,7 @@
 #include <set>
 #include <thread>
 
+#include "server/flat_buffer.h"
 #include "server/paired.h"
 
 namespace torchpar {
@@ -95,6 +96,17 @@ struct PushPullGradServerImpl::State {
       throw ValueError(fmt::format("{}: member '{}' is not a secondary reducer", subject(), me));
     }
     if (grads.empty()) throw ValueError(fmt::format("{}: an empty gradient dict", subject()));
+    // Tensors in shared memory (a trainer's or a secondary's segment, sent as a handle) are
+    // copied out before the reply, so the sender gets its segment back as soon as the push
+    // returns and reuses it for the next one: each sender maps (and this member faults in)
+    // one segment for good, whatever the queue holds.
+    bool any_shared = false;
+    for (const auto& [k, t] : grads) any_shared = any_shared || (t.defined() && is_shared(t));
+    if (any_shared) {
+      auto own = [](const at::Tensor& t) { return t.scalar_type(); };
+      grads =
+          detail::copy_into_flat(entry_buffers.take(detail::flat_bytes(grads, own)), grads, own);
+    }
     std::lock_guard<std::mutex> g(mu);
     if (error) {
       throw Error(fmt::format("{}: the reducer on member '{}' stopped: {}", subject(), me,
@@ -121,30 +133,111 @@ struct PushPullGradServerImpl::State {
     cv.notify_all();
   }
 
-  StateDict reduce(std::vector<StateDict>& batch) const {
-    const StateDict& first = batch.front();
-    for (const auto& b : batch) {
-      if (b.size() != first.size()) {
-        throw ValueError(fmt::format("{}: gradient dicts of one batch differ: {} and {} entries",
-                                     subject(), first.size(), b.size()));
-      }
+  // A batch being reduced at one level: the running sum of the entries taken from the queue
+  // so far. Each entry is added as soon as the reducer takes it and then let go; the sum in
+  // order is bit-identical to stack(batch).sum(0).
+  struct Batch {
+    StateDict sum;
+    int64_t count = 0;
+    Clock::time_point first;  // arrival of its oldest entry (flush_after counts from it)
+  };
+  Batch batches[2];  // by level; the reducer thread's
+
+  // Flat buffers (src/server/flat_buffer.h) reused once free, so that steady reduction
+  // allocates and faults in nothing: of queued entries that came in shared memory (see
+  // accept), and of the sums of each level (a step's sums stay its model's gradients until
+  // the next step; a forwarded one lives until the primary took it). Sums forwarded to a
+  // primary elsewhere are in shared memory, so they travel to one on this host as handles.
+  detail::FlatBufferPool entry_buffers{8, detail::huge_page_bytes};
+  detail::FlatBufferPool sum_buffers[2] = {
+      detail::FlatBufferPool{3, detail::huge_page_bytes},
+      detail::FlatBufferPool{3, [this](int64_t nbytes) {
+                               if (!is_primary) {
+                                 try {
+                                   return empty_shared({nbytes}, at::kByte);
+                                 } catch (const ShmError&) {  // the bytes travel instead
+                                 }
+                               }
+                               return detail::huge_page_bytes(nbytes);
+                             }}};
+
+  // The sum's type of a gradient: its own when floating, int64 for integers and bools (as
+  // torch.sum).
+  static at::ScalarType sum_type(const at::Tensor& t) {
+    return at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())
+               ? t.scalar_type()
+               : at::kLong;
+  }
+
+  // Starts batch `b` of `level` with its first entry: its sums are copies of the entry's
+  // tensors in their sum types, views of one pooled buffer; on reduce_device when that is
+  // not the CPU.
+  void start_batch(Batch& b, int level, const StateDict& grads) {
+    for (const auto& [key, t] : grads) {
+      if (!t.defined())
+        throw ValueError(fmt::format("{}: the pushed gradient '{}' is undefined", subject(), key));
     }
-    StateDict out;
-    std::vector<at::Tensor> parts;
-    for (const auto& [key, t0] : first) {
-      parts.clear();
-      for (auto& b : batch) {
-        auto it = b.find(key);
-        if (it == b.end()) {
-          throw ValueError(
-              fmt::format("{}: gradient dicts of one batch differ: '{}' is missing "
-                          "from one",
-                          subject(), key));
-        }
-        parts.push_back(it->second.to(opts.reduce_device));
+    if (!opts.reduce_device.is_cpu()) {
+      b.sum.clear();
+      for (const auto& [key, t] : grads) {
+        b.sum.emplace(key, t.to(opts.reduce_device, sum_type(t), /*non_blocking=*/false,
+                                /*copy=*/true));
       }
-      auto stacked = at::stack(parts);
-      out.emplace(key, mean ? stacked.mean(0) : stacked.sum(0));
+      return;
+    }
+    b.sum = detail::copy_into_flat(sum_buffers[level].take(detail::flat_bytes(grads, sum_type)),
+                                   grads, sum_type);
+  }
+
+  void add_to_batch(Batch& b, int level, StateDict grads, Clock::time_point arrived) {
+    if (b.count == 0) {
+      b.first = arrived;
+      start_batch(b, level, grads);
+      b.count = 1;
+      return;
+    }
+    if (grads.size() != b.sum.size()) {
+      throw ValueError(fmt::format("{}: gradient dicts of one batch differ: {} and {} entries",
+                                   subject(), b.sum.size(), grads.size()));
+    }
+    for (const auto& [key, t] : grads) {
+      auto it = b.sum.find(key);
+      if (it == b.sum.end()) {
+        throw ValueError(fmt::format(
+            "{}: gradient dicts of one batch differ: '{}' is missing from one", subject(), key));
+      }
+      at::Tensor& sum = it->second;
+      if (!t.defined())
+        throw ValueError(fmt::format("{}: the pushed gradient '{}' is undefined", subject(), key));
+      if (t.sizes() != sum.sizes()) {
+        throw ValueError(
+            fmt::format("{}: gradient dicts of one batch differ: '{}' has shape {} "
+                        "and {}",
+                        subject(), key, c10::str(sum.sizes()), c10::str(t.sizes())));
+      }
+      // A wider type promotes the sum from here on (stack would have promoted the batch).
+      const auto type = at::result_type(sum, t);
+      if (type != sum.scalar_type()) sum = sum.to(type);
+      sum.add_(t.to(opts.reduce_device));
+    }
+    ++b.count;
+  }
+
+  // The batch's sum, or mean; the batch starts over.
+  StateDict finish(Batch& b) const {
+    StateDict out = std::move(b.sum);
+    const int64_t n = std::exchange(b.count, 0);
+    b.sum.clear();
+    if (mean) {
+      for (auto& [key, t] : out) {
+        if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) {
+          throw ValueError(
+              fmt::format("{}: reduce_method \"mean\" needs floating-point "
+                          "gradients; '{}' is {}",
+                          subject(), key, c10::toString(t.scalar_type())));
+        }
+        t.div_(static_cast<double>(n));
+      }
     }
     return out;
   }
@@ -214,7 +307,7 @@ struct PushPullGradServerImpl::State {
       ++version;
       return;
     }
-    auto newest = o_server->pull(opts.model_name, std::nullopt, opts.timeout);
+    auto newest = o_server->pull_view(opts.model_name, std::nullopt, opts.timeout);
     const int64_t base = newest ? newest->second : version;
     if (!o_server->push(opts.model_name, sd, base + 1, base, opts.timeout)) {
       throw Error(
@@ -225,30 +318,28 @@ struct PushPullGradServerImpl::State {
     version = base + 1;
   }
 
+  // Takes entries one at a time, the primary queue first (machin), into its level's batch;
+  // a full batch is reduced (stepped or forwarded); a batch whose oldest entry waited
+  // flush_after is reduced short once its queue is empty.
   void run() {
     std::unique_lock<std::mutex> lk(mu);
-    const auto bs = static_cast<size_t>(opts.reduce_batch_size);
+    const auto bs = opts.reduce_batch_size;
     while (!stopping) {
       const auto now = Clock::now();
       int level = -1;
-      size_t n = 0;
-      bool flushed = false;
-      for (int l : {kPrimaryLevel, kSecondaryLevel}) {  // the primary queue first (machin)
-        if (queues[l].size() >= bs) {
+      std::optional<Entry> entry;
+      std::optional<Clock::time_point> wake;
+      for (int l : {kPrimaryLevel, kSecondaryLevel}) {
+        if (!queues[l].empty()) {
+          entry.emplace(std::move(queues[l].front()));
+          queues[l].pop_front();
           level = l;
-          n = bs;
           break;
         }
-      }
-      std::optional<Clock::time_point> wake;
-      if (level < 0 && opts.flush_after) {
-        for (int l : {kPrimaryLevel, kSecondaryLevel}) {
-          if (queues[l].empty()) continue;
-          const auto due = queues[l].front().arrived + to_clock(*opts.flush_after);
+        if (batches[l].count > 0 && opts.flush_after) {
+          const auto due = batches[l].first + to_clock(*opts.flush_after);
           if (due <= now) {
             level = l;
-            n = queues[l].size();
-            flushed = true;
             break;
           }
           wake = wake ? std::min(*wake, due) : due;
@@ -262,21 +353,22 @@ struct PushPullGradServerImpl::State {
         }
         continue;
       }
-      std::vector<StateDict> batch;
-      batch.reserve(n);
-      for (size_t i = 0; i < n; ++i) {
-        batch.push_back(std::move(queues[level].front().grads));
-        queues[level].pop_front();
-      }
+      const bool flushed = !entry;
       if (flushed) ++stats.flushes;
       lk.unlock();
       try {
-        auto reduced = reduce(batch);
-        batch.clear();
-        if (level == kPrimaryLevel) {
-          step(std::move(reduced));
-        } else {
-          forward(std::move(reduced));
+        Batch& b = batches[level];
+        if (entry) {
+          add_to_batch(b, level, std::move(entry->grads), entry->arrived);
+          entry.reset();  // the sender's memory goes back now
+        }
+        if (flushed || b.count >= bs) {
+          auto reduced = finish(b);
+          if (level == kPrimaryLevel) {
+            step(std::move(reduced));
+          } else {
+            forward(std::move(reduced));
+          }
         }
       } catch (...) {
         lk.lock();
@@ -284,6 +376,7 @@ struct PushPullGradServerImpl::State {
         fmt::print(stderr, "torchpar: {}: the reducer on '{}' stopped: {}\n", subject(), me,
                    message_of(error));
         for (auto& q : queues) q.clear();
+        for (auto& b : batches) b = Batch{};
         return;
       }
       lk.lock();
@@ -298,6 +391,7 @@ struct PushPullGradServerImpl::State {
     }
     cv.notify_all();
     if (thread.joinable()) thread.join();
+    for (auto& b : batches) b = Batch{};  // the thread is gone: nobody else touches them
   }
 
   // Undoes the constructor's registrations; the first error is returned.
@@ -424,7 +518,7 @@ void PushPullGradServerImpl::manage_model(std::shared_ptr<torch::nn::Module> mod
   if (!s.o_server->push(s.opts.model_name, cpu_state_dict(*model), 0, std::nullopt,
                         s.opts.timeout)) {
     // The ordered server already holds this model (a restarted primary): continue from it.
-    if (auto newest = s.o_server->pull(s.opts.model_name, std::nullopt, s.opts.timeout)) {
+    if (auto newest = s.o_server->pull_view(s.opts.model_name, std::nullopt, s.opts.timeout)) {
       load_state_dict(*model, newest->first);
       version = newest->second;
     }
@@ -500,10 +594,14 @@ bool PushPullGradServer::push(VersionedModule& module, Timeout timeout) {
                       "(run backward first)",
                       server_name_, p.key()));
     }
-    // A copy: pull() zeroes the module's gradients, and a reducer in this process would
-    // otherwise queue the very tensor.
-    grads.emplace(p.key(), g.device().is_cpu() ? g.detach().clone() : g.detach().to(at::kCPU));
+    grads.emplace(p.key(), g.detach());
   }
+  // A copy (pull() zeroes the module's gradients, and a reducer in this process would
+  // otherwise queue the very tensor), in one shared-memory segment: to a reducer on this
+  // host it travels as a handle (no bytes through a socket). The reducer copies it out
+  // before it replies, so the segment is back in this process's cache when the call returns
+  // and the next push reuses it: a steady trainer allocates (and faults in) nothing.
+  grads = detail::shared_copy(grads);
   thread_local std::mt19937 rng{std::random_device{}()};
   const auto& member =
       secondaries_[std::uniform_int_distribution<size_t>(0, secondaries_.size() - 1)(rng)];

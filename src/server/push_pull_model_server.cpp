@@ -90,7 +90,7 @@ bool PushPullModelServer::push(VersionedModule& module, ModelPushOptions options
     return true;
   }
   if (options.pull_on_fail) {
-    if (auto newest = o_server_->pull(model_name_, std::nullopt, options.timeout)) {
+    if (auto newest = o_server_->pull_view(model_name_, std::nullopt, options.timeout)) {
       load_state_dict(module.module(), newest->first);
       module.set_pp_version(newest->second);
     }
@@ -99,7 +99,7 @@ bool PushPullModelServer::push(VersionedModule& module, ModelPushOptions options
 }
 
 bool PushPullModelServer::pull(VersionedModule& module, Timeout timeout) {
-  auto newest = o_server_->pull(model_name_, std::nullopt, timeout);
+  auto newest = o_server_->pull_view(model_name_, std::nullopt, timeout);
   if (!newest) return false;
   if (module.pp_version() && *module.pp_version() >= newest->second) return false;
   load_state_dict(module.module(), newest->first);

@@ -58,6 +58,17 @@ class OrderedServerBase {
   virtual std::optional<std::pair<V, int64_t>> pull(const std::string& key,
                                                     std::optional<int64_t> version = std::nullopt,
                                                     Timeout timeout = kDefaultRpcTimeout) = 0;
+
+  /// As pull, but the value may share memory with the stored one instead of being a copy:
+  /// for readers that only copy out of it (the model servers' load_state_dict), which saves
+  /// a copy of every pulled tensor. Never write to it: a write could change the stored
+  /// version for every reader. The default is pull (a copy, which is always allowed).
+  /// Safety:  as pull. Source: no machin original (machin's pull always copies).
+  virtual std::optional<std::pair<V, int64_t>> pull_view(
+      const std::string& key, std::optional<int64_t> version = std::nullopt,
+      Timeout timeout = kDefaultRpcTimeout) {
+    return pull(key, version, timeout);
+  }
 };
 
 namespace detail {
@@ -147,6 +158,32 @@ V deep_copy(const V& value) {
     return out;
   } else {
     return loads<V>(dumps(value));
+  }
+}
+
+/// A CPU copy of `tensors` in torchpar shared memory: one segment holding them all (each
+/// contiguous, at a 64-byte aligned offset), so that the RPC layer sends the whole dict to
+/// a member on this host as one handle and the receiver maps one segment. Undefined entries
+/// stay undefined. A private CPU copy instead when a tensor cannot live in shared memory
+/// (sparse, quantized), when the dict holds no bytes, or when shared memory is short.
+StateDict shared_copy(const StateDict& tensors);
+/// The same for one tensor.
+at::Tensor shared_copy(const at::Tensor& tensor);
+
+/// What a server stores for a value pushed on its host: a copy, in shared memory for an
+/// at::Tensor or StateDict on the CPU (so that pulls from other processes of the host
+/// travel as handles to it, see OrderedServerSimple::pull_view); deep_copy otherwise.
+template <class V>
+V stored_copy(const V& value) {
+  if constexpr (std::is_same_v<V, at::Tensor>) {
+    return !value.defined() || value.device().is_cpu() ? shared_copy(value) : deep_copy(value);
+  } else if constexpr (std::is_same_v<V, StateDict>) {
+    for (const auto& [k, t] : value) {
+      if (t.defined() && !t.device().is_cpu()) return deep_copy(value);
+    }
+    return shared_copy(value);
+  } else {
+    return deep_copy(value);
   }
 }
 
@@ -251,15 +288,18 @@ class OrderedServerSimpleImpl {
 /// reads the pair (checking the value type); on the host it then works on the store
 /// directly (values deep-copied, no RPC), elsewhere it calls the two services.
 ///
-/// Errors (push, pull):  RpcKeyNotFoundError when no server `server_name` exists (yet);
-///          ValueError when the server holds another value type; TimeoutError (the call's
-///          timeout passed) and RpcPeerLostError (the host died or left) naming the server
-///          and its member; ClosedError on the host after the server was closed.
+/// Errors (push, pull, pull_view):  RpcKeyNotFoundError when no server `server_name`
+///          exists (yet); ValueError when the server holds another value type; TimeoutError
+///          (the call's timeout passed) and RpcPeerLostError (the host died or left) naming
+///          the server and its member; ClosedError on the host after the server was closed.
 /// Safety:  thread-safe; copies may be used from several threads. Copies: push stores a
-///          copy and pull returns one. One exception: the RPC layer sends tensors in torchpar
-///          shared memory as handles to a member on the same host, so a value of a type other
-///          than at::Tensor or StateDict holding shared tensors is stored by reference there
-///          (those two types are unshared before they travel).
+///          copy and pull returns one (pull_view need not). The server keeps the at::Tensor
+///          and StateDict values pushed on its host in shared memory, so a pull from another
+///          process of the host receives them as handles (no bytes through a socket): pull
+///          then copies them, pull_view reads them in place. One exception: the RPC layer
+///          sends tensors in torchpar shared memory as handles to a member on the same host,
+///          so a value of a type other than at::Tensor or StateDict holding shared tensors is
+///          stored by reference there (those two types are unshared before they travel).
 /// Lifetime: `group` must outlive the accessor.
 /// Source:  machin.parallel.server.OrderedServerSimple.
 template <class V>
@@ -274,7 +314,7 @@ class OrderedServerSimple : public OrderedServerBase<V> {
   bool push(const std::string& key, const V& value, int64_t version,
             std::optional<int64_t> prev_version, Timeout timeout = kDefaultRpcTimeout) override {
     if (auto local = resolve(timeout)) {
-      return local->push(key, std::make_shared<const V>(detail::deep_copy(value)), version,
+      return local->push(key, std::make_shared<const V>(detail::stored_copy(value)), version,
                          prev_version);
     }
     try {
@@ -297,13 +337,25 @@ class OrderedServerSimple : public OrderedServerBase<V> {
       return std::pair<V, int64_t>(
           detail::deep_copy(*std::static_pointer_cast<const V>(got->first)), got->second);
     }
-    try {
-      return state_->group->template registered_sync<std::optional<std::pair<V, int64_t>>>(
-          detail::ordered_pull_service(state_->name),
-          std::tuple<std::string, std::optional<int64_t>>(key, version), timeout);
-    } catch (...) {
-      detail::rethrow_server_call_error("ordered server '" + state_->name + "'", "pull", host());
+    auto got = remote_pull(key, version, timeout);
+    // Tensors that came as handles alias the server's stored value: the caller gets copies.
+    if (got) got->first = detail::unshared(got->first);
+    return got;
+  }
+
+  /// As pull without the copy: on the host, the stored tensors themselves; from another
+  /// process of the host, the stored tensors kept in shared memory arrive as handles and
+  /// are read in place; from another host, a copy as pull. Read-only (see
+  /// OrderedServerBase::pull_view).
+  std::optional<std::pair<V, int64_t>> pull_view(const std::string& key,
+                                                 std::optional<int64_t> version = std::nullopt,
+                                                 Timeout timeout = kDefaultRpcTimeout) override {
+    if (auto local = resolve(timeout)) {
+      auto got = local->pull(key, version);
+      if (!got) return std::nullopt;
+      return std::pair<V, int64_t>(*std::static_pointer_cast<const V>(got->first), got->second);
     }
+    return remote_pull(key, version, timeout);
   }
 
   const std::string& server_name() const { return state_->name; }
@@ -317,6 +369,18 @@ class OrderedServerSimple : public OrderedServerBase<V> {
     std::string host;
     std::shared_ptr<detail::OrderedStore> local;
   };
+
+  std::optional<std::pair<V, int64_t>> remote_pull(const std::string& key,
+                                                   std::optional<int64_t> version,
+                                                   Timeout timeout) {
+    try {
+      return state_->group->template registered_sync<std::optional<std::pair<V, int64_t>>>(
+          detail::ordered_pull_service(state_->name),
+          std::tuple<std::string, std::optional<int64_t>>(key, version), timeout);
+    } catch (...) {
+      detail::rethrow_server_call_error("ordered server '" + state_->name + "'", "pull", host());
+    }
+  }
 
   std::shared_ptr<detail::OrderedStore> resolve(Timeout timeout) {
     {

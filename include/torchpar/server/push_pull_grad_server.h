@@ -169,7 +169,9 @@ class PushPullGradServer {
       Timeout timeout = kDefaultRpcTimeout);
 
   /// Sends a CPU copy of every parameter's gradient to a random secondary reducer, then
-  /// pull(module). Returns pull's result. `timeout` bounds each of the two calls.
+  /// pull(module). Returns pull's result. `timeout` bounds each of the two calls. The copy
+  /// is one shared-memory segment, which travels to a reducer on this host as a handle and
+  /// is reused by the next push (docs/servers.md, "One host: handles, not bytes").
   /// Errors: ValueError naming the first parameter without a gradient (nothing sent).
   bool push(VersionedModule& module, Timeout timeout = kDefaultRpcTimeout);
 
