@@ -13,6 +13,7 @@
 #include <string>
 #include <utility>
 
+#include "parallel/decode_linear.h"
 #include "shape_text.h"
 #include "torchpar/core/error.h"
 
@@ -321,9 +322,9 @@ at::Tensor GptImpl::forward(const at::Tensor& input_ids, GptKvCache* cache) {
     x = blocks_[l]->forward(x, mask, past > 0 ? cache->keys[l] : none,
                             past > 0 ? cache->values[l] : none, keys[l], values[l]);
   }
-  at::Tensor logits = at::linear(
+  at::Tensor logits = detail::decode_linear(
       at::layer_norm(x, {config_.n_embd}, ln_f_weight_, ln_f_bias_, config_.layer_norm_epsilon),
-      wte_);
+      wte_, {});
   if (vocab_parallel()) {  // [B, T, Vp] per rank -> [B, T, world * Vp] -> the vocabulary's
     logits = comm_.all_gather(logits, -1);
     if (logits.size(-1) != config_.vocab_size) logits = logits.narrow(-1, 0, config_.vocab_size);

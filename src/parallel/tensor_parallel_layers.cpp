@@ -1,18 +1,133 @@
 #include "torchpar/parallel/tensor_parallel_layers.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 #include <vector>
 
+#include "parallel/decode_linear.h"
 #include "shape_text.h"
 #include "torchpar/core/error.h"
 
 namespace torchpar {
+namespace detail {
+namespace {
+
+bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+/// The sum of the 8 lanes, in a fixed order.
+__attribute__((target("avx2,fma"))) inline float lanes_sum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+/// y[m, n] for n in [n0, n1) and the M rows of x: R weight rows at a time, so that R * M
+/// independent accumulators hide the FMA latency and each weight row is loaded once.
+template <int M, int R>
+__attribute__((target("avx2,fma"))) void decode_rows(const float* x, const float* w,
+                                                     const float* bias, float* y, int64_t k,
+                                                     int64_t n, int64_t n0, int64_t n1) {
+  const int64_t k8 = k - k % 8;
+  int64_t r = n0;
+  for (; r + R <= n1; r += R) {
+    __m256 acc[R][M];
+#pragma GCC unroll 16
+    for (int i = 0; i < R * M; ++i) acc[i / M][i % M] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k8; c += 8) {
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const __m256 wv = _mm256_loadu_ps(w + (r + i) * k + c);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m)
+          acc[i][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + c), acc[i][m]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      for (int m = 0; m < M; ++m) {
+        float s = lanes_sum(acc[i][m]);
+        for (int64_t c = k8; c < k; ++c) s += w[(r + i) * k + c] * x[m * k + c];
+        y[m * n + r + i] = bias != nullptr ? s + bias[r + i] : s;
+      }
+    }
+  }
+  if (r < n1) decode_rows<M, 1>(x, w, bias, y, k, n, r, n1);
+}
+
+template <int M>
+void decode_kernel(const float* x, const float* w, const float* bias, float* y, int64_t k,
+                   int64_t n) {
+  // About 64 KiB of weights per task: the intra-op threads share the rows evenly.
+  const int64_t grain = std::max<int64_t>(8, (64 << 10) / (4 * std::max<int64_t>(k, 1)));
+  constexpr int R = M == 1 ? 4 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+  at::parallel_for(0, n, grain,
+                   [&](int64_t n0, int64_t n1) { decode_rows<M, R>(x, w, bias, y, k, n, n0, n1); });
+}
+
+}  // namespace
+
+at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const int64_t k = weight.dim() == 2 ? weight.size(1) : -1;
+  const int64_t rows = x.dim() >= 1 && x.size(-1) == k && k > 0 ? x.numel() / k : 0;
+  const bool fits = rows >= 1 && rows <= kDecodeRows && x.scalar_type() == at::kFloat &&
+                    weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                    x.device().is_cpu() && weight.device().is_cpu() &&
+                    (!bias.defined() || (bias.scalar_type() == at::kFloat && bias.dim() == 1 &&
+                                         bias.size(0) == weight.size(0) && bias.is_contiguous())) &&
+                    (!at::GradMode::is_enabled() || !(x.requires_grad() || weight.requires_grad() ||
+                                                      (bias.defined() && bias.requires_grad()))) &&
+                    has_avx2_fma();
+  if (!fits) return at::linear(x, weight, bias);
+  const int64_t n = weight.size(0);
+  const at::Tensor xc = x.contiguous();
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  at::Tensor y = at::empty(sizes, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  switch (rows) {
+    case 1:
+      decode_kernel<1>(xp, wp, bp, yp, k, n);
+      break;
+    case 2:
+      decode_kernel<2>(xp, wp, bp, yp, k, n);
+      break;
+    case 3:
+      decode_kernel<3>(xp, wp, bp, yp, k, n);
+      break;
+    case 4:
+      decode_kernel<4>(xp, wp, bp, yp, k, n);
+      break;
+    case 5:
+      decode_kernel<5>(xp, wp, bp, yp, k, n);
+      break;
+    case 6:
+      decode_kernel<6>(xp, wp, bp, yp, k, n);
+      break;
+    case 7:
+      decode_kernel<7>(xp, wp, bp, yp, k, n);
+      break;
+    default:
+      decode_kernel<8>(xp, wp, bp, yp, k, n);
+      break;
+  }
+  return y;
+}
+
+}  // namespace detail
+
 namespace {
 
 std::string label(const SliceOptions& o) { return o.name.empty() ? "tensor" : "'" + o.name + "'"; }
@@ -213,7 +328,7 @@ void ColumnParallelLinearImpl::load_shard(const at::Tensor& w, const at::Tensor&
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   constexpr const char* kWhat = "ColumnParallelLinear";
   check_input(kWhat, x, options_.in_features);
-  at::Tensor y = at::linear(x, weight, bias);
+  at::Tensor y = detail::decode_linear(x, weight, bias);
   if (!options_.gather_output || comm_.world_size == 1) return y;
   require_inference(kWhat, weight);
   return comm_.all_gather(y.contiguous(), -1);
@@ -260,7 +375,7 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
     local = x.narrow(-1, comm_.rank * local_in, local_in);
   }
   check_input(kWhat, local, local_in);
-  at::Tensor y = at::linear(local, weight);
+  at::Tensor y = detail::decode_linear(local, weight, {});
   if (comm_.world_size > 1) {
     require_inference(kWhat, weight);
     y = y.contiguous();
