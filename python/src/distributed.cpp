@@ -7,13 +7,15 @@
 // Thread model: c10d's Python bindings call the ops below with the GIL released. Every
 // collective is queued to the process group's Worker, which runs the calls one at a time in
 // issue order as synchronous CollectiveGroup calls (the group's contract: one thread at a
-// time) and then completes each call's Work and Future (callbacks such as DDP's comm-hook
-// continuations run on the thread that ran the call). The op returns at once with the Work,
-// as with Gloo. A thread that waits for the call next in line runs it itself (no hand-over
-// for a synchronous torch.distributed call); the worker thread takes calls nobody waits for
-// (async_op, DDP's buckets through their Futures) at once when kicked, else within about a
-// millisecond (Worker). send/recv go straight to the group's point-to-point path (Gloo
-// unbound buffers), which never waits for collectives.
+// time) and then completes each call's Work and, when one was asked for, its Future
+// (callbacks such as DDP's comm-hook continuations run on the thread that ran the call). A
+// call's Work is its queue entry; all_reduce with a SUM/AVG/PRODUCT/MIN/MAX op is a Work of
+// its own (no closure), so a synchronous small all_reduce allocates one object here. The op returns
+// at once with the Work, as with Gloo. A thread that waits for the call next in line runs it itself
+// (no hand-over for a synchronous torch.distributed call); the worker thread takes calls nobody
+// waits for (async_op, DDP's buckets through their Futures) at once when kicked, else within about
+// a millisecond (Worker). send/recv go straight to the group's point-to-point path (Gloo unbound
+// buffers), which never waits for collectives.
 //
 // Kept to one translation unit: LibTorch's c10d headers are heavy.
 #include <ATen/ATen.h>
@@ -146,19 +148,73 @@ TimeoutError with_c10d_wording(const TimeoutError& e) {
       fmt::format("{}; Timed out waiting for the other ranks", e.what_without_backtrace()));
 }
 
-/// One queued call of a process group, run once: by the worker thread, or by the thread
-/// that waits for it (Worker::try_run_here).
-struct Task {
-  std::function<void()> fn;
-  std::chrono::steady_clock::time_point submitted;
-  bool kicked = false;  // under Worker::mu_: someone needs it run without waiting for it
+class Worker;
+
+/// What a process group's queued calls share: each Work holds it, so the group outlives them.
+struct GroupState {
+  explicit GroupState(CollectiveGroup g);
+  CollectiveGroup group;
+  std::shared_ptr<Worker> worker;
 };
+
+/// Work of a collective and its queue entry at once: queued on the process group's Worker
+/// and run once, by the worker thread or by the thread that waits for it. Completed (with
+/// its outputs or an error) by the thread that ran it. Its Future, which holds the outputs as
+/// a List[Tensor] (what DDP's reducer reads), is made only when asked for (getFuture), so a
+/// synchronous call costs one allocation here: this object.
+class CollectiveWork : public c10d::Work {
+ public:
+  CollectiveWork(int rank, c10d::OpType type, std::shared_ptr<GroupState> state,
+                 Seconds group_timeout)
+      : Work(rank, type), state_(std::move(state)), group_timeout_(group_timeout) {}
+
+  /// Blocks until done; `timeout` 0 (kNoTimeout) waits as long as the operation may take
+  /// (it ends at the group's timeout on its own). When the operation is next in line and
+  /// nothing runs, this thread runs it (Worker::run_or_kick), to its end whatever `timeout`.
+  /// Errors: the operation's; TimeoutError when `timeout` passes first (the operation goes
+  /// on).
+  bool wait(std::chrono::milliseconds timeout) override;
+
+  std::vector<at::Tensor> result() override { return outputs(); }
+  /// The Future completes on its own: the worker takes the operation at once.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  bool isCompleted() override;
+
+  /// Runs the operation and completes the Work (then its Future, whose callbacks run here).
+  /// Called once, by the Worker, on the thread it chose. The operation's errors go to the
+  /// Work; a Future callback that throws (then() callbacks do not: their errors go to the
+  /// next Future) ends the process, as on any thread of c10d's backends.
+  void execute() noexcept;
+
+ protected:
+  /// The operation itself (synchronous CollectiveGroup calls).
+  virtual void body(CollectiveGroup& g) = 0;
+  /// The tensors the operation writes (result(), the Future's value).
+  virtual Tensors outputs() const = 0;
+
+ private:
+  friend class Worker;
+
+  /// Completes `future` with this Work's outcome.
+  void complete_future(const c10::intrusive_ptr<c10::ivalue::Future>& future,
+                       const std::exception_ptr& error);
+
+  std::shared_ptr<GroupState> state_;
+  Seconds group_timeout_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // under mutex_; made by getFuture
+  // Under Worker::mu_:
+  std::chrono::steady_clock::time_point submitted_{};
+  bool queued_ = false;  // in the Worker's queue, not yet taken
+  bool kicked_ = false;  // someone needs it run without waiting for it
+};
+
+using WorkPtr = c10::intrusive_ptr<CollectiveWork>;
 
 /// The process group's worker thread: runs queued calls one at a time, in issue order.
 ///
 /// Who runs a call: torch.distributed's synchronous calls are the op then Work.wait at once;
 /// a thread that waits for a call which is next in line while nothing runs takes it and runs
-/// it itself (try_run_here), which saves the two thread hand-overs that are most of a small
+/// it itself (run_or_kick), which saves the two thread hand-overs that are most of a small
 /// collective's time (4 B all_reduce from Python, 2 ranks on 2 cores: ~4 us run by the
 /// waiter, 20-50 us handed to a woken worker and back). The worker takes a call
 ///   - at once when it is kicked: its Future was asked for (DDP's reducer does so at once),
@@ -186,13 +242,14 @@ class Worker : public std::enable_shared_from_this<Worker> {
     }
   }
 
-  /// Queues `fn`. Errors: ClosedError after stop().
-  std::shared_ptr<Task> submit(std::function<void()> fn) {
+  /// Queues `work`. Errors: ClosedError after stop().
+  void submit(WorkPtr work) {
     const auto now = std::chrono::steady_clock::now();
-    auto task = std::make_shared<Task>(Task{std::move(fn), now});
     std::lock_guard<std::mutex> g(mu_);
     if (stopped_) throw ClosedError("torchpar process group: used after it was destroyed");
-    queue_.push_back(task);
+    work->submitted_ = now;
+    work->queued_ = true;
+    queue_.push_back(std::move(work));
     last_used_ = now;
     if (!thread_.joinable()) {
       // The thread holds the Worker: it may outlive every other owner (stop() called from a
@@ -201,25 +258,27 @@ class Worker : public std::enable_shared_from_this<Worker> {
     } else if (asleep_) {
       cv_.notify_all();
     }
-    return task;
   }
 
-  /// Runs `task` on the calling thread when it is next in line and no call runs; returns
-  /// whether it did (false: the worker has it, or had it, or an earlier call is pending).
-  bool try_run_here(const std::shared_ptr<Task>& task) {
+  /// For a thread about to wait for `work`: runs it here when it is queued, next in line and
+  /// no call runs; else, when it is still queued, lets the worker take every queued call at
+  /// once (`work` and the ones before it). Returns whether this thread ran it.
+  bool run_or_kick(CollectiveWork* work) {
     std::unique_lock<std::mutex> lk(mu_);
-    if (running_ || queue_.empty() || queue_.front() != task) return false;
-    queue_.pop_front();
-    run(lk, task);
-    return true;
+    if (!work->queued_) return false;  // taken (by the worker or a waiter), maybe done
+    if (!running_ && queue_.front().get() == work) {
+      WorkPtr taken = take_front();
+      run(lk, std::move(taken));
+      return true;
+    }
+    kick_locked();
+    return false;
   }
 
-  /// Lets the worker take every queued call at once (`task`'s and the ones before it).
+  /// Lets the worker take every queued call at once.
   void kick() {
     std::lock_guard<std::mutex> g(mu_);
-    bool any = false;
-    for (auto& t : queue_) any = any || !std::exchange(t->kicked, true);
-    if (any) cv_.notify_all();
+    kick_locked();
   }
 
   void stop() noexcept {
@@ -240,12 +299,26 @@ class Worker : public std::enable_shared_from_this<Worker> {
   }
 
  private:
-  /// Runs `task` with mu_ released; returns with it held.
-  void run(std::unique_lock<std::mutex>& lk, const std::shared_ptr<Task>& task) {
+  void kick_locked() {
+    bool any = false;
+    for (auto& w : queue_) any = !std::exchange(w->kicked_, true) || any;
+    if (any) cv_.notify_all();
+  }
+
+  WorkPtr take_front() {
+    WorkPtr w = std::move(queue_.front());
+    queue_.pop_front();
+    w->queued_ = false;
+    return w;
+  }
+
+  /// Runs `work` with mu_ released; returns with it held. The reference to `work` is dropped
+  /// before mu_ is taken again (it may be the last one, and the Work holds the group).
+  void run(std::unique_lock<std::mutex>& lk, WorkPtr work) {
     running_ = true;
     lk.unlock();
-    task->fn();     // never throws: the body's errors go to its Work
-    task->fn = {};  // drops the Work it holds
+    work->execute();  // never throws: the body's errors go to its Work
+    work.reset();
     lk.lock();
     running_ = false;
     last_used_ = std::chrono::steady_clock::now();
@@ -258,12 +331,10 @@ class Worker : public std::enable_shared_from_this<Worker> {
     for (;;) {
       const auto now = std::chrono::steady_clock::now();
       if (!running_ && !queue_.empty()) {
-        const Task& front = *queue_.front();
-        const auto claim_at = front.kicked || stopped_ ? now : front.submitted + kClaimDelay;
+        const CollectiveWork& front = *queue_.front();
+        const auto claim_at = front.kicked_ || stopped_ ? now : front.submitted_ + kClaimDelay;
         if (now >= claim_at) {
-          auto task = std::move(queue_.front());
-          queue_.pop_front();
-          run(lk, task);
+          run(lk, take_front());
         } else {
           cv_.wait_until(lk, claim_at);
         }
@@ -282,7 +353,7 @@ class Worker : public std::enable_shared_from_this<Worker> {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::shared_ptr<Task>> queue_;
+  std::deque<WorkPtr> queue_;
   std::chrono::steady_clock::time_point last_used_{};
   bool running_ = false;
   bool asleep_ = false;  // the worker waits without a limit: a submit must wake it
@@ -290,78 +361,133 @@ class Worker : public std::enable_shared_from_this<Worker> {
   std::thread thread_;
 };
 
-/// Work of a collective: completed (with its outputs or an error) by the thread that ran it;
-/// its Future holds the outputs as a List[Tensor] (what DDP's reducer reads).
-class CollectiveWork final : public c10d::Work {
- public:
-  CollectiveWork(int rank, c10d::OpType type, Tensors outputs, Seconds group_timeout)
-      : Work(rank, type),
-        outputs_(std::move(outputs)),
-        group_timeout_(group_timeout),
-        future_(c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()))) {}
+GroupState::GroupState(CollectiveGroup g)
+    : group(std::move(g)), worker(std::make_shared<Worker>()) {}
 
-  /// Blocks until done; `timeout` 0 (kNoTimeout) waits as long as the operation may take
-  /// (it ends at the group's timeout on its own). When the operation is next in line and
-  /// nothing runs, this thread runs it (Worker::try_run_here), to its end whatever `timeout`.
-  /// Errors: the operation's; TimeoutError when `timeout` passes first (the operation goes
-  /// on).
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (auto task = task_.lock()) {
-      if (!worker_->try_run_here(task)) worker_->kick();
-    }
-    std::unique_lock<std::mutex> lk(mutex_);
-    if (timeout == kNoTimeout) {
-      cv_.wait(lk, [&] { return completed_; });
-    } else if (!cv_.wait_for(lk, timeout, [&] { return completed_; })) {
-      throw TimeoutError(
-          fmt::format("torchpar process group: {} not finished within {:.3f} s of Work.wait (the "
-                      "operation goes on; the group's own limit is {:.1f} s)",
-                      c10d::opTypeToString(opType_), std::chrono::duration<double>(timeout).count(),
-                      group_timeout_.count()));
-    }
+bool CollectiveWork::wait(std::chrono::milliseconds timeout) {
+  if (state_->worker->run_or_kick(this)) {
+    // Ran here: done, nobody else writes the outcome any more.
+    std::lock_guard<std::mutex> g(mutex_);
     if (exception_) std::rethrow_exception(exception_);
     return true;
   }
+  std::unique_lock<std::mutex> lk(mutex_);
+  if (timeout == kNoTimeout) {
+    cv_.wait(lk, [&] { return completed_; });
+  } else if (!cv_.wait_for(lk, timeout, [&] { return completed_; })) {
+    throw TimeoutError(
+        fmt::format("torchpar process group: {} not finished within {:.3f} s of Work.wait (the "
+                    "operation goes on; the group's own limit is {:.1f} s)",
+                    c10d::opTypeToString(opType_), std::chrono::duration<double>(timeout).count(),
+                    group_timeout_.count()));
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
 
-  std::vector<at::Tensor> result() override { return outputs_; }
-  /// The Future completes on its own: the worker takes the operation at once.
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    if (worker_) worker_->kick();
-    return future_;
+c10::intrusive_ptr<c10::ivalue::Future> CollectiveWork::getFuture() {
+  static const c10::TypePtr kListOfTensors = c10::ListType::create(c10::TensorType::get());
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  bool done = false;
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    if (future_) return future_;  // the first call completes it or kicked the worker
+    future_ = c10::make_intrusive<c10::ivalue::Future>(kListOfTensors);
+    future = future_;
+    done = completed_;
+    error = exception_;
   }
-  bool isCompleted() override {
-    {
-      std::lock_guard<std::mutex> g(mutex_);
-      if (completed_) return true;
-    }
-    if (worker_) worker_->kick();  // polling for it: it must be under way
-    return false;
+  if (done) {
+    complete_future(future, error);  // execute() found no Future to complete
+  } else {
+    state_->worker->kick();
   }
+  return future;
+}
 
-  /// Where the operation is queued (set once, right after it was submitted).
-  void set_task(std::shared_ptr<Worker> worker, const std::shared_ptr<Task>& task) {
-    worker_ = std::move(worker);
-    task_ = task;
+bool CollectiveWork::isCompleted() {
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    if (completed_) return true;
   }
+  state_->worker->kick();  // polling for it: it must be under way
+  return false;
+}
 
-  /// Called once, by the thread that ran the operation: marks the Work done, then completes the
-  /// Future (whose callbacks run here, on the worker).
-  void complete(std::exception_ptr error) {
-    finish(error);
-    if (error) {
-      future_->setError(error);
-    } else {
-      future_->markCompleted(c10::IValue(outputs_));
-    }
+void CollectiveWork::execute() noexcept {
+  std::exception_ptr error;
+  try {
+    body(state_->group);
+  } catch (const TimeoutError& e) {
+    error = std::make_exception_ptr(with_c10d_wording(e));
+  } catch (...) {
+    error = std::current_exception();
   }
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::function<void()> end_record;
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    completed_ = true;
+    exception_ = error;
+    future = future_;
+    end_record = std::exchange(recordFunctionEndCallback_, nullptr);
+  }
+  cv_.notify_all();
+  if (end_record) end_record();
+  if (future) complete_future(future, error);
+}
+
+void CollectiveWork::complete_future(const c10::intrusive_ptr<c10::ivalue::Future>& future,
+                                     const std::exception_ptr& error) {
+  if (error) {
+    future->setError(error);
+  } else {
+    future->markCompleted(c10::IValue(outputs()));
+  }
+}
+
+/// all_reduce of one tensor with a reduction CollectiveGroup has (every ReduceOp but the
+/// bitwise ones): no closure, the options converted once at the call.
+class AllReduceWork final : public CollectiveWork {
+ public:
+  AllReduceWork(int rank, std::shared_ptr<GroupState> state, Seconds group_timeout,
+                at::Tensor tensor, const ReduceOptions& options)
+      : CollectiveWork(rank, c10d::OpType::ALLREDUCE, std::move(state), group_timeout),
+        tensor_(std::move(tensor)),
+        options_(options) {}
+
+ protected:
+  void body(CollectiveGroup& g) override { g.all_reduce(tensor_, options_); }
+  Tensors outputs() const override { return {tensor_}; }
+
+ private:
+  at::Tensor tensor_;
+  ReduceOptions options_;
+};
+
+/// Any other collective: its body a closure, dropped once it ran (with the inputs it holds).
+class ClosureWork final : public CollectiveWork {
+ public:
+  using Body = std::function<void(CollectiveGroup&)>;
+
+  ClosureWork(int rank, c10d::OpType type, std::shared_ptr<GroupState> state, Seconds group_timeout,
+              Tensors outputs, Body body)
+      : CollectiveWork(rank, type, std::move(state), group_timeout),
+        outputs_(std::move(outputs)),
+        body_(std::move(body)) {}
+
+ protected:
+  void body(CollectiveGroup& g) override {
+    const Body run = std::move(body_);
+    body_ = nullptr;
+    run(g);
+  }
+  Tensors outputs() const override { return outputs_; }
 
  private:
   Tensors outputs_;
-  Seconds group_timeout_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::shared_ptr<Worker> worker_;
-  std::weak_ptr<Task> task_;  // the Task holds this Work until it ran
+  Body body_;
 };
 
 /// Work of send / recv / recvAnysource: torchpar's point-to-point Work (Gloo's unbound
@@ -438,7 +564,7 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
  public:
   ProcessGroupTorchpar(CollectiveGroup group, Seconds timeout)
       : ProcessGroup(group.rank(), group.size()),
-        state_(std::make_shared<State>(std::move(group))),
+        state_(std::make_shared<GroupState>(std::move(group))),
         timeout_(timeout) {
     init();
   }
@@ -478,7 +604,12 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
       return enqueue(c10d::OpType::ALLREDUCE, {t},
                      [t, n, to](CollectiveGroup& g) { all_reduce_sparse(g, t, n, to); });
     }
-    auto run = reducer(t, opts.reduceOp, call_timeout(opts.timeout), "allreduce");
+    const Timeout to = call_timeout(opts.timeout);
+    if (const auto op = reduce_op_of(opts.reduceOp, t, "allreduce")) {
+      return submit(c10::make_intrusive<AllReduceWork>(getRank(), state_, timeout_, t,
+                                                       ReduceOptions{.op = *op, .timeout = to}));
+    }
+    auto run = reducer(t, opts.reduceOp, to, "allreduce");
     return enqueue(c10d::OpType::ALLREDUCE, {t}, [t, run](CollectiveGroup& g) { run(g, t); });
   }
 
@@ -824,13 +955,6 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
   }
 
  private:
-  /// What the worker's calls share; held by every queued call, so the group outlives them.
-  struct State {
-    explicit State(CollectiveGroup g) : group(std::move(g)) {}
-    CollectiveGroup group;
-    std::shared_ptr<Worker> worker = std::make_shared<Worker>();
-  };
-
   using Run = std::function<void(CollectiveGroup&, const at::Tensor&)>;
 
   /// all_reduce of one tensor with `op` (the bitwise ones through all_gather and a fold).
@@ -961,27 +1085,20 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
     }
   }
 
+  /// Queues `work` for the worker; it completes once it ran. The Work holds GroupState: after
+  /// stop() from the worker's own thread (a Future callback dropping the process group) the
+  /// queued calls still run, on a destroyed group (they raise ClosedError), never on a freed
+  /// one.
+  c10::intrusive_ptr<c10d::Work> submit(WorkPtr work) {
+    state_->worker->submit(work);
+    return work;
+  }
+
   /// Queues `body` for the worker; the returned Work completes once it ran.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Tensors outputs,
-                                         std::function<void(CollectiveGroup&)> body) {
-    auto work = c10::make_intrusive<CollectiveWork>(getRank(), type, std::move(outputs), timeout_);
-    // The call holds State: after stop() from the worker's own thread (a Future callback
-    // dropping the process group) the queued calls still run, on a destroyed group (they
-    // raise ClosedError), never on a freed one.
-    auto state = state_;
-    auto task = state->worker->submit([state, work, body = std::move(body)] {
-      std::exception_ptr error;
-      try {
-        body(state->group);
-      } catch (const TimeoutError& e) {
-        error = std::make_exception_ptr(with_c10d_wording(e));
-      } catch (...) {
-        error = std::current_exception();
-      }
-      work->complete(error);
-    });
-    work->set_task(state_->worker, task);
-    return work;
+                                         ClosureWork::Body body) {
+    return submit(c10::make_intrusive<ClosureWork>(getRank(), type, state_, timeout_,
+                                                   std::move(outputs), std::move(body)));
   }
 
   void shutdown() noexcept {
@@ -995,7 +1112,7 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
   /// Tags of monitoredBarrier's messages (2 a call, 4096 calls round): above what users pass.
   static constexpr int kMonitoredBarrierTag = 1 << 30;
 
-  std::shared_ptr<State> state_;
+  std::shared_ptr<GroupState> state_;
   Seconds timeout_;
   std::atomic<uint64_t> monitored_calls_{0};
 };

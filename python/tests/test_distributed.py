@@ -262,6 +262,22 @@ def _async_and_layout(rank, world):
     value = dist.all_reduce(t, async_op=True).get_future().wait()
     _expect(isinstance(value, list) and value[0] is not None, f"future value {value!r}")
     _eq(value[0], torch.full((3,), float(world)), "future's tensor")
+    # get_future first asked for once the call is done (synchronous calls make none
+    # up front), of a plain all_reduce and of a bitwise one: completed, the same outputs.
+    bor = 0
+    for r in range(world):
+        bor |= r + 1
+    for op, dtype, want in ((dist.ReduceOp.MAX, torch.float32, world),
+                            (dist.ReduceOp.BOR, torch.int32, bor)):
+        t = torch.full((5,), rank + 1, dtype=dtype)
+        w = dist.all_reduce(t, op=op, async_op=True)
+        w.wait()
+        _eq(t, torch.full((5,), want, dtype=dtype), f"{op}")
+        fut = w.get_future()
+        _expect(fut.done(), f"{op}: future of a finished call is done")
+        _eq(fut.wait()[0], t, f"{op}: late future's tensor")
+        _expect(w.get_future().done(), f"{op}: future asked for twice")
+        _eq(w.result()[0], t, f"{op}: result()")
     # Non-contiguous tensors: a column slice and a transpose, written in place.
     base = torch.zeros(4, 6)
     base[:, ::2] = float(rank + 1)
@@ -510,11 +526,19 @@ def _killed_mid_all_reduce(rank, world, report):
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
+    w = dist.all_reduce(t, async_op=True)
     try:
-        dist.all_reduce(t)
+        w.wait()
     except RuntimeError as e:
         with open(report / f"rank{rank}", "w") as f:
             f.write(f"{time.monotonic() - start:.3f}\n{type(e).__name__}\n{e}")
+        # A Future first asked for after the call failed carries its error.
+        try:
+            w.get_future().wait()
+            late = "the late future completed without an error"
+        except RuntimeError as f:
+            late = str(f)
+        (report / f"rank{rank}.future").write_text(late)
         return
     raise AssertionError("all_reduce with a killed rank returned")
 
@@ -531,6 +555,8 @@ def test_killed_rank_raises_naming_it(world, tmp_path):
         assert float(took) < 10.0, f"rank {r} took {took} s"
         assert kind == "PeerLostError" and issubclass(torchpar.PeerLostError, RuntimeError)
         assert f"rank {world - 1}" in msg, msg
+        late = (report / f"rank{r}.future").read_text()
+        assert f"rank {world - 1}" in late, late
 
 
 def _stopped_rank(rank, world, report):
