@@ -60,10 +60,11 @@ StateDict copy_into_flat(const at::Tensor& flat, const StateDict& tensors, TypeO
 
 /// `nbytes` of private memory in transparent huge pages where the kernel allows, populated
 /// at once: fresh 4 KiB pages cost ~25 us a fault on the pvm VMs we measure on (16 MiB:
-/// ~100 ms), huge pages ~1 ms. Unmapped when the last view of it goes. Falls back to
-/// at::empty when mmap fails.
+/// ~100 ms), huge pages ~1 ms. Unmapped when the last view of it goes. Below one huge page,
+/// and when mmap fails: at::empty.
 inline at::Tensor huge_page_bytes(int64_t nbytes) {
   constexpr size_t kHuge = size_t{2} << 20;
+  if (static_cast<size_t>(nbytes) < kHuge) return at::empty({nbytes}, at::kByte);
   const size_t want = (static_cast<size_t>(nbytes) + kHuge - 1) / kHuge * kHuge;
   const size_t len = want + kHuge;  // room to align the start to a huge page
   void* base = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

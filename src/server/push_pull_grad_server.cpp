@@ -148,10 +148,12 @@ struct PushPullGradServerImpl::State {
   // accept), and of the sums of each level (a step's sums stay its model's gradients until
   // the next step; a forwarded one lives until the primary took it). Sums forwarded to a
   // primary elsewhere are in shared memory, so they travel to one on this host as handles.
-  detail::FlatBufferPool entry_buffers{8, detail::huge_page_bytes};
+  // Capacities: the entries a few trainers have in flight while the reducer adds one; a
+  // sum being built beside the one still in use (the gradients, the forward).
+  detail::FlatBufferPool entry_buffers{4, detail::huge_page_bytes};
   detail::FlatBufferPool sum_buffers[2] = {
-      detail::FlatBufferPool{3, detail::huge_page_bytes},
-      detail::FlatBufferPool{3, [this](int64_t nbytes) {
+      detail::FlatBufferPool{2, detail::huge_page_bytes},
+      detail::FlatBufferPool{2, [this](int64_t nbytes) {
                                if (!is_primary) {
                                  try {
                                    return empty_shared({nbytes}, at::kByte);
