@@ -321,7 +321,8 @@ class Worker : public std::enable_shared_from_this<Worker> {
     work.reset();
     lk.lock();
     running_ = false;
-    last_used_ = std::chrono::steady_clock::now();
+    // last_used_ stays the last submit's: a call that ran past kIdleAfter lets the worker
+    // sleep, and the next submit wakes it (no clock read per call here).
     // Wake only who needs it: the worker for queued calls, stop() at the end.
     if (!queue_.empty() || stopped_) cv_.notify_all();
   }
@@ -366,8 +367,7 @@ GroupState::GroupState(CollectiveGroup g)
 
 bool CollectiveWork::wait(std::chrono::milliseconds timeout) {
   if (state_->worker->run_or_kick(this)) {
-    // Ran here: done, nobody else writes the outcome any more.
-    std::lock_guard<std::mutex> g(mutex_);
+    // Ran on this thread, which wrote the outcome; nobody writes it any more (no lock).
     if (exception_) std::rethrow_exception(exception_);
     return true;
   }
@@ -594,7 +594,7 @@ class ProcessGroupTorchpar final : public c10d::ProcessGroup {
 
   c10::intrusive_ptr<c10d::Work> allreduce(Tensors& tensors,
                                            const c10d::AllreduceOptions& opts) override {
-    const at::Tensor t = single(tensors, "allreduce");
+    const at::Tensor& t = single(tensors, "allreduce");
     if (t.is_sparse()) {
       if (opts.reduceOp.op_ != c10d::ReduceOp::SUM) {
         throw ValueError("torchpar process group: all_reduce of a sparse tensor supports SUM only");
