@@ -2,7 +2,8 @@
 // test_ordered_server / test_param_server cases in C++, the version_depth boundary, racing
 // pushes, the gradient server's reductions (mean and sum, numbers worked out below), short
 // batches flushed after flush_after, drops from full queues, machin's manage_model error, and
-// a server member killed with SIGKILL.
+// a server member killed with SIGKILL, and on one host the shared-memory path (pull_view,
+// one segment per trainer).
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -533,6 +534,99 @@ void errors_rank(int rank, int port) {
 
 TEST(PushPullGradServer, ManageModelOffThePrimaryAndOtherMisuse) {
   expect_ok(run_ranks(3, 120, &errors_rank, free_port()));
+}
+
+// One host: handles, not bytes. Ordered server: a state dict pushed on the host is stored in
+// shared memory; pull gives any caller a private copy, pull_view the stored tensors (on the
+// host the very ones, from another process through a handle). Gradient server, 1 MiB model:
+// a trainer's pushes all travel in one shared-memory segment (no segment created after its
+// first push: the reducer copies each out before it replies), and the pushes are applied:
+// constant gradients 1e-3 summed, lr 0.01, however the batches fell.
+struct Wide : torch::nn::Module {
+  Wide() {
+    fc = register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(512, 512).bias(false)));
+    torch::NoGradGuard no_grad;
+    fc->weight.fill_(1);
+  }
+  torch::nn::Linear fc{nullptr};
+};
+
+void one_host_rank(int rank, int port) {
+  auto w = make_world(rank, 2, port);
+  auto g = w.create_rpc_group("group", {"0", "1"});
+  {
+    std::optional<tp::OrderedServerSimpleImpl<tp::StateDict>> sd_impl;
+    std::optional<tp::PushPullGradServerImpl> impl;
+    tp::OrderedServerSimple<tp::StateDict> sds("sd", g);
+    const auto stored = at::arange(1 << 18, at::kFloat);  // 1 MiB
+    if (rank == 0) {
+      sd_impl.emplace("sd", g);
+      TORCHPAR_RCHECK(sds.push("m", {{"w", stored}}, 1, std::nullopt), "sd push on the host");
+      auto a = sds.pull_view("m"), b = sds.pull_view("m"), c = sds.pull("m");
+      TORCHPAR_RCHECK(a && b && c && at::equal(a->first.at("w"), stored), "host pull_view");
+      TORCHPAR_RCHECK(tp::is_shared(a->first.at("w")) &&
+                          a->first.at("w").data_ptr() == b->first.at("w").data_ptr(),
+                      "pull_view on the host reads the stored (shared) tensor");
+      TORCHPAR_RCHECK(!tp::is_shared(c->first.at("w")) &&
+                          c->first.at("w").data_ptr() != a->first.at("w").data_ptr() &&
+                          at::equal(c->first.at("w"), stored),
+                      "pull on the host returns a private copy");
+      impl.emplace("server", g,
+                   tp::PushPullGradServerOptions{
+                       .primary_reducer = "0", .secondary_reducers = {"0"}, .flush_after = 0.1s});
+      auto managed = std::make_shared<Wide>();
+      impl->manage_model(managed, std::make_shared<torch::optim::SGD>(
+                                      managed->parameters(), torch::optim::SGDOptions(0.01)));
+      impl->start();
+    }
+    g.barrier();
+    if (rank == 1) {
+      auto view = sds.pull_view("m");
+      auto copy = sds.pull("m");
+      TORCHPAR_RCHECK(
+          view && tp::is_shared(view->first.at("w")) && at::equal(view->first.at("w"), stored),
+          "pull_view from another process of the host: a handle to the stored tensor");
+      TORCHPAR_RCHECK(
+          copy && !tp::is_shared(copy->first.at("w")) && at::equal(copy->first.at("w"), stored),
+          "pull from another process: a private copy");
+      auto server = tp::PushPullGradServer::connect(g, "server");
+      auto net = std::make_shared<Wide>();
+      tp::VersionedModule vm(net);
+      constexpr int kPushes = 12;
+      uint64_t created = 0;
+      for (int i = 0; i < kPushes; ++i) {
+        net->fc->weight.mutable_grad() = at::full({512, 512}, 1e-3F);
+        server.push(vm);
+        if (i == 0) created = tp::shm_stats().segments_created;
+      }
+      TORCHPAR_RCHECK(tp::shm_stats().segments_created == created,
+                      "{} pushes created {} segments after the first one", kPushes,
+                      tp::shm_stats().segments_created - created);
+      // Sum of 12 pushes of 1e-3 at lr 0.01: 1 - 1.2e-4, once every push is applied.
+      const auto t0 = std::chrono::steady_clock::now();
+      while (std::abs(net->fc->weight[0][0].item<double>() - (1 - 1.2e-4)) > 1e-6) {
+        TORCHPAR_RCHECK(seconds_since(t0) < 30, "weights at {} after 30 s, want {}",
+                        net->fc->weight[0][0].item<double>(), 1 - 1.2e-4);
+        std::this_thread::sleep_for(20ms);
+        server.pull(vm);
+      }
+      TORCHPAR_RCHECK(at::allclose(net->fc->weight, at::full({512, 512}, 1 - 1.2e-4F)),
+                      "every weight took the 12 pushes");
+    }
+    g.barrier();
+    if (rank == 0) {
+      impl->watch();
+      TORCHPAR_RCHECK(impl->stats().received >= 12 && impl->stats().dropped == 0,
+                      "received {} dropped {}", impl->stats().received, impl->stats().dropped);
+    }
+    g.barrier();
+  }
+  g.barrier();
+  g.destroy();
+}
+
+TEST(PushPullGradServer, OneHostPushesReuseOneSegmentAndPullViewsShare) {
+  expect_ok(run_ranks(2, 180, &one_host_rank, free_port()));
 }
 
 // The member hosting the server (primary, only secondary and ordered server: "1") is
