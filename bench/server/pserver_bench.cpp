@@ -18,7 +18,7 @@
 //   server path), then client.push(vm): a CPU copy of the gradients sent to the server's
 //   queue (one rpc round trip), then pull: zero_grad, the newest state dict fetched from the
 //   ordered server (a second round trip) and loaded when newer than the trainer's.
-// The server's reducer thread runs meanwhile: batches of 4 pushes stacked and summed, batches
+// The server's reducer thread runs meanwhile: batches of 4 pushes summed as they arrive, batches
 // of 4 of those set as gradients, optimizer step, the new state dict published (a copy).
 //   BM_PushPull/model:0/trainers:T   the mnist_hogwild network (21,840 float32 parameters,
 //                                    85 KiB): the layers of tools/torchpar/train/net.h, copied
