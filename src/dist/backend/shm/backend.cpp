@@ -136,7 +136,8 @@ void ShmBackend::attach(const c10::intrusive_ptr<c10d::Store>& store) {
     throw TimeoutError(
         fmt::format("{}: rank(s) {} did not attach to the shared-memory segment within {:.1f} s",
                     name(), missing, timeout().count()));
-  }  probe_single_copy(*store, SteadyClock::now() + ms);
+  }
+  probe_single_copy(*store, SteadyClock::now() + ms);
 }
 
 void ShmBackend::touch_pages() {
