@@ -31,6 +31,7 @@ using tp::testing::expect_equal;
 using tp::testing::free_port;
 using tp::testing::make;
 using tp::testing::run_ranks;
+using tp::testing::stack_of;
 using namespace std::chrono_literals;
 
 namespace {
@@ -450,6 +451,54 @@ TEST(Collective, ShmSingleCopyOffOnOneRankTurnsItOffForTheGroup) {
   for (int off : {-1, 1}) {
     auto res = run_ranks(2, 120, &single_copy_mixed_rank, 2, free_port(), off);
     for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << "rank " << off << " off: " << r.error;
+  }
+}
+
+/// Outputs over inputs, in single copies (400 KB tensors): an in-place all_to_all (one list for
+/// both), an all_gather whose input is the list's element of the next rank, a reduce_scatter into
+/// the piece this rank sends the next one, and the common in-place forms (all_gather's input as
+/// its own element, reduce_scatter into its own piece). A rank writing an output the others
+/// still read would corrupt their results; every rank checks all of its own.
+void single_copy_aliasing_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port);
+  auto g = w.create_collective_group({}, tp::Backend::kShm);
+  const int64_t n = 100000;
+  const int next = (rank + 1) % world;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<at::Tensor> list;
+    for (int q = 0; q < world; ++q) list.push_back(make(rank * world + q, n, at::kFloat));
+    g.all_to_all(list, list);
+    for (int q = 0; q < world; ++q) {
+      expect_equal(list[q], make(q * world + rank, n, at::kFloat), "in-place all_to_all");
+    }
+    std::vector<at::Tensor> out;
+    for (int q = 0; q < world; ++q) out.push_back(at::zeros({n}));
+    out[next].copy_(make(rank, n, at::kFloat));
+    g.all_gather(out, out[next]);
+    for (int q = 0; q < world; ++q) {
+      expect_equal(out[q], make(q, n, at::kFloat), "all_gather of another rank's element");
+    }
+    out[rank].copy_(make(rank, n, at::kFloat));
+    g.all_gather(out, out[rank]);
+    for (int q = 0; q < world; ++q) {
+      expect_equal(out[q], make(q, n, at::kFloat), "all_gather of its own element");
+    }
+    const auto want = stack_of(world, n, at::kFloat, rank, world).sum(0, false, at::kFloat);
+    for (int target : {next, rank}) {
+      std::vector<at::Tensor> in;
+      for (int q = 0; q < world; ++q) in.push_back(make(rank * world + q, n, at::kFloat));
+      g.reduce_scatter(in[target], in);
+      expect_equal(
+          in[target], want,
+          target == rank ? "reduce_scatter in place" : "reduce_scatter into the next rank's piece");
+    }
+  }
+}
+
+TEST(Collective, ShmSingleCopyOutputsOverInputsMatch) {
+  for (int ranks : {2, 3}) {
+    auto res = run_ranks(ranks, 120, &single_copy_aliasing_rank, ranks, free_port());
+    for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << ranks << " ranks: " << r.error;
   }
 }
 

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include "core/liveness.h"
@@ -33,6 +34,33 @@ constexpr size_t kSingleCopyBlockBytes = 128 << 10;
 
 /// One rank's contiguous tensors' data, as addresses to publish.
 uint64_t address_of(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+
+/// Whether two tensors' bytes share memory.
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  const auto* x = static_cast<const char*>(a.data_ptr());
+  const auto* y = static_cast<const char*>(b.data_ptr());
+  return a.nbytes() > 0 && b.nbytes() > 0 && x < y + b.nbytes() && y < x + a.nbytes();
+}
+
+/// An output this rank writes while the others may still read its inputs: staged outputs. When
+/// some output shares memory with an input the others read (an in-place all_to_all, an
+/// all_gather into a list that holds the input at another rank's place), every result of this
+/// rank goes to a private buffer first and into the outputs after the last step, once nobody
+/// reads this rank's inputs; the other ranks run the same steps either way.
+class Stage {
+ public:
+  Stage(bool staged, size_t bytes) {
+    if (staged) buf_ = std::make_unique<char[]>(bytes);
+  }
+  bool on() const { return buf_ != nullptr; }
+  /// Where the part at byte `off` of the results goes: the stage, or `out`.
+  char* at(size_t off, void* out) const {
+    return on() ? buf_.get() + off : static_cast<char*>(out);
+  }
+
+ private:
+  std::unique_ptr<char[]> buf_;
+};
 
 }  // namespace
 
@@ -140,27 +168,46 @@ void ShmBackend::broadcast_single_copy(char* data, size_t bytes, int src) {
 void ShmBackend::all_gather_single_copy(const at::Tensor& in, const std::vector<at::Tensor>& out) {
   const size_t bytes = in.nbytes();
   const char* src = static_cast<const char*>(in.data_ptr());
-  // This rank's own part first, while the others publish.
-  std::memcpy(out[rank()].data_ptr(), src, bytes);
+  bool staged = false;
+  for (int q = 0; q < size(); ++q) staged = staged || (q != rank() && overlap(out[q], in));
+  const Stage stage(staged, bytes * size());
+  auto dst = [&](int q) { return stage.at(q * bytes, out[q].data_ptr()); };
+  // This rank's own part first, while the others publish (the input may be its own output).
+  if (dst(rank()) != src) std::memcpy(dst(rank()), src, bytes);
   exchange_addresses({src});
   for (int i = 1; i < size(); ++i) {
     const int q = (rank() + i) % size();  // not all from rank 0 at once
-    cma_copy(/*write=*/false, q, static_cast<char*>(out[q].data_ptr()), peer_addr(q, 0), bytes);
+    cma_copy(/*write=*/false, q, dst(q), peer_addr(q, 0), bytes);
   }
   arrive_and_wait();
+  if (stage.on()) {
+    for (int q = 0; q < size(); ++q) std::memcpy(out[q].data_ptr(), dst(q), bytes);
+  }
 }
 
 void ShmBackend::all_to_all_single_copy(const std::vector<at::Tensor>& out,
                                         const std::vector<at::Tensor>& in) {
   const size_t bytes = in[0].nbytes();
-  std::memcpy(out[rank()].data_ptr(), in[rank()].data_ptr(), bytes);
+  const int me = rank();
+  bool staged = false;  // an output over an input, but for this rank's own part in place
+  for (int q = 0; q < size(); ++q) {
+    for (int p = 0; p < size(); ++p) {
+      const bool own_in_place = q == me && p == me && out[q].data_ptr() == in[p].data_ptr();
+      staged = staged || (!own_in_place && overlap(out[q], in[p]));
+    }
+  }
+  const Stage stage(staged, bytes * size());
+  auto dst = [&](int q) { return stage.at(q * bytes, out[q].data_ptr()); };
+  if (dst(me) != in[me].data_ptr()) std::memcpy(dst(me), in[me].data_ptr(), bytes);
   exchange_addresses(in);
   for (int i = 1; i < size(); ++i) {
-    const int q = (rank() + i) % size();
-    cma_copy(/*write=*/false, q, static_cast<char*>(out[q].data_ptr()),
-             peer_addr(q, static_cast<size_t>(rank())), bytes);
+    const int q = (me + i) % size();
+    cma_copy(/*write=*/false, q, dst(q), peer_addr(q, static_cast<size_t>(me)), bytes);
   }
   arrive_and_wait();
+  if (stage.on()) {
+    for (int q = 0; q < size(); ++q) std::memcpy(out[q].data_ptr(), dst(q), bytes);
+  }
 }
 
 void ShmBackend::reduce_scatter_single_copy(const at::Tensor& out,
@@ -175,7 +222,17 @@ void ShmBackend::reduce_scatter_single_copy(const at::Tensor& out,
   const size_t block = kSingleCopyBlockBytes / es * es;
   if (!single_copy_blocks_) single_copy_blocks_ = std::make_unique<char[]>(2 * block);
   char* blocks = single_copy_blocks_.get();
-  char* dst = static_cast<char*>(out.data_ptr());
+  // The output over an input the others read, or over this rank's own input elsewhere than in
+  // place: the sum goes to a stage first (see Stage).
+  bool staged = false;
+  for (int p = 0; p < size(); ++p) {
+    // In place is safe only where this rank's piece is read by the first combine, before any
+    // result is written (ranks 0 and 1; a later rank's piece would be read after).
+    const bool in_place = p == me && me < 2 && out.data_ptr() == in[p].data_ptr();
+    staged = staged || (!in_place && overlap(out, in[p]));
+  }
+  const Stage stage(staged, bytes);
+  char* dst = stage.at(0, out.data_ptr());
   const char* mine = static_cast<const char*>(in[me].data_ptr());
   for (size_t off = 0; off < bytes; off += block) {
     const size_t len = std::min(block, bytes - off);
@@ -192,6 +249,7 @@ void ShmBackend::reduce_scatter_single_copy(const at::Tensor& out,
     }
   }
   arrive_and_wait();
+  if (stage.on()) std::memcpy(out.data_ptr(), dst, bytes);
 }
 
 }  // namespace torchpar::detail::shm_backend
