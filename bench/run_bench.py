@@ -37,6 +37,11 @@ Benchmarks (names for --only), run in this order:
                (2 processes x 1 thread) and TP = 1 (1 process x 2 threads) vs
                peers/python_tp_infer.py (the same Megatron-style TP = 2 with torch.distributed gloo):
                tokens/s at batch 1 and 8, memory per rank
+  serve        `torchpar serve` (continuous batching) vs peers/python_serve.py (the same model as
+               python_tp_infer.py behind http.server, static batching), TP = 1 and 2, on one
+               checkpoint (a 4-layer GPT-2-small-wide model, bytes vocabulary) the peer writes;
+               serve_load.py's 1, 8 and 32 streaming clients: tokens/s, p50/p99 time to first
+               token and per output token
   python       peers/python_mp.py: torchpar.multiprocessing vs torch.multiprocessing and
                multiprocessing from /usr/bin/python3 (4 KiB tensor Queue round trip and rate, a
                dict of 16 tensors, Pool.map and apply_async, DataLoader with 4 workers); imports
@@ -90,7 +95,7 @@ PEERS = BENCH_DIR / "peers"
 RESULTS = BENCH_DIR / "results"
 PY = "/usr/bin/python3"
 BENCHMARKS = ("limits", "handoff", "pools", "manager", "rpc", "pserver", "collectives", "scale-out",
-              "train", "elastic", "inference", "python", "python_dist")
+              "train", "elastic", "inference", "serve", "python", "python_dist")
 KiB, MiB = 1 << 10, 1 << 20
 # The programs each section runs from --bin (the CMake target `benchmarks` builds them all).
 SECTION_PROGRAMS = {"limits": ("shm_bench",), "handoff": ("ipc_bench", "shm_bench"),
@@ -1973,6 +1978,133 @@ def plot_inference(runs, out):
 
 
 # ----------------------------------------------------------------------------------------------
+# serve: `torchpar serve` vs peers/python_serve.py (http.server), loaded by serve_load.py
+
+SERVE_TPS, SERVE_CLIENTS = (1, 2), (1, 8, 32)
+SERVE_REQUESTS = {"quick": (2, 1, 1), "full": (6, 3, 2)}  # per client at each client count
+SERVE_MAX_TOKENS, SERVE_PROMPT, SERVE_MAX_BATCH, SERVE_WARMUP = 32, 32, 8, 8
+# GPT-2-small's block shape with 4 layers and the byte vocabulary: 28.7M parameters, so that the
+# section (2 servers x 2 TP x 3 client counts, 3 rounds) takes ~5 min on 2 cores.
+SERVE_MODEL = (("layers", 4), ("width", 768), ("heads", 12), ("vocab", 256), ("positions", 256))
+
+
+def serve_names(tp):
+    return f"torchpar serve TP={tp}", f"python http.server TP={tp}"
+
+
+def runners_serve(cfg):
+    ckpt = cfg.raw / "serve" / "checkpoint"
+    skip = None
+    try:  # one checkpoint both servers load: the same weights
+        run_cmd([PY, PEERS / "python_serve.py", "--save-checkpoint", ckpt]
+                + [x for k, v in SERVE_MODEL for x in (f"--{k}", v)], 300,
+                cfg.raw / "serve" / "save_checkpoint")
+    except RunError as e:
+        skip = f"the checkpoint was not written: {e}"
+    timeout = cfg.pick(300, 600)
+    load = [PY, BENCH_DIR / "serve_load.py", "--clients", ",".join(map(str, SERVE_CLIENTS)),
+            "--requests", ",".join(map(str, SERVE_REQUESTS[cfg.pick("quick", "full")])),
+            "--max-tokens", SERVE_MAX_TOKENS, "--prompt-bytes", SERVE_PROMPT,
+            "--warmup", SERVE_WARMUP, "--timeout", timeout - 30, "--"]
+    server = ["--checkpoint", ckpt, "--port", 0, "--max-batch", SERVE_MAX_BATCH]
+    runners = []
+    for tp in SERVE_TPS:
+        ours, peer = serve_names(tp)
+        runners += [Runner(ours, True, load + [cfg.torchpar, "serve", "--tp", tp] + server,
+                           parse_infer, timeout, skip),
+                    Runner(peer, False, load + [PY, PEERS / "python_serve.py", "--tp", tp] + server,
+                           parse_infer, timeout, skip)]
+    return runners
+
+
+def report_serve(runs, limits, cfg):
+    med = {name: rec.get("median", {}) for name, rec in runs.items()}
+    rows, trows, lrows, summary = [], [], [], {}
+    for tp in SERVE_TPS:
+        names = serve_names(tp)
+        o, p = (med.get(n, {}) for n in names)
+        for c in SERVE_CLIENTS:
+            get = lambda key: (o.get(f"c{c}/{key}"), p.get(f"c{c}/{key}"))
+            tps, t50, t99, p50, p99 = (get(k) for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
+                                                         "tpot_p50_ms", "tpot_p99_ms"))
+            rows.append((f"TP = {tp}", str(c), *(fmt(v) for v in tps),
+                         fmt_x(advantage(*tps, True)), *(fmt(v) for v in t50 + t99),
+                         fmt_x(advantage(*t99, False)), *(fmt(v) for v in p50 + p99)))
+            summary[f"tp{tp}/c{c}"] = {k: dict(zip(names, v)) for k, v in (
+                ("tokens_per_s", tps), ("ttft_p50_ms", t50), ("ttft_p99_ms", t99),
+                ("tpot_p50_ms", p50), ("tpot_p99_ms", p99))}
+        c = SERVE_CLIENTS[-1]
+        thr = advantage(o.get(f"c{c}/tokens_per_s"), p.get(f"c{c}/tokens_per_s"), True)
+        trows.append((f"TP = {tp}: tokens/s at {c} clients ≥ 2x the Python peer's",
+                      f"{fmt(o.get(f'c{c}/tokens_per_s'))} vs {fmt(p.get(f'c{c}/tokens_per_s'))}: "
+                      f"{fmt_x(thr)}", "≥ 2x", verdict(thr, 2.0, True)))
+        for c in reversed(SERVE_CLIENTS):
+            ttft = advantage(o.get(f"c{c}/ttft_p99_ms"), p.get(f"c{c}/ttft_p99_ms"), False)
+            what = (f"TP = {tp}: p99 time to first token at {c} clients ≤ the peer's"
+                    if c == SERVE_CLIENTS[-1] else f"(same at {c} client{'s' if c > 1 else ''})")
+            trows.append((what, f"{fmt(o.get(f'c{c}/ttft_p99_ms'))} vs "
+                          f"{fmt(p.get(f'c{c}/ttft_p99_ms'))} ms: {fmt_x(ttft)}",
+                          "≥ 1x" if c == SERVE_CLIENTS[-1] else "",
+                          verdict(ttft, 1.0, True) if c == SERVE_CLIENTS[-1] else ""))
+            summary[f"tp{tp}/c{c}"]["ttft_p99_vs_python"] = ttft
+        summary[f"tp{tp}/c{SERVE_CLIENTS[-1]}"]["tokens_per_s_vs_python"] = thr
+        for n in names:
+            lrows.append((n, fmt(med.get(n, {}).get("startup_s")), fmt(med.get(n, {}).get("stop_s"))))
+    md = table(["TP", "clients", "torchpar tokens/s", "Python tokens/s", "vs Python",
+                "torchpar TTFT p50 (ms)", "Python TTFT p50", "torchpar TTFT p99", "Python TTFT p99",
+                "TTFT p99 vs Python", "torchpar TPOT p50 (ms)", "Python TPOT p50",
+                "torchpar TPOT p99", "Python TPOT p99"], rows, left=2)
+    requests = SERVE_REQUESTS[cfg.pick("quick", "full")]
+    model = dict(SERVE_MODEL)
+    md += ("\n\nThe model: GPT-2-small's block shape with fewer layers and the byte vocabulary "
+           f"({model['layers']} layers, {model['width']} wide, {model['heads']} heads, MLP "
+           f"{4 * model['width']}, {model['vocab']} tokens, {model['positions']} positions: 28.7M "
+           "parameters, float32), chosen so that the section runs in about 5 minutes on 2 cores; "
+           "written once per run by `python_serve.py --save-checkpoint` (model.pt with GPT-2 "
+           "names and Conv1D weights + model.json, tokenizer \"bytes\") and loaded by both "
+           "servers: the same weights, the same greedy text. Load (serve_load.py, stdlib threads "
+           "+ http.client): C concurrent clients, each on its own keep-alive connection sending "
+           f"streaming requests back to back ({', '.join(f'{n} per client at {c}' for c, n in zip(SERVE_CLIENTS, requests))} "
+           f"clients), distinct {SERVE_PROMPT}-byte prompts, max_tokens {SERVE_MAX_TOKENS}, "
+           f"temperature 0, after an untimed warm-up of {SERVE_WARMUP} requests at once. "
+           "tokens/s = every request's token events / (last end - start of the level); TTFT = "
+           "the first token event's arrival - the request's send (queueing included); TPOT = "
+           "each gap between two token events of a request (all gaps are the samples). "
+           f"Both servers: `--tp N --max-batch {SERVE_MAX_BATCH}`, cores / N intra-op threads "
+           "per rank. torchpar: `torchpar serve` (continuous batching: sequences join and leave "
+           "the running batch between decoding steps). Python: peers/python_serve.py, "
+           "python_tp_infer.py's Megatron-style model (gloo, fork children) behind "
+           "http.server.ThreadingHTTPServer with static batching: rank 0's scheduler takes the "
+           f"oldest waiting request and up to {SERVE_MAX_BATCH - 1} more of the same prompt "
+           "length, runs one batched generate of them to the end, streaming each step's tokens; "
+           "requests that arrive meanwhile wait for the next generate. "
+           f"{cfg.rounds('serve')} round(s) (torchpar TP=1, Python TP=1, torchpar TP=2, Python "
+           "TP=2), a fresh server each run; the median over rounds. Ratios: how many times "
+           "better torchpar is (> 1: better).\n\n### Targets (issue 43)\n\n")
+    md += table(["target", "measured (torchpar vs Python)", "goal", "met"], trows)
+    md += ("\n\n### Start-up and drain\n\n"
+           + table(["server", "start to /health 200 (s)", "SIGTERM to exit (s)"], lrows)
+           + "\n\n![serve](serve.png)")
+    return md, summary
+
+
+def plot_serve(runs, out):
+    med = {name: rec.get("median", {}) for name, rec in runs.items()}
+    c = SERVE_CLIENTS[-1]
+    panels = []
+    for tp in SERVE_TPS:
+        o, p = (med.get(n, {}) for n in serve_names(tp))
+        for key, title, higher, factor in (("tokens_per_s", "tokens/s", True, 2.0),
+                                           ("ttft_p99_ms", "p99 TTFT (ms)", False, 1.0),
+                                           ("tpot_p50_ms", "p50 TPOT (ms)", False, None)):
+            peer = p.get(f"c{c}/{key}")
+            panels.append((f"TP = {tp}, {c} clients: {title}",
+                           [("torchpar\nserve", o.get(f"c{c}/{key}")), ("Python\nhttp.server", peer)],
+                           peer * factor if factor and peer else None, higher))
+    bar_grid(out / "serve.png", f"HTTP serving, {c} streaming clients: torchpar serve vs Python",
+             panels, cols=3)
+
+# ----------------------------------------------------------------------------------------------
 # python: torchpar.multiprocessing vs torch.multiprocessing and multiprocessing (python_mp.py)
 
 # The implementations python_mp.py runs (--impl) and their names in the report.
@@ -2492,6 +2624,7 @@ def draw_plots(cfg, results):
                 "train": lambda r: plot_train(r, cfg.out),
                 "elastic": lambda r: plot_elastic(r, cfg.out),
                 "inference": lambda r: plot_inference(r, cfg.out),
+                "serve": lambda r: plot_serve(r, cfg.out),
                 "python": lambda r: plot_python(r, cfg.out),
                 "python_dist": lambda r: plot_python_dist(r, cfg.out, cfg)}
     for bench, runs in results.items():
@@ -2564,7 +2697,7 @@ TITLES = {"limits": "Physical limits", "handoff": "Tensor hand-off", "pools": "P
           "manager": "Manager", "rpc": "RPC", "pserver": "Parameter server",
           "collectives": "Collectives", "scale-out": "Scale-out: two hosts", "train": "Training",
           "elastic": "Elastic jobs: a node lost and back",
-          "inference": "Tensor-parallel inference", "python": "Python package",
+          "inference": "Tensor-parallel inference", "serve": "HTTP serving", "python": "Python package",
           "python_dist": "Python torch.distributed backend"}
 
 
@@ -2612,12 +2745,14 @@ def update_latest(out):
 RUNNERS = {"limits": runners_limits, "handoff": runners_handoff, "pools": runners_pools,
            "manager": runners_manager, "rpc": runners_rpc, "pserver": runners_pserver,
            "collectives": runners_collectives, "train": runners_train,
-           "elastic": runners_elastic, "inference": runners_inference, "python": runners_python,
+           "elastic": runners_elastic, "inference": runners_inference, "serve": runners_serve,
+           "python": runners_python,
            "python_dist": runners_python_dist}
 REPORTS = {"limits": report_limits, "handoff": report_handoff, "pools": report_pools,
            "manager": report_manager, "rpc": report_rpc, "pserver": report_pserver,
            "collectives": report_collectives, "scale-out": report_scaleout, "train": report_train,
-           "elastic": report_elastic, "inference": report_inference, "python": report_python,
+           "elastic": report_elastic, "inference": report_inference, "serve": report_serve,
+           "python": report_python,
            "python_dist": report_python_dist}
 
 

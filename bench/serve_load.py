@@ -15,7 +15,7 @@ event (an SSE `data:` chunk whose finish_reason is null: one per generated token
 A request that does not answer 200, ends without [DONE], reports an error event or yields a
 number of tokens other than M counts as an error (the run exits 1 after printing).
 
-The levels run one after the other (--clients 1,8,32 with --requests 8,3,2: requests per client
+The levels run one after the other (--clients 1,8,32 with --requests 6,3,2: requests per client
 at each level), after an untimed warm-up of --warmup requests sent at once. Prints one JSON
 object per line, {"name", "value", "unit"}: c<C>/tokens_per_s, c<C>/ttft_p50_ms,
 c<C>/ttft_p99_ms, c<C>/tpot_p50_ms, c<C>/tpot_p99_ms, c<C>/requests, c<C>/errors; with a server
@@ -30,7 +30,7 @@ levels it gets SIGTERM (a drain) and --stop-timeout seconds to exit, then its gr
 stderr and the run exits 1). --timeout bounds the whole run (the server's group is killed).
 
 usage: serve_load.py (--url URL | [options] -- SERVER COMMAND ...) [--clients 1,8,32]
-                     [--requests 8,3,2] [--max-tokens 32] [--prompt-bytes 32] [--warmup 2]
+                     [--requests 6,3,2] [--max-tokens 32] [--prompt-bytes 32] [--warmup 2]
                      [--api-key-file F] [--timeout 600] [--ready-timeout 180] [--stop-timeout 30]
 """
 import argparse
@@ -234,7 +234,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running server, http://HOST:PORT")
     ap.add_argument("--clients", default="1,8,32")
-    ap.add_argument("--requests", default="8,3,2", help="requests per client at each level")
+    ap.add_argument("--requests", default="6,3,2", help="requests per client at each level")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-bytes", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2, help="untimed requests sent at once first")
@@ -257,7 +257,11 @@ def main():
         with open(a.api_key_file) as f:
             a.headers["Authorization"] = f"Bearer {f.read().strip()}"
 
-    server = Server(a.server) if a.server else None
+    try:
+        server = Server(a.server) if a.server else None
+    except OSError as e:
+        print(f"serve_load: cannot run {a.server[0]}: {e.strerror}", file=sys.stderr, flush=True)
+        return 1
 
     def on_alarm(*_):
         print(f"serve_load: timed out after {a.timeout:g} s", file=sys.stderr, flush=True)

@@ -31,8 +31,9 @@ Command add_bench(CLI::App& app) {
   cmd->add_flag("--quick", o->quick, "small sizes and 1 round: a smoke check (< 3 min)");
   cmd->add_option("--only", o->only,
                   "comma-separated subset of handoff, pools, manager, rpc, pserver, collectives, "
-                  "scale-out (root: two network namespaces), train, inference, python (the "
-                  "Python package against torch.multiprocessing and multiprocessing), "
+                  "scale-out (root: two network namespaces), train, inference, serve (torchpar "
+                  "serve against a Python http.server peer, 1 to 32 streaming clients), python "
+                  "(the Python package against torch.multiprocessing and multiprocessing), "
                   "python_dist (torch.distributed on backend torchpar against gloo), elastic "
                   "(a node lost and back under torchpar run --nnodes 1:2 against torchrun), "
                   "limits");
