@@ -13,6 +13,8 @@ PACKAGES=(
   libfmt-dev              # formatting
   libcli11-dev            # command-line parsing
   nlohmann-json3-dev      # JSON
+  libcpp-httplib-dev      # torchpar serve's HTTP server (the one llama.cpp's server uses)
+  curl                    # torchpar serve's tests and README example
   zlib1g-dev              # .gz data files
   libgtest-dev libgmock-dev googletest   # tests
   libbenchmark-dev        # benchmarks

@@ -197,7 +197,34 @@ struct GptImpl::Block : torch::nn::Module {
         at::matmul(q, k_out.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
     const at::Tensor probs =
         scores.masked_fill(mask, -std::numeric_limits<double>::infinity()).softmax(-1);
-    const at::Tensor y = at::matmul(probs, v_out).transpose(1, 2).reshape({b, t, local});
+    return finish(x, at::matmul(probs, v_out).transpose(1, 2).reshape({b, t, local}));
+  }
+
+  /// One position per row of a GptBatchCache: x [R, 1, C]; `mask` [R, 1, 1, span] is true
+  /// where a row may not look; kc / vc this layer's cache [capacity, heads, positions,
+  /// head_dim]; `slots` [R * heads] the flat (row, head, position) indexes of kc.view({-1,
+  /// head_dim}) that receive the new keys and values.
+  at::Tensor decode(const at::Tensor& x, const at::Tensor& mask, at::Tensor& kc, at::Tensor& vc,
+                    const at::Tensor& slots, int64_t span) {
+    const int64_t r = x.size(0);
+    const int64_t local = heads * head_dim;
+    const auto qkv = c_attn->forward(at::layer_norm(x, {width}, ln_1_weight, ln_1_bias, eps))
+                         .split(local, 2);  // [R, 1, local] each
+    // With one position, [R, 1, heads * head_dim] is [R, heads, 1, head_dim] in memory.
+    const at::Tensor q = qkv[0].reshape({r, heads, 1, head_dim});
+    kc.view({-1, head_dim}).index_copy_(0, slots, qkv[1].reshape({r * heads, head_dim}));
+    vc.view({-1, head_dim}).index_copy_(0, slots, qkv[2].reshape({r * heads, head_dim}));
+    const at::Tensor k = kc.narrow(0, 0, r).narrow(2, 0, span);  // views: no copy of the cache
+    const at::Tensor v = vc.narrow(0, 0, r).narrow(2, 0, span);
+    const at::Tensor scores =
+        at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+    const at::Tensor probs =
+        scores.masked_fill(mask, -std::numeric_limits<double>::infinity()).softmax(-1);
+    return finish(x, at::matmul(probs, v).reshape({r, 1, local}));
+  }
+
+  /// The attention's projection and the MLP: x [B, T, C], y the heads' output [B, T, local].
+  at::Tensor finish(const at::Tensor& x, const at::Tensor& y) {
     const at::Tensor h = x + attn_proj->forward(y);
     const at::Tensor inner =
         at::gelu(c_fc->forward(at::layer_norm(h, {width}, ln_2_weight, ln_2_bias, eps)), "tanh");
@@ -301,19 +328,7 @@ at::Tensor GptImpl::forward(const at::Tensor& input_ids, GptKvCache* cache) {
   std::optional<at::NoGradGuard> no_grad;
   if (comm_.world_size > 1) no_grad.emplace();
 
-  const auto positions = at::arange(past, past + t, at::TensorOptions().dtype(at::kLong));
-  at::Tensor x;
-  if (vocab_parallel()) {
-    // Megatron's VocabParallelEmbedding: each rank looks up the ids it holds, zeros for the
-    // rest, and the sum over ranks is every id's row.
-    const at::Tensor local = input_ids - vocab_start_;
-    const at::Tensor foreign = (local < 0).logical_or_(local >= owned_vocab_rows());
-    x = at::embedding(wte_, local.masked_fill(foreign, 0)).masked_fill_(foreign.unsqueeze(-1), 0);
-    comm_.all_reduce_sum(x);
-    x.add_(at::embedding(wpe_, positions));
-  } else {
-    x = at::embedding(wte_, input_ids) + at::embedding(wpe_, positions);
-  }
+  at::Tensor x = embed(input_ids, at::arange(past, past + t, at::TensorOptions(at::kLong)));
   // Query i (position past + i) sees keys 0 .. past + i.
   const auto mask = at::ones({t, past + t}, at::TensorOptions().dtype(at::kBool)).triu(past + 1);
   std::vector<at::Tensor> keys(blocks_.size()), values(blocks_.size());
@@ -322,6 +337,27 @@ at::Tensor GptImpl::forward(const at::Tensor& input_ids, GptKvCache* cache) {
     x = blocks_[l]->forward(x, mask, past > 0 ? cache->keys[l] : none,
                             past > 0 ? cache->values[l] : none, keys[l], values[l]);
   }
+  at::Tensor logits = head(x);
+  if (cache != nullptr) {  // only now: a failed forward leaves the cache as it was
+    cache->keys = std::move(keys);
+    cache->values = std::move(values);
+  }
+  return logits;
+}
+
+at::Tensor GptImpl::embed(const at::Tensor& input_ids, const at::Tensor& positions) {
+  if (!vocab_parallel()) return at::embedding(wte_, input_ids) + at::embedding(wpe_, positions);
+  // Megatron's VocabParallelEmbedding: each rank looks up the ids it holds, zeros for the
+  // rest, and the sum over ranks is every id's row.
+  const at::Tensor local = input_ids - vocab_start_;
+  const at::Tensor foreign = (local < 0).logical_or_(local >= owned_vocab_rows());
+  at::Tensor x =
+      at::embedding(wte_, local.masked_fill(foreign, 0)).masked_fill_(foreign.unsqueeze(-1), 0);
+  comm_.all_reduce_sum(x);
+  return x.add_(at::embedding(wpe_, positions));
+}
+
+at::Tensor GptImpl::head(const at::Tensor& x) {
   at::Tensor logits = detail::decode_linear(
       at::layer_norm(x, {config_.n_embd}, ln_f_weight_, ln_f_bias_, config_.layer_norm_epsilon),
       wte_, {});
@@ -329,10 +365,162 @@ at::Tensor GptImpl::forward(const at::Tensor& input_ids, GptKvCache* cache) {
     logits = comm_.all_gather(logits, -1);
     if (logits.size(-1) != config_.vocab_size) logits = logits.narrow(-1, 0, config_.vocab_size);
   }
-  if (cache != nullptr) {  // only now: a failed forward leaves the cache as it was
-    cache->keys = std::move(keys);
-    cache->values = std::move(values);
+  return logits;
+}
+
+// ---- continuous batching ------------------------------------------------------------------------
+
+namespace {
+
+/// `t` [rows, heads, positions, head_dim] grown to at least `rows` x `positions`, zeros in the
+/// new room, the old content kept.
+void grow(at::Tensor& t, int64_t rows, int64_t positions) {
+  if (t.size(0) >= rows && t.size(2) >= positions) return;
+  at::Tensor bigger =
+      at::zeros({std::max(rows, t.size(0)), t.size(1), std::max(positions, t.size(2)), t.size(3)},
+                t.options());
+  bigger.narrow(0, 0, t.size(0)).narrow(2, 0, t.size(2)).copy_(t);
+  t = std::move(bigger);
+}
+
+/// `have` when `need` fits in it, else `have` doubled until it does, at most `most` (need <=
+/// most).
+int64_t doubled(int64_t have, int64_t need, int64_t most) {
+  if (have >= need) return have;
+  int64_t c = std::max<int64_t>(have, 1);
+  while (c < need) c *= 2;
+  return std::min(c, most);
+}
+
+}  // namespace
+
+void GptBatchCache::remove_row(int64_t row) {
+  if (row < 0 || row >= rows())
+    throw ValueError(
+        fmt::format("GptBatchCache.remove_row: row {} is not in [0, {})", row, rows()));
+  const int64_t last = rows() - 1;
+  if (row != last) {
+    const int64_t len = lengths[static_cast<size_t>(last)];
+    for (auto* layers : {&keys, &values}) {
+      for (auto& t : *layers) {
+        if (len > 0) t[row].narrow(1, 0, len).copy_(t[last].narrow(1, 0, len));
+      }
+    }
+    lengths[static_cast<size_t>(row)] = len;
   }
+  // Zeros where the last row was: a masked position must hold a finite value (0 x inf = NaN).
+  const int64_t len = lengths[static_cast<size_t>(last)];
+  for (auto* layers : {&keys, &values}) {
+    for (auto& t : *layers) {
+      if (len > 0) t[last].narrow(1, 0, len).zero_();
+    }
+  }
+  lengths.pop_back();
+}
+
+void GptBatchCache::clear() {
+  keys.clear();
+  values.clear();
+  lengths.clear();
+}
+
+void GptImpl::check_batch_cache(const GptBatchCache& cache, const char* where) const {
+  if (cache.keys.empty() && cache.rows() == 0) return;
+  const auto& k0 = cache.keys.front();
+  if (cache.keys.size() != blocks_.size() || cache.values.size() != blocks_.size() ||
+      k0.size(1) != heads_ || k0.scalar_type() != config_.dtype)
+    throw ValueError(fmt::format(
+        "{}: the cache ({} layers, keys {} {}) is not from this model ({} layers, {} heads per "
+        "rank, {})",
+        where, cache.keys.size(), shape_of(k0.sizes()), c10::toString(k0.scalar_type()),
+        blocks_.size(), heads_, c10::toString(config_.dtype)));
+}
+
+at::Tensor GptImpl::prefill_row(const at::Tensor& prompt_ids, GptBatchCache& cache) {
+  check_batch_cache(cache, "Gpt.prefill_row");
+  if (prompt_ids.defined() && prompt_ids.dim() == 2 && prompt_ids.size(0) != 1)
+    throw ValueError(fmt::format("Gpt.prefill_row: prompt_ids must be [1, tokens], got {}",
+                                 shape_of(prompt_ids.sizes())));
+  GptKvCache one;
+  const at::Tensor logits = forward(prompt_ids, &one);  // checks ids, dtype, n_positions
+  const int64_t t = prompt_ids.size(1);
+  const int64_t rows = cache.rows() + 1;
+  if (cache.keys.empty()) {
+    const int64_t head_dim = config_.n_embd / config_.n_head;
+    const auto zeros = [&] {
+      return at::zeros({0, heads_, 0, head_dim}, at::TensorOptions(config_.dtype));
+    };
+    for (size_t l = 0; l < blocks_.size(); ++l) {
+      cache.keys.push_back(zeros());
+      cache.values.push_back(zeros());
+    }
+  }
+  const int64_t cap_rows = doubled(cache.keys.front().size(0), rows, std::max<int64_t>(rows, 4));
+  const int64_t cap_pos = doubled(cache.keys.front().size(2), t, config_.n_positions);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    for (auto* pair : {&cache.keys, &cache.values}) {
+      at::Tensor& c = (*pair)[l];
+      grow(c, std::max<int64_t>(cap_rows, 4),
+           std::max<int64_t>(cap_pos, std::min<int64_t>(64, config_.n_positions)));
+      c[rows - 1].narrow(1, 0, t).copy_((pair == &cache.keys ? one.keys : one.values)[l][0]);
+    }
+  }
+  cache.lengths.push_back(t);
+  return logits.select(1, -1);
+}
+
+at::Tensor GptImpl::decode_rows(const at::Tensor& tokens, GptBatchCache& cache) {
+  check_batch_cache(cache, "Gpt.decode_rows");
+  const int64_t r = cache.rows();
+  if (r == 0) throw ValueError("Gpt.decode_rows: the cache holds no sequence");
+  if (!tokens.defined() || tokens.dim() != 1 || tokens.size(0) != r ||
+      tokens.scalar_type() != at::kLong)
+    throw ValueError(
+        fmt::format("Gpt.decode_rows: tokens must be int64 [{}] (one per row), got {} {}", r,
+                    tokens.defined() ? c10::toString(tokens.scalar_type()) : "undefined",
+                    tokens.defined() ? shape_of(tokens.sizes()) : ""));
+  const at::Tensor ids = tokens.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < r; ++i) {
+    if (id[i] < 0 || id[i] >= config_.vocab_size)
+      throw ValueError(fmt::format("Gpt.decode_rows: row {}'s token {} is outside [0, {})", i,
+                                   id[i], config_.vocab_size));
+    const int64_t len = cache.lengths[static_cast<size_t>(i)];
+    if (len >= config_.n_positions)
+      throw ValueError(fmt::format(
+          "Gpt.decode_rows: row {} holds {} positions, the model's context (n_positions): it "
+          "cannot take another",
+          i, len));
+    longest = std::max(longest, len);
+  }
+  const int64_t span = longest + 1;
+  const int64_t cap_pos = doubled(cache.keys.front().size(2), span, config_.n_positions);
+  if (cache.keys.front().size(2) < span) {
+    for (auto* layers : {&cache.keys, &cache.values}) {
+      for (auto& c : *layers) grow(c, c.size(0), cap_pos);
+    }
+  }
+  const int64_t capacity = cache.keys.front().size(2);
+  const auto long_options = at::TensorOptions(at::kLong);
+  const at::Tensor lengths = at::from_blob(cache.lengths.data(), {r}, long_options).clone();  // [R]
+  // Row i, head j writes at position lengths[i] of kc[i][j]: flat index (i * heads + j) *
+  // capacity + lengths[i] of kc.view({-1, head_dim}).
+  const at::Tensor slots =
+      ((at::arange(r, long_options).mul_(heads_).unsqueeze(1) + at::arange(heads_, long_options))
+           .mul_(capacity)
+           .add_(lengths.unsqueeze(1)))
+          .view({-1});
+  const at::Tensor mask =
+      at::arange(span, long_options).unsqueeze(0).gt(lengths.unsqueeze(1)).view({r, 1, 1, span});
+
+  std::optional<at::NoGradGuard> no_grad;
+  if (comm_.world_size > 1) no_grad.emplace();
+  at::Tensor x = embed(ids.view({r, 1}), lengths.view({r, 1}));  // [R, 1, C]
+  for (size_t l = 0; l < blocks_.size(); ++l)
+    x = blocks_[l]->decode(x, mask, cache.keys[l], cache.values[l], slots, span);
+  at::Tensor logits = head(x).select(1, 0);  // [R, V]
+  for (auto& len : cache.lengths) ++len;
   return logits;
 }
 

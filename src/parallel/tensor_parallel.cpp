@@ -13,7 +13,9 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -123,6 +125,8 @@ struct TensorParallel::Impl {
   std::vector<Process> procs;
   std::mutex mu;
   uint64_t next_id = 1;
+  /// step()'s running sequences: id -> positions cached in the workers.
+  std::map<int64_t, int64_t> running;
   uint64_t seed = 0;
   /// The first failure (then every call rethrows it), or ClosedError after shutdown.
   std::exception_ptr broken;
@@ -559,6 +563,79 @@ at::Tensor TensorParallel::generate(const at::Tensor& prompt_ids, const Generate
   req.has_seed = options.seed.has_value();
   req.seed = options.seed.value_or(0);
   return m.call(std::move(req), options.timeout, where).result;
+}
+
+StepResult TensorParallel::step(const std::vector<StepJoin>& join,
+                                const std::vector<int64_t>& leave, const StepOptions& options) {
+  const std::string where = "TensorParallel.step";
+  auto& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.check_usable();
+  // Every check before anything is sent: a refused step leaves the batch as it was.
+  std::set<int64_t> leaving;
+  for (const int64_t id : leave) {
+    if (!m.running.contains(id) || !leaving.insert(id).second)
+      throw ValueError(fmt::format("{}: sequence {} to leave is {}", where, id,
+                                   m.running.contains(id) ? "named twice" : "not running"));
+  }
+  if (m.gpt_config) {
+    for (const auto& [id, positions] : m.running) {
+      if (!leaving.contains(id) && positions >= m.gpt_config->n_positions)
+        throw ValueError(fmt::format(
+            "{}: sequence {} holds {} positions, the model's context (n_positions): it cannot "
+            "continue; name it in leave",
+            where, id, positions));
+    }
+  }
+  std::set<int64_t> joining;
+  TpRequest req;
+  req.kind = static_cast<int32_t>(TpRequestKind::kStep);
+  req.leave = leave;
+  std::vector<at::Tensor> prompts;
+  for (const auto& j : join) {
+    if ((m.running.contains(j.id) && !leaving.contains(j.id)) || !joining.insert(j.id).second)
+      throw ValueError(fmt::format("{}: sequence {} to join is already {}", where, j.id,
+                                   joining.contains(j.id) ? "joining" : "running"));
+    if (!(j.temperature >= 0) || !std::isfinite(j.temperature) || j.top_k < 0)
+      throw ValueError(
+          fmt::format("{}: sequence {}: top_k {} must be >= 0, temperature {} finite and >= 0",
+                      where, j.id, j.top_k, j.temperature));
+    const at::Tensor p = j.prompt_ids.defined() && j.prompt_ids.dim() == 1
+                             ? j.prompt_ids.view({1, -1})
+                             : j.prompt_ids;
+    m.check_ids(p, fmt::format("{}: sequence {}", where, j.id), 0);
+    if (p.size(0) != 1)
+      throw ValueError(
+          fmt::format("{}: sequence {}: prompt_ids must be [tokens] or [1, tokens]", where, j.id));
+    prompts.push_back(p);
+    req.join.push_back(detail::TpJoin{.id = j.id,
+                                      .length = p.size(1),
+                                      .temperature = j.temperature,
+                                      .top_k = j.top_k,
+                                      .greedy = j.greedy || j.temperature == 0,
+                                      .has_seed = j.seed.has_value(),
+                                      .seed = j.seed.value_or(0)});
+  }
+  for (const int64_t id : leave) m.running.erase(id);  // gone from the workers either way
+  if (m.running.empty() && join.empty() && leave.empty()) return {};
+  if (!prompts.empty())
+    req.input_ids = prompts.size() == 1 ? prompts.front().contiguous() : at::cat(prompts, 1);
+  const at::Tensor pairs = m.call(std::move(req), options.timeout, where).result;
+  for (auto& [id, positions] : m.running) ++positions;  // the previous token is now cached
+  for (size_t i = 0; i < join.size(); ++i) m.running[join[i].id] = prompts[i].size(1);
+  StepResult out;
+  const at::Tensor c = pairs.contiguous();
+  const auto* v = c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < c.size(0); ++i) {
+    out.ids.push_back(v[2 * i]);
+    out.tokens.push_back(v[2 * i + 1]);
+  }
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> TensorParallel::running() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return {impl_->running.begin(), impl_->running.end()};
 }
 
 void TensorParallel::shutdown(std::chrono::duration<double> timeout) noexcept {

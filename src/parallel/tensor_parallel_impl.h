@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "torchpar/core/auth.h"
 #include "torchpar/ipc/queue.h"
@@ -69,7 +70,24 @@ struct TpWorkerSpec {
   }
 };
 
-enum class TpRequestKind : int32_t { kForward = 1, kGenerate = 2, kStop = 3 };
+enum class TpRequestKind : int32_t { kForward = 1, kGenerate = 2, kStop = 3, kStep = 4 };
+
+/// A sequence joining the running batch (kStep): its prompt is input_ids[0, offset ..
+/// offset + length).
+struct TpJoin {
+  int64_t id = 0;
+  int64_t length = 0;
+  double temperature = 1.0;
+  int64_t top_k = 0;
+  bool greedy = false;
+  bool has_seed = false;
+  uint64_t seed = 0;
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(id, length, temperature, top_k, greedy, has_seed, seed);
+  }
+};
 
 /// One call, sent to every rank alike.
 struct TpRequest {
@@ -82,10 +100,15 @@ struct TpRequest {
   bool greedy = false;
   bool has_seed = false;
   uint64_t seed = 0;
+  /// kStep: the sequences that leave the batch first, then those that join it (their prompts
+  /// concatenated in input_ids [1, total]).
+  std::vector<int64_t> leave;
+  std::vector<TpJoin> join;
 
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(id, kind, input_ids, max_new_tokens, temperature, top_k, greedy, has_seed, seed);
+    ar(id, kind, input_ids, max_new_tokens, temperature, top_k, greedy, has_seed, seed, leave,
+       join);
   }
 };
 

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <limits>
 #include <map>
@@ -122,6 +123,111 @@ at::Tensor generate(TensorParallelModel& model, const TpRequest& r, int rank,
   return at::cat(pieces, 1);
 }
 
+/// The running batch of kStep requests (continuous batching), the same on every rank: the
+/// ranks apply the same leaves and joins in the same order, and rank 0's tokens.
+class StepBatch {
+ public:
+  /// Drops r.leave, gives every sequence that was running its next token (one batched
+  /// forward for a Gpt), prefills r.join (each gets its first token from its prompt), and
+  /// returns rank 0's [n, 2] int64 (sequence id, token) of every running sequence, in order.
+  at::Tensor step(TensorParallelModel& model, const TpRequest& r, int rank, CollectiveGroup* group,
+                  at::Generator& gen) {
+    auto* gpt_model = dynamic_cast<GptTensorParallelModel*>(&model);
+    GptImpl* gpt = gpt_model != nullptr ? gpt_model->gpt().ptr().get() : nullptr;
+    for (const int64_t id : r.leave) {
+      const auto it =
+          std::find_if(seqs_.begin(), seqs_.end(), [id](const Seq& q) { return q.id == id; });
+      if (it == seqs_.end())
+        throw ValueError(fmt::format("TensorParallel.step: sequence {} is not running", id));
+      const auto i = static_cast<size_t>(it - seqs_.begin());
+      if (gpt != nullptr) {
+        batch_.remove_row(static_cast<int64_t>(i));
+      } else {
+        caches_[i] = std::move(caches_.back());
+        caches_.pop_back();
+      }
+      seqs_[i] = std::move(seqs_.back());
+      seqs_.pop_back();
+    }
+    const auto long_options = at::TensorOptions(at::kLong);
+    std::vector<at::Tensor> logits;  // [rows, V] pieces, in the order of seqs_
+    const size_t running = seqs_.size();
+    if (running > 0 && gpt != nullptr) {
+      std::vector<int64_t> last;
+      for (const auto& q : seqs_) last.push_back(q.history.back());
+      logits.push_back(
+          gpt->decode_rows(at::tensor(last, long_options), batch_));  // one batched forward
+    } else {
+      for (size_t i = 0; i < running; ++i) {
+        auto& q = seqs_[i];
+        const at::Tensor ids = model.uses_cache()
+                                   ? at::full({1, 1}, q.history.back(), long_options)
+                                   : at::tensor(q.history, long_options).view({1, -1});
+        logits.push_back(
+            model.forward(ids, model.uses_cache() ? &caches_[i] : nullptr).select(1, -1));
+      }
+    }
+    int64_t offset = 0;
+    for (const auto& j : r.join) {
+      const at::Tensor prompt = r.input_ids.narrow(1, offset, j.length);
+      offset += j.length;
+      if (gpt != nullptr) {
+        logits.push_back(gpt->prefill_row(prompt, batch_));
+      } else {
+        caches_.emplace_back();
+        logits.push_back(
+            model.forward(prompt, model.uses_cache() ? &caches_.back() : nullptr).select(1, -1));
+      }
+      Seq q{.id = j.id,
+            .sampling = {.temperature = j.temperature, .top_k = j.top_k, .greedy = j.greedy}};
+      if (j.has_seed) q.gen = at::make_generator<at::CPUGeneratorImpl>(j.seed);
+      if (gpt == nullptr && !model.uses_cache()) {
+        const at::Tensor p = prompt.contiguous();
+        q.history.assign(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
+      }
+      seqs_.push_back(std::move(q));
+    }
+    const auto n = static_cast<int64_t>(seqs_.size());
+    at::Tensor next = at::empty({n}, long_options);
+    if (rank == 0 && n > 0) {
+      const at::Tensor all = logits.size() == 1 ? logits.front() : at::cat(logits, 0);
+      auto* out = next.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i) {
+        auto& q = seqs_[static_cast<size_t>(i)];
+        out[i] = sample_next_token(all.narrow(0, i, 1), q.sampling, q.gen ? *q.gen : gen)
+                     .item<int64_t>();
+      }
+    }
+    if (group != nullptr && n > 0) group->broadcast(next, 0);
+    const auto* tokens = next.data_ptr<int64_t>();
+    at::Tensor result = at::empty({n, 2}, long_options);
+    auto* pairs = result.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      auto& q = seqs_[static_cast<size_t>(i)];
+      if (gpt != nullptr || model.uses_cache())
+        q.history.assign(1, tokens[i]);  // the last only
+      else
+        q.history.push_back(tokens[i]);
+      pairs[2 * i] = q.id;
+      pairs[2 * i + 1] = tokens[i];
+    }
+    return result;
+  }
+
+ private:
+  struct Seq {
+    int64_t id = 0;
+    SamplingOptions sampling{};
+    /// Its own generator when the request gave a seed; else the engine's.
+    std::optional<at::Generator> gen{};
+    /// The last token; the whole sequence for a model that keeps no cache.
+    std::vector<int64_t> history{};
+  };
+  std::vector<Seq> seqs_;
+  GptBatchCache batch_;             // a Gpt's rows, in the order of seqs_
+  std::vector<GptKvCache> caches_;  // other models: one cache per sequence
+};
+
 /// Reports the exception in flight as the answer to request `id`; never throws.
 void report_failure(Queue<TpResponse>& out, int rank, uint64_t id, double timeout_s) noexcept {
   TpResponse r;
@@ -193,6 +299,7 @@ void run_tensor_parallel_worker(int rank, const TpWorkerSpec& spec, Queue<TpRequ
   std::shared_ptr<TensorParallelModel> model;
   CollectiveGroup* g = nullptr;
   at::Generator gen;
+  StepBatch steps;
   try {
     TensorParallelComm comm;
     if (spec.world_size > 1) {
@@ -241,6 +348,8 @@ void run_tensor_parallel_worker(int rank, const TpWorkerSpec& spec, Queue<TpRequ
         result = model->forward(req.input_ids, nullptr);
       else if (req.kind == static_cast<int32_t>(TpRequestKind::kGenerate))
         result = generate(*model, req, rank, g, gen);
+      else if (req.kind == static_cast<int32_t>(TpRequestKind::kStep))
+        result = steps.step(*model, req, rank, g, gen);
       else
         throw ValueError(fmt::format("TensorParallel worker: unknown request kind {}", req.kind));
       TpResponse r;

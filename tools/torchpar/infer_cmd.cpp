@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "text.h"
 #include "torchpar/core/error.h"
 #include "torchpar/parallel/gpt_checkpoint.h"
 #include "torchpar/parallel/tensor_parallel.h"
@@ -33,49 +34,6 @@ struct InferConfig {
   int threads_per_worker = 0;
   double timeout = 300;
 };
-
-/// `bytes` as valid UTF-8: each maximal part of an ill-formed sequence (a byte that starts no
-/// sequence, or the valid start of a sequence that breaks off) becomes one U+FFFD, as Python's
-/// bytes.decode("utf-8", "replace") does (the Unicode standard's practice). Overlong forms,
-/// surrogates and code points above U+10FFFF are ill-formed.
-std::string valid_utf8(const std::string& bytes) {
-  static constexpr const char* kReplacement = "\xEF\xBF\xBD";
-  std::string out;
-  out.reserve(bytes.size());
-  size_t i = 0;
-  while (i < bytes.size()) {
-    const auto c = static_cast<unsigned char>(bytes[i]);
-    if (c < 0x80) {
-      out.push_back(static_cast<char>(c));
-      ++i;
-      continue;
-    }
-    size_t len = 0;                      // 0: c starts no sequence
-    unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      if (c == 0xE0) lo = 0xA0;  // no overlong forms
-      if (c == 0xED) hi = 0x9F;  // no surrogates
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      if (c == 0xF0) lo = 0x90;  // no overlong forms
-      if (c == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
-    }
-    size_t k = 1;  // bytes of the well-formed prefix
-    for (; len > 0 && k < len && i + k < bytes.size(); ++k) {
-      const auto cc = static_cast<unsigned char>(bytes[i + k]);
-      if (cc < (k == 1 ? lo : 0x80) || cc > (k == 1 ? hi : 0xBF)) break;
-    }
-    if (len > 0 && k == len)
-      out.append(bytes, i, len);
-    else
-      out += kReplacement;
-    i += k;
-  }
-  return out;
-}
 
 int run_infer(const InferConfig& c) {
   const GptCheckpointInfo info = load_gpt_checkpoint_info(c.model);

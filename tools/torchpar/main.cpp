@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   auto train = torchpar::cli::add_train(app);
   auto bench = torchpar::cli::add_bench(app);
   auto infer = torchpar::cli::add_infer(app);
+  auto serve = torchpar::cli::add_serve(app);
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("info")) return info();
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("train")) return train();
     if (app.got_subcommand("bench")) return bench();
     if (app.got_subcommand("infer")) return infer();
+    if (app.got_subcommand("serve")) return serve();
   } catch (const std::exception& e) {
     fmt::print(stderr, "torchpar: error: {}\n", e.what());
     return 1;

@@ -68,6 +68,35 @@ struct GptKvCache {
   void clear();
 };
 
+/// The KV caches of many sequences of different lengths in one batched layout: what continuous
+/// batching decodes with (GptImpl::prefill_row adds a sequence, GptImpl::decode_rows gives every
+/// sequence its next position in one forward, remove_row drops one). Rows 0 .. rows() - 1 are
+/// the sequences; remove_row moves the last row into the freed one, so the running rows stay
+/// contiguous and a step attends over views of the cache, never over copies of it. A sequence
+/// that joins or leaves never makes the others recompute anything.
+///
+/// Shapes:  keys[l], values[l]: [row capacity, n_head / world_size, position capacity,
+///          n_embd / n_head] in the model's dtype, zeros where no position is cached; both
+///          capacities grow by doubling (positions up to n_positions). lengths[r]: positions
+///          cached for row r.
+/// Safety:  not thread-safe; one cache per model, used from the model's thread.
+/// Source:  the batched KV cache of continuous batching (Orca, OSDI '22; vLLM and llama.cpp's
+///          server keep one per running sequence, joined into the batch between steps).
+struct GptBatchCache {
+  std::vector<at::Tensor> keys;
+  std::vector<at::Tensor> values;
+  std::vector<int64_t> lengths;
+
+  /// Sequences held.
+  int64_t rows() const { return static_cast<int64_t>(lengths.size()); }
+  /// Drops row `row`: the last row moves into its place (its cached positions are copied
+  /// once), so the row numbers of the others but the last stay.
+  /// Errors: ValueError for a row outside [0, rows()).
+  void remove_row(int64_t row);
+  /// Drops every row and frees the memory.
+  void clear();
+};
+
 /// How a Gpt is built.
 struct GptOptions {
   /// This rank and the collectives of its tensor-parallel group; the default is a single rank
@@ -139,6 +168,29 @@ class GptImpl : public torch::nn::Module {
   ///   logits = gpt->forward(next, &cache);                // [1, 1, V]
   at::Tensor forward(const at::Tensor& input_ids, GptKvCache* cache = nullptr);
 
+  /// Adds a sequence to `cache` (continuous batching): one forward over its prompt fills a
+  /// new last row.
+  ///
+  /// Shapes:  prompt_ids [1, tokens] int64, 1 <= tokens <= n_positions, ids in [0,
+  ///          vocab_size) -> the logits of its last position [1, vocab_size]; the new row is
+  ///          cache.rows() - 1 with lengths = tokens. The logits equal forward(prompt_ids)'s
+  ///          last position.
+  /// Errors:  as forward; a cache of another model (layers, heads, dtype). After an error the
+  ///          cache holds the rows it held.
+  at::Tensor prefill_row(const at::Tensor& prompt_ids, GptBatchCache& cache);
+
+  /// One new position for every row of `cache` in one forward: row r's token `tokens[r]` at
+  /// position cache.lengths[r]; then each row's length grows by 1. Rows of different lengths
+  /// attend only to their own positions (a mask), so each row's logits are those forward
+  /// would give that sequence alone, up to the order of floating-point sums.
+  ///
+  /// Shapes:  tokens [cache.rows()] int64 in [0, vocab_size) -> logits [cache.rows(),
+  ///          vocab_size] in the model's dtype.
+  /// Errors:  ValueError for an empty cache, tokens of another shape or dtype, an id out of
+  ///          range, or a row already holding n_positions positions (naming it); the comm's
+  ///          errors with world_size > 1 (the cache is then unusable: clear() it).
+  at::Tensor decode_rows(const at::Tensor& tokens, GptBatchCache& cache);
+
   /// Copies this rank's shard of a full state dict (the Python reference's names and Conv1D
   /// layout, under the model's policy) into the parameters, converting to the model's dtype.
   /// `full` is consumed entry by entry (see shard_state_dict). strict: every parameter must
@@ -161,6 +213,12 @@ class GptImpl : public torch::nn::Module {
   struct Block;
 
  private:
+  /// Token + position embeddings: ids [B, T], positions broadcastable to [B, T] -> [B, T, C].
+  at::Tensor embed(const at::Tensor& input_ids, const at::Tensor& positions);
+  /// The final LayerNorm and the tied head: [B, T, C] -> [B, T, vocab_size].
+  at::Tensor head(const at::Tensor& x);
+  /// Refuses a cache of another model.
+  void check_batch_cache(const GptBatchCache& cache, const char* where) const;
   /// Real (unpadded) vocabulary rows of wte_ on this rank.
   int64_t owned_vocab_rows() const;
 

@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "torchpar/core/timeout.h"
@@ -180,6 +181,35 @@ struct GenerateOptions {
   Timeout timeout = std::nullopt;
 };
 
+/// A sequence that joins the running batch of TensorParallel::step (continuous batching).
+struct StepJoin {
+  /// The caller's name for it: unique among the running sequences; leave names it.
+  int64_t id = 0;
+  /// Its prompt: [tokens] or [1, tokens] int64, tokens >= 1, ids in the vocabulary.
+  at::Tensor prompt_ids;
+  /// How its tokens are picked (GenerateOptions' fields: 0 means greedy; top_k 0: all).
+  double temperature = 1.0;
+  int64_t top_k = 0;
+  bool greedy = false;
+  /// Its own sampling generator, seeded: the tokens are those generate({prompt}, {.seed})
+  /// gives on a fresh engine, whatever else runs in the batch. nullopt: the engine's
+  /// generator (the draws then depend on the other sequences).
+  std::optional<uint64_t> seed{};
+};
+
+/// What one TensorParallel::step produced: the next token of every running sequence, in the
+/// order the workers hold them (those running before the step, then the joined ones).
+struct StepResult {
+  std::vector<int64_t> ids;
+  std::vector<int64_t> tokens;
+};
+
+/// Options of TensorParallel::step.
+struct StepOptions {
+  /// This call's limit (seconds); nullopt: TensorParallelOptions::timeout.
+  Timeout timeout = std::nullopt;
+};
+
 /// A model split across `world_size` worker processes (tensor parallelism, Megatron-style:
 /// attention heads and MLP units divided among ranks, one all_reduce after each block's two
 /// row-parallel projections), driven from the calling process.
@@ -278,6 +308,38 @@ class TensorParallel {
   /// Source:  Hugging Face generate() (max_new_tokens, temperature, top_k, do_sample = !greedy)
   ///          on a parallelformers model.
   at::Tensor generate(const at::Tensor& prompt_ids, const GenerateOptions& options = {});
+
+  /// One step of continuous batching: the sequences in `leave` leave the running batch,
+  /// every sequence still running gets its next token (for a Gpt: one batched forward over a
+  /// per-sequence KV cache in a batched layout, GptBatchCache; nothing is recomputed when a
+  /// sequence joins or leaves), and each sequence of `join` is prefilled with its prompt and
+  /// gets its first new token. Rank 0 samples every token with the sequence's own options and
+  /// broadcasts them. A sequence runs until the caller names it in `leave` (at max tokens, a
+  /// stop string, a client gone): its cache stays in the workers until then.
+  ///
+  ///   auto r = tp.step({{.id = 7, .prompt_ids = prompt, .temperature = 0}}, {});
+  ///   // r.ids = {7}, r.tokens = {first token}; next: tp.step({}, {}) -> its second token
+  ///
+  /// Shapes:  StepJoin::prompt_ids [tokens] or [1, tokens] int64. A Gpt sequence holds its
+  ///          prompt's positions plus one per step after the first; it cannot continue at the
+  ///          model's n_positions (ValueError: leave it).
+  /// Units:   options.timeout: seconds for the step.
+  /// Errors:  ValueError (nothing sent, the engine goes on) for a leave id that is not
+  ///          running, a join id already running (after the leaves) or given twice, a bad
+  ///          prompt (shape, dtype, ids outside the vocabulary, longer than n_positions), bad
+  ///          sampling options, a running sequence at n_positions; the rest as the class
+  ///          (WorkerError, TimeoutError, ClosedError). With no sequence running, joining or
+  ///          leaving it returns an empty result without calling the workers.
+  /// Safety:  as the class (one call at a time); one batch per engine: generate and forward
+  ///          between steps run beside it and leave it as it is.
+  /// Source:  continuous batching (Orca, OSDI '22; vLLM, llama.cpp's server,
+  ///          text-generation-inference): sequences join and leave between decoding steps.
+  StepResult step(const std::vector<StepJoin>& join, const std::vector<int64_t>& leave,
+                  const StepOptions& options = {});
+
+  /// The sequences step() is running, by id, with the positions each holds in the workers'
+  /// caches (its prompt, plus one per step after the first).
+  std::vector<std::pair<int64_t, int64_t>> running() const;
 
   /// Stops the workers (parallelformers' deparallelize): a stop request to each, up to
   /// `timeout` for all to exit, then SIGTERM, then SIGKILL to the rest; all are reaped. Always
