@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "serve_protocol.h"
 #include "text.h"
 #include "torchpar/core/error.h"
 #include "torchpar/parallel/gpt_checkpoint.h"
@@ -39,8 +40,12 @@
 namespace torchpar::cli {
 namespace {
 
-using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
+using serve::Clock;
+using serve::Completion;
+using serve::error_body;
+using serve::Histogram;
+using serve::json;
+using serve::parse_completion;
 using Seconds = std::chrono::duration<double>;
 
 struct ServeConfig {
@@ -60,86 +65,6 @@ struct ServeConfig {
   uint64_t seed = 0;
   bool has_seed = false;
 };
-
-// ---- metrics ------------------------------------------------------------------------------------
-
-/// A Prometheus histogram: cumulative buckets, sum and count.
-struct Histogram {
-  std::vector<double> bounds;
-  std::vector<uint64_t> counts = std::vector<uint64_t>(bounds.size() + 1, 0);
-  double sum = 0;
-  uint64_t count = 0;
-
-  void observe(double v) {
-    const auto i = std::lower_bound(bounds.begin(), bounds.end(), v) - bounds.begin();
-    ++counts[static_cast<size_t>(i)];
-    sum += v;
-    ++count;
-  }
-  void write(std::string& out, const std::string& name, const std::string& help) const {
-    out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
-    uint64_t cumulative = 0;
-    for (size_t i = 0; i < bounds.size(); ++i) {
-      cumulative += counts[i];
-      out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds[i], cumulative);
-    }
-    out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, count, name,
-                       sum, name, count);
-  }
-};
-
-Histogram seconds_histogram() {
-  return Histogram{
-      .bounds = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}};
-}
-
-// ---- one request --------------------------------------------------------------------------------
-
-/// One completion request, from admission to its last byte. Every field after `arrived` is
-/// guarded by Serve::mu.
-struct Completion {
-  uint64_t id = 0;
-  std::string prompt;
-  int64_t max_tokens = 16;
-  double temperature = 1.0;
-  int64_t top_k = 0;
-  std::optional<uint64_t> seed;
-  std::vector<std::string> stop;
-  bool stream = false;
-  Clock::time_point arrived = Clock::now();
-
-  std::string bytes;  // one byte per generated token
-  int64_t tokens = 0;
-  bool done = false;  // finished, failed or abandoned: it leaves the batch at the next step
-  std::string finish_reason;
-  size_t text_end = 0;  // done: the bytes that make the text (a stop string cut off)
-  int error_status = 0;
-  std::string error_type;
-  std::string error_message;
-  bool cancelled = false;  // the client went away
-  std::optional<Clock::time_point> first_token;
-  Clock::time_point last_token{};
-  std::condition_variable cv;
-
-  /// Bytes a stream may show now: not the end of `bytes` that could still turn into a stop
-  /// string (or is one), nor an unfinished UTF-8 character.
-  size_t shown_end(size_t len) const {
-    size_t hold = 0;
-    for (const auto& s : stop) {
-      for (size_t k = std::min(s.size(), len); k > hold; --k) {
-        if (bytes.compare(len - k, k, s, 0, k) == 0) {
-          hold = k;
-          break;
-        }
-      }
-    }
-    return utf8_complete_prefix(bytes.substr(0, len - hold));
-  }
-};
-
-json error_body(const std::string& message, const std::string& type) {
-  return json{{"error", {{"message", message}, {"type", type}, {"code", nullptr}}}};
-}
 
 // ---- the server ---------------------------------------------------------------------------------
 
@@ -540,77 +465,10 @@ class Serve {
     res.set_content(error_body(message, type).dump(), "application/json");
   }
 
-  /// The request's fields, checked; throws ValueError naming the problem (400).
-  std::shared_ptr<Completion> parse(const std::string& body) {
-    const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) throw ValueError("the body is not JSON");
-    if (!j.is_object()) throw ValueError("the body must be a JSON object");
-    auto r = std::make_shared<Completion>();
-    bool has_prompt = false;
-    for (const auto& [key, v] : j.items()) {
-      if (key == "prompt") {
-        if (!v.is_string()) throw ValueError("prompt must be a string");
-        r->prompt = v.get<std::string>();
-        has_prompt = true;
-      } else if (key == "model") {
-        if (!v.is_string()) throw ValueError("model must be a string");
-      } else if (key == "max_tokens") {
-        if (!v.is_number_integer() || v.get<int64_t>() < 0)
-          throw ValueError("max_tokens must be an integer >= 0");
-        r->max_tokens = v.get<int64_t>();
-      } else if (key == "temperature") {
-        if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>()))
-          throw ValueError("temperature must be a finite number >= 0");
-        r->temperature = v.get<double>();
-      } else if (key == "top_k") {
-        if (!v.is_number_integer() || v.get<int64_t>() < 0)
-          throw ValueError("top_k must be an integer >= 0");
-        r->top_k = v.get<int64_t>();
-      } else if (key == "seed") {
-        if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
-          throw ValueError("seed must be an integer in [0, 2^64)");
-        r->seed = v.get<uint64_t>();
-      } else if (key == "stop") {
-        if (v.is_string()) {
-          r->stop.push_back(v.get<std::string>());
-        } else if (v.is_array() && v.size() <= 4) {
-          for (const auto& s : v) {
-            if (!s.is_string()) throw ValueError("stop must be a string or up to 4 strings");
-            r->stop.push_back(s.get<std::string>());
-          }
-        } else if (!v.is_null()) {
-          throw ValueError("stop must be a string or up to 4 strings");
-        }
-        for (const auto& s : r->stop) {
-          if (s.empty()) throw ValueError("a stop string is empty");
-        }
-      } else if (key == "stream") {
-        if (!v.is_boolean()) throw ValueError("stream must be true or false");
-        r->stream = v.get<bool>();
-      } else {
-        throw ValueError(fmt::format(
-            "unknown field \"{}\" (this server takes prompt, model, max_tokens, temperature, "
-            "top_k, seed, stop, stream)",
-            key));
-      }
-    }
-    if (!has_prompt || r->prompt.empty()) throw ValueError("prompt is missing or empty");
-    if (r->max_tokens > c_.max_new_tokens)
-      throw ValueError(fmt::format("max_tokens {} is above this server's --max-new-tokens {}",
-                                   r->max_tokens, c_.max_new_tokens));
-    const auto length = static_cast<int64_t>(r->prompt.size());
-    if (length + r->max_tokens > info_.config.n_positions)
-      throw ValueError(fmt::format(
-          "the prompt ({} tokens) and max_tokens {} exceed the model's context of {} positions "
-          "(n_positions)",
-          length, r->max_tokens, info_.config.n_positions));
-    return r;
-  }
-
   void completions(const httplib::Request& req, httplib::Response& res) {
     std::shared_ptr<Completion> r;
     try {
-      r = parse(req.body);
+      r = parse_completion(req.body, c_.max_new_tokens, info_.config.n_positions);
     } catch (const ValueError& e) {
       reply_error(res, 400, e.what(), "invalid_request_error");
       return;
@@ -668,7 +526,12 @@ class Serve {
       res.set_content(body.dump(), "application/json");
       return;
     }
-    // Streaming: one event per token, then the finishing chunk and [DONE].
+    stream(res, r, chunk);
+  }
+
+  /// Streaming: one event per token, then the finishing chunk and [DONE] (or an error event).
+  template <class Chunk>
+  void stream(httplib::Response& res, const std::shared_ptr<Completion>& r, const Chunk& chunk) {
     auto sent = std::make_shared<int64_t>(0);
     auto shown = std::make_shared<size_t>(0);
     res.set_header("Cache-Control", "no-cache");
@@ -748,9 +611,9 @@ class Serve {
   uint64_t generated_tokens_ = 0;
   uint64_t steps_ = 0;
   Histogram batch_size_{.bounds = {1, 2, 4, 8, 16, 32, 64, 128}};
-  Histogram ttft_ = seconds_histogram();
-  Histogram tpot_ = seconds_histogram();
-  Histogram duration_ = seconds_histogram();
+  Histogram ttft_ = serve::seconds_histogram();
+  Histogram tpot_ = serve::seconds_histogram();
+  Histogram duration_ = serve::seconds_histogram();
 };
 
 }  // namespace

@@ -1,0 +1,176 @@
+#pragma once
+// `torchpar serve`'s protocol: a completion request (its fields, checked, and the state the
+// scheduler and the HTTP handler share), the error body, the metrics' histograms. Included by
+// serve_cmd.cpp only.
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "text.h"
+#include "torchpar/core/error.h"
+
+namespace torchpar::cli::serve {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+// ---- metrics ------------------------------------------------------------------------------------
+
+/// A Prometheus histogram: cumulative buckets, sum and count.
+struct Histogram {
+  std::vector<double> bounds;
+  std::vector<uint64_t> counts = std::vector<uint64_t>(bounds.size() + 1, 0);
+  double sum = 0;
+  uint64_t count = 0;
+
+  void observe(double v) {
+    const auto i = std::lower_bound(bounds.begin(), bounds.end(), v) - bounds.begin();
+    ++counts[static_cast<size_t>(i)];
+    sum += v;
+    ++count;
+  }
+  void write(std::string& out, const std::string& name, const std::string& help) const {
+    out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < bounds.size(); ++i) {
+      cumulative += counts[i];
+      out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds[i], cumulative);
+    }
+    out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, count, name,
+                       sum, name, count);
+  }
+};
+
+inline Histogram seconds_histogram() {
+  return Histogram{
+      .bounds = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}};
+}
+
+// ---- one request --------------------------------------------------------------------------------
+
+/// One completion request, from admission to its last byte. Every field after `arrived` is
+/// guarded by Serve::mu.
+struct Completion {
+  uint64_t id = 0;
+  std::string prompt;
+  int64_t max_tokens = 16;
+  double temperature = 1.0;
+  int64_t top_k = 0;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  bool stream = false;
+  Clock::time_point arrived = Clock::now();
+
+  std::string bytes;  // one byte per generated token
+  int64_t tokens = 0;
+  bool done = false;  // finished, failed or abandoned: it leaves the batch at the next step
+  std::string finish_reason;
+  size_t text_end = 0;  // done: the bytes that make the text (a stop string cut off)
+  int error_status = 0;
+  std::string error_type;
+  std::string error_message;
+  bool cancelled = false;  // the client went away
+  std::optional<Clock::time_point> first_token;
+  Clock::time_point last_token{};
+  std::condition_variable cv;
+
+  /// Bytes a stream may show now: not the end of `bytes` that could still turn into a stop
+  /// string (or is one), nor an unfinished UTF-8 character.
+  size_t shown_end(size_t len) const {
+    size_t hold = 0;
+    for (const auto& s : stop) {
+      for (size_t k = std::min(s.size(), len); k > hold; --k) {
+        if (bytes.compare(len - k, k, s, 0, k) == 0) {
+          hold = k;
+          break;
+        }
+      }
+    }
+    return utf8_complete_prefix(bytes.substr(0, len - hold));
+  }
+};
+
+inline json error_body(const std::string& message, const std::string& type) {
+  return json{{"error", {{"message", message}, {"type", type}, {"code", nullptr}}}};
+}
+
+/// A POST /v1/completions body, checked against the server's --max-new-tokens and the model's
+/// n_positions. Errors: ValueError naming the problem (the server answers 400 with it).
+inline std::shared_ptr<Completion> parse_completion(const std::string& body, int64_t max_new_tokens,
+                                                    int64_t n_positions) {
+  const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) throw ValueError("the body is not JSON");
+  if (!j.is_object()) throw ValueError("the body must be a JSON object");
+  auto r = std::make_shared<Completion>();
+  bool has_prompt = false;
+  for (const auto& [key, v] : j.items()) {
+    if (key == "prompt") {
+      if (!v.is_string()) throw ValueError("prompt must be a string");
+      r->prompt = v.get<std::string>();
+      has_prompt = true;
+    } else if (key == "model") {
+      if (!v.is_string()) throw ValueError("model must be a string");
+    } else if (key == "max_tokens") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0)
+        throw ValueError("max_tokens must be an integer >= 0");
+      r->max_tokens = v.get<int64_t>();
+    } else if (key == "temperature") {
+      if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>()))
+        throw ValueError("temperature must be a finite number >= 0");
+      r->temperature = v.get<double>();
+    } else if (key == "top_k") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0)
+        throw ValueError("top_k must be an integer >= 0");
+      r->top_k = v.get<int64_t>();
+    } else if (key == "seed") {
+      if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
+        throw ValueError("seed must be an integer in [0, 2^64)");
+      r->seed = v.get<uint64_t>();
+    } else if (key == "stop") {
+      if (v.is_string()) {
+        r->stop.push_back(v.get<std::string>());
+      } else if (v.is_array() && v.size() <= 4) {
+        for (const auto& s : v) {
+          if (!s.is_string()) throw ValueError("stop must be a string or up to 4 strings");
+          r->stop.push_back(s.get<std::string>());
+        }
+      } else if (!v.is_null()) {
+        throw ValueError("stop must be a string or up to 4 strings");
+      }
+      for (const auto& s : r->stop) {
+        if (s.empty()) throw ValueError("a stop string is empty");
+      }
+    } else if (key == "stream") {
+      if (!v.is_boolean()) throw ValueError("stream must be true or false");
+      r->stream = v.get<bool>();
+    } else {
+      throw ValueError(fmt::format(
+          "unknown field \"{}\" (this server takes prompt, model, max_tokens, temperature, "
+          "top_k, seed, stop, stream)",
+          key));
+    }
+  }
+  if (!has_prompt || r->prompt.empty()) throw ValueError("prompt is missing or empty");
+  if (r->max_tokens > max_new_tokens)
+    throw ValueError(fmt::format("max_tokens {} is above this server's --max-new-tokens {}",
+                                 r->max_tokens, max_new_tokens));
+  const auto length = static_cast<int64_t>(r->prompt.size());
+  if (length + r->max_tokens > n_positions)
+    throw ValueError(fmt::format(
+        "the prompt ({} tokens) and max_tokens {} exceed the model's context of {} positions "
+        "(n_positions)",
+        length, r->max_tokens, n_positions));
+  return r;
+}
+
+}  // namespace torchpar::cli::serve
