@@ -591,7 +591,7 @@ StepResult TensorParallel::step(const std::vector<StepJoin>& join,
   TpRequest req;
   req.kind = static_cast<int32_t>(TpRequestKind::kStep);
   req.leave = leave;
-  std::vector<at::Tensor> prompts;
+  std::vector<int64_t> lengths;
   for (const auto& j : join) {
     if ((m.running.contains(j.id) && !leaving.contains(j.id)) || !joining.insert(j.id).second)
       throw ValueError(fmt::format("{}: sequence {} to join is already {}", where, j.id,
@@ -607,7 +607,10 @@ StepResult TensorParallel::step(const std::vector<StepJoin>& join,
     if (p.size(0) != 1)
       throw ValueError(
           fmt::format("{}: sequence {}: prompt_ids must be [tokens] or [1, tokens]", where, j.id));
-    prompts.push_back(p);
+    const at::Tensor flat = p.contiguous();
+    req.join_tokens.insert(req.join_tokens.end(), flat.data_ptr<int64_t>(),
+                           flat.data_ptr<int64_t>() + flat.numel());
+    lengths.push_back(p.size(1));
     req.join.push_back(detail::TpJoin{.id = j.id,
                                       .length = p.size(1),
                                       .temperature = j.temperature,
@@ -618,17 +621,13 @@ StepResult TensorParallel::step(const std::vector<StepJoin>& join,
   }
   for (const int64_t id : leave) m.running.erase(id);  // gone from the workers either way
   if (m.running.empty() && join.empty() && leave.empty()) return {};
-  if (!prompts.empty())
-    req.input_ids = prompts.size() == 1 ? prompts.front().contiguous() : at::cat(prompts, 1);
-  const at::Tensor pairs = m.call(std::move(req), options.timeout, where).result;
+  const std::vector<int64_t> pairs = m.call(std::move(req), options.timeout, where).values;
   for (auto& [id, positions] : m.running) ++positions;  // the previous token is now cached
-  for (size_t i = 0; i < join.size(); ++i) m.running[join[i].id] = prompts[i].size(1);
+  for (size_t i = 0; i < join.size(); ++i) m.running[join[i].id] = lengths[i];
   StepResult out;
-  const at::Tensor c = pairs.contiguous();
-  const auto* v = c.data_ptr<int64_t>();
-  for (int64_t i = 0; i < c.size(0); ++i) {
-    out.ids.push_back(v[2 * i]);
-    out.tokens.push_back(v[2 * i + 1]);
+  for (size_t i = 0; i + 1 < pairs.size(); i += 2) {
+    out.ids.push_back(pairs[i]);
+    out.tokens.push_back(pairs[i + 1]);
   }
   return out;
 }

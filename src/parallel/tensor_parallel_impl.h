@@ -101,14 +101,16 @@ struct TpRequest {
   bool has_seed = false;
   uint64_t seed = 0;
   /// kStep: the sequences that leave the batch first, then those that join it (their prompts
-  /// concatenated in input_ids [1, total]).
+  /// concatenated in join_tokens). Plain vectors: a step's few bytes travel inline, not as a
+  /// shared-memory tensor.
   std::vector<int64_t> leave;
   std::vector<TpJoin> join;
+  std::vector<int64_t> join_tokens;
 
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(id, kind, input_ids, max_new_tokens, temperature, top_k, greedy, has_seed, seed, leave,
-       join);
+    ar(id, kind, input_ids, max_new_tokens, temperature, top_k, greedy, has_seed, seed, leave, join,
+       join_tokens);
   }
 };
 
@@ -119,6 +121,8 @@ struct TpResponse {
   bool ok = false;
   /// Rank 0's result (logits or tokens); undefined from the other ranks.
   at::Tensor result;
+  /// Rank 0's answer to kStep: (sequence id, token) pairs.
+  std::vector<int64_t> values;
   /// The ready answer: the seed every rank agreed on.
   uint64_t seed = 0;
   /// !ok: the exception's type name and message.
@@ -130,7 +134,7 @@ struct TpResponse {
 
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(id, rank, ok, result, seed, type, message, secondary);
+    ar(id, rank, ok, result, values, seed, type, message, secondary);
   }
 };
 

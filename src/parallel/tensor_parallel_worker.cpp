@@ -129,9 +129,9 @@ class StepBatch {
  public:
   /// Drops r.leave, gives every sequence that was running its next token (one batched
   /// forward for a Gpt), prefills r.join (each gets its first token from its prompt), and
-  /// returns rank 0's [n, 2] int64 (sequence id, token) of every running sequence, in order.
-  at::Tensor step(TensorParallelModel& model, const TpRequest& r, int rank, CollectiveGroup* group,
-                  at::Generator& gen) {
+  /// returns (sequence id, token) of every running sequence, in order (rank 0's tokens).
+  std::vector<int64_t> step(TensorParallelModel& model, const TpRequest& r, int rank,
+                            CollectiveGroup* group, at::Generator& gen) {
     auto* gpt_model = dynamic_cast<GptTensorParallelModel*>(&model);
     GptImpl* gpt = gpt_model != nullptr ? gpt_model->gpt().ptr().get() : nullptr;
     for (const int64_t id : r.leave) {
@@ -169,7 +169,13 @@ class StepBatch {
     }
     int64_t offset = 0;
     for (const auto& j : r.join) {
-      const at::Tensor prompt = r.input_ids.narrow(1, offset, j.length);
+      if (j.length < 1 || offset + j.length > static_cast<int64_t>(r.join_tokens.size()))
+        throw ValueError(
+            fmt::format("TensorParallel.step: sequence {}'s prompt is malformed", j.id));
+      const at::Tensor prompt =
+          at::tensor(at::IntArrayRef(r.join_tokens.data() + offset, static_cast<size_t>(j.length)),
+                     long_options)
+              .view({1, -1});
       offset += j.length;
       if (gpt != nullptr) {
         logits.push_back(gpt->prefill_row(prompt, batch_));
@@ -200,18 +206,17 @@ class StepBatch {
     }
     if (group != nullptr && n > 0) group->broadcast(next, 0);
     const auto* tokens = next.data_ptr<int64_t>();
-    at::Tensor result = at::empty({n, 2}, long_options);
-    auto* pairs = result.data_ptr<int64_t>();
+    std::vector<int64_t> pairs(static_cast<size_t>(2 * n));
     for (int64_t i = 0; i < n; ++i) {
       auto& q = seqs_[static_cast<size_t>(i)];
       if (gpt != nullptr || model.uses_cache())
         q.history.assign(1, tokens[i]);  // the last only
       else
         q.history.push_back(tokens[i]);
-      pairs[2 * i] = q.id;
-      pairs[2 * i + 1] = tokens[i];
+      pairs[static_cast<size_t>(2 * i)] = q.id;
+      pairs[static_cast<size_t>(2 * i + 1)] = tokens[i];
     }
-    return result;
+    return pairs;
   }
 
  private:
@@ -344,19 +349,23 @@ void run_tensor_parallel_worker(int rank, const TpWorkerSpec& spec, Queue<TpRequ
     try {
       at::NoGradGuard no_grad;
       at::Tensor result;
+      std::vector<int64_t> values;
       if (req.kind == static_cast<int32_t>(TpRequestKind::kForward))
         result = model->forward(req.input_ids, nullptr);
       else if (req.kind == static_cast<int32_t>(TpRequestKind::kGenerate))
         result = generate(*model, req, rank, g, gen);
       else if (req.kind == static_cast<int32_t>(TpRequestKind::kStep))
-        result = steps.step(*model, req, rank, g, gen);
+        values = steps.step(*model, req, rank, g, gen);
       else
         throw ValueError(fmt::format("TensorParallel worker: unknown request kind {}", req.kind));
       TpResponse r;
       r.id = req.id;
       r.rank = rank;
       r.ok = true;
-      if (rank == 0) r.result = result;
+      if (rank == 0) {
+        r.result = result;
+        r.values = std::move(values);
+      }
       out.put(r, timeout);
     } catch (...) {
       report_failure(out, rank, req.id, spec.timeout_s);
