@@ -26,7 +26,8 @@ Against a running server: --url http://HOST:PORT. Or give the server's command a
 it is started in its own process group (--port 0 in the command: any free port), its stdout is
 read for `listening on http://HOST:PORT`, /health is polled every 20 ms until 200; after the
 levels it gets SIGTERM (a drain) and --stop-timeout seconds to exit, then its group is SIGKILLed
-(a server that needed that, exited non-zero or left processes in its group is reported on
+(a server that needed that, exited non-zero or left live processes in its group 0.1 s after
+its exit is reported on
 stderr and the run exits 1). --timeout bounds the whole run (the server's group is killed).
 
 usage: serve_load.py (--url URL | [options] -- SERVER COMMAND ...) [--clients 1,8,32]
@@ -161,6 +162,21 @@ def run_levels(a):
     return failed
 
 
+def group_members(pgid):
+    """The live (not zombie) processes of process group pgid: 'pid name' each."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] not in "ZX":
+            found.append(f"{pid} {name}")
+    return found
+
+
 class Server:
     """The server command in its own process group."""
 
@@ -220,11 +236,11 @@ class Server:
             except subprocess.TimeoutExpired:
                 problems.append(f"the server did not exit within {timeout:g} s of SIGTERM")
         took = time.perf_counter() - t0
-        try:
-            os.killpg(self.proc.pid, 0)
-            problems.append("processes of the server's group were left after it exited")
-        except (ProcessLookupError, PermissionError):
-            pass
+        time.sleep(0.1)  # (helpers that exit with the server: not counted as left)
+        left = group_members(self.proc.pid)
+        if left:
+            problems.append(f"{len(left)} process(es) of the server's group were left after it "
+                            f"exited: {'; '.join(left[:3])}")
         self.kill()
         self.proc.wait()
         return took, problems
