@@ -330,6 +330,12 @@ def make_handler(engine, model_name):
         def log_message(self, *args):  # no access log
             pass
 
+        def handle(self):  # a keep-alive client closing its connection is no error
+            try:
+                super().handle()
+            except ConnectionError:
+                pass
+
         def send_json(self, code, obj):
             data = json.dumps(obj).encode()
             self.send_response(code)
