@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <httplib.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -113,6 +114,9 @@ class Serve {
           fmt::format("torchpar serve: cannot listen on {}:{} (in use, or not an address "
                       "of this machine)",
                       c_.host, c_.port));
+    // httplib listens with a backlog of 5: 32 clients connecting at once overflowed it and
+    // some waited for the kernel's SYN retry (1 s and more). listen() again sets a larger one.
+    if (listen_fd_ >= 0) ::listen(listen_fd_, SOMAXCONN);
     fmt::print("torchpar serve: listening on http://{}:{}\n", c_.host, port);
     std::fflush(stdout);
 
@@ -369,7 +373,15 @@ class Serve {
       return new httplib::ThreadPool(static_cast<size_t>(threads));
     };
     http_.set_payload_max_length(1 << 20);
-    http_.set_keep_alive_timeout(2);
+    http_.set_keep_alive_timeout(5);
+    http_.set_keep_alive_max_count(1000);
+    // SO_REUSEADDR only (httplib's default adds SO_REUSEPORT: another process of this user could
+    // then bind the same port and take requests); the socket is kept for its backlog (below).
+    http_.set_socket_options([this](int sock) {
+      const int yes = 1;
+      ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      listen_fd_ = sock;
+    });
     http_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (api_key_.empty() || authorized(req)) return httplib::Server::HandlerResponse::Unhandled;
       res.status = 401;
@@ -592,6 +604,7 @@ class Serve {
   GptCheckpointInfo info_;
   std::string api_key_;
   httplib::Server http_;
+  int listen_fd_ = -1;
   std::unique_ptr<TensorParallel> engine_;
 
   std::mutex mu_;
