@@ -232,8 +232,17 @@ class Serve {
       std::vector<int64_t> leave;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        work_.wait(lock,
-                   [this] { return stop_scheduler_ || !waiting_.empty() || !running_.empty(); });
+        const auto has_work = [this] {
+          return stop_scheduler_ || !waiting_.empty() || !running_.empty();
+        };
+        while (!work_.wait_for(lock, std::chrono::seconds(1), has_work)) {
+          // Idle: a worker that died now would otherwise show only at the next request.
+          if (const auto dead = dead_worker()) {
+            lock.unlock();
+            broken(*dead);
+            return;
+          }
+        }
         for (auto it = running_.begin(); it != running_.end();) {
           if (it->second->done || it->second->cancelled) {
             it->second->done = true;
@@ -284,6 +293,24 @@ class Serve {
         r.cv.notify_all();
       }
     }
+  }
+
+  /// "rank R (pid P) exited" for the first worker that is gone or a zombie, else nullopt.
+  std::optional<std::string> dead_worker() const {
+    const auto pids = engine_->pids();
+    for (size_t rank = 0; rank < pids.size(); ++rank) {
+      std::ifstream stat(fmt::format("/proc/{}/stat", pids[rank]));
+      std::string line;
+      std::getline(stat, line);
+      const auto paren = line.rfind(')');
+      if (!stat || paren == std::string::npos || paren + 2 >= line.size() ||
+          line[paren + 2] == 'Z' || line[paren + 2] == 'X')
+        return fmt::format(
+            "TensorParallel worker rank {} (pid {}) exited while the server was "
+            "idle",
+            rank, pids[rank]);
+    }
+    return std::nullopt;
   }
 
   void add_token(Completion& r, int64_t token, Clock::time_point now) {
