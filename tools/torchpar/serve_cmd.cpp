@@ -5,6 +5,8 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -44,7 +46,6 @@ namespace {
 using serve::Clock;
 using serve::Completion;
 using serve::error_body;
-using serve::Histogram;
 using serve::json;
 using serve::parse_completion;
 using Seconds = std::chrono::duration<double>;
@@ -211,6 +212,11 @@ class Serve {
                          .backend = backend_from_string(c_.backend),
                          .threads_per_worker = c_.threads_per_worker,
                          .seed = c_.has_seed ? std::optional<uint64_t>(c_.seed) : std::nullopt});
+    // Warm-up: the first prefill and decode of a process pay for LibTorch's first use of
+    // each shape (~30 ms on the tiny test model); the first client should not.
+    engine->step({{.id = -1, .prompt_ids = at::full({2}, 32L, at::kLong), .greedy = true}}, {});
+    engine->step({}, {});
+    engine->step({}, {-1});
     {
       std::lock_guard<std::mutex> lock(mu_);
       engine_ = std::move(engine);
@@ -281,8 +287,8 @@ class Serve {
         return;
       }
       std::lock_guard<std::mutex> lock(mu_);
-      ++steps_;
-      if (!result.ids.empty()) batch_size_.observe(static_cast<double>(result.ids.size()));
+      ++m_.steps;
+      if (!result.ids.empty()) m_.batch_size.observe(static_cast<double>(result.ids.size()));
       const auto now = Clock::now();
       for (size_t i = 0; i < result.ids.size(); ++i) {
         const auto it = running_.find(static_cast<uint64_t>(result.ids[i]));
@@ -316,12 +322,12 @@ class Serve {
   void add_token(Completion& r, int64_t token, Clock::time_point now) {
     r.bytes.push_back(token_byte(token));
     ++r.tokens;
-    ++generated_tokens_;
+    ++m_.generated_tokens;
     if (!r.first_token) {
       r.first_token = now;
-      ttft_.observe(Seconds(now - r.arrived).count());
+      m_.ttft.observe(Seconds(now - r.arrived).count());
     } else {
-      tpot_.observe(Seconds(now - r.last_token).count());
+      m_.tpot.observe(Seconds(now - r.last_token).count());
     }
     r.last_token = now;
     size_t cut = std::string::npos;
@@ -341,7 +347,7 @@ class Serve {
     r.done = true;
     r.finish_reason = reason;
     r.text_end = text_end;
-    duration_.observe(Seconds(Clock::now() - r.arrived).count());
+    m_.duration.observe(Seconds(Clock::now() - r.arrived).count());
     work_.notify_all();  // it leaves at the next step, even if nothing else runs
   }
 
@@ -407,6 +413,9 @@ class Serve {
     http_.set_socket_options([this](int sock) {
       const int yes = 1;
       ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+      // Inherited by every accepted connection: each streamed token goes out at once, not
+      // after the client's delayed ACK (Nagle's algorithm held the second write ~40 ms).
+      ::setsockopt(sock, IPPROTO_TCP, TCP_NODELAY, &yes, sizeof(yes));
       listen_fd_ = sock;
     });
     http_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
@@ -432,7 +441,7 @@ class Serve {
     });
     http_.set_logger([this](const httplib::Request&, const httplib::Response& res) {
       std::lock_guard<std::mutex> lock(mu_);
-      ++requests_[res.status];
+      ++m_.requests[res.status];
     });
     http_.Get("/health", [this](const httplib::Request&, httplib::Response& res) { health(res); });
     http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
@@ -466,36 +475,7 @@ class Serve {
 
   std::string metrics() {
     std::lock_guard<std::mutex> lock(mu_);
-    std::string out;
-    out +=
-        "# HELP torchpar_serve_requests_total HTTP requests answered, by status code.\n"
-        "# TYPE torchpar_serve_requests_total counter\n";
-    for (const auto& [code, n] : requests_)
-      out += fmt::format("torchpar_serve_requests_total{{code=\"{}\"}} {}\n", code, n);
-    const auto counter = [&](const char* name, const char* help, uint64_t v) {
-      out += fmt::format("# HELP {} {}\n# TYPE {} counter\n{} {}\n", name, help, name, name, v);
-    };
-    const auto gauge = [&](const char* name, const char* help, double v) {
-      out += fmt::format("# HELP {} {}\n# TYPE {} gauge\n{} {}\n", name, help, name, name, v);
-    };
-    counter("torchpar_serve_prompt_tokens_total", "Prompt tokens of admitted requests.",
-            prompt_tokens_);
-    counter("torchpar_serve_generated_tokens_total", "Tokens generated.", generated_tokens_);
-    counter("torchpar_serve_steps_total", "Decoding steps of the running batch.", steps_);
-    gauge("torchpar_serve_queue_depth", "Requests waiting for a batch slot.",
-          static_cast<double>(waiting_.size()));
-    gauge("torchpar_serve_running", "Sequences in the running batch.",
-          static_cast<double>(running_.size()));
-    gauge("torchpar_serve_max_batch", "Most sequences in the running batch (--max-batch).",
-          static_cast<double>(c_.max_batch));
-    batch_size_.write(out, "torchpar_serve_batch_size", "Sequences per decoding step.");
-    ttft_.write(out, "torchpar_serve_time_to_first_token_seconds",
-                "From a request's arrival to its first token.");
-    tpot_.write(out, "torchpar_serve_time_per_token_seconds",
-                "Between consecutive tokens of one request.");
-    duration_.write(out, "torchpar_serve_request_duration_seconds",
-                    "From a request's arrival to its last token.");
-    return out;
+    return m_.text(waiting_.size(), running_.size(), c_.max_batch);
   }
 
   static void reply_error(httplib::Response& res, int status, const std::string& message,
@@ -530,7 +510,7 @@ class Serve {
         return;
       }
       r->id = next_id_++;
-      prompt_tokens_ += r->prompt.size();
+      m_.prompt_tokens += r->prompt.size();
       if (r->max_tokens == 0) {
         r->done = true;
         r->finish_reason = "length";
@@ -646,14 +626,7 @@ class Serve {
   std::deque<std::shared_ptr<Completion>> waiting_;
   std::map<uint64_t, std::shared_ptr<Completion>> running_;
 
-  std::map<int, uint64_t> requests_;
-  uint64_t prompt_tokens_ = 0;
-  uint64_t generated_tokens_ = 0;
-  uint64_t steps_ = 0;
-  Histogram batch_size_{.bounds = {1, 2, 4, 8, 16, 32, 64, 128}};
-  Histogram ttft_ = serve::seconds_histogram();
-  Histogram tpot_ = serve::seconds_histogram();
-  Histogram duration_ = serve::seconds_histogram();
+  serve::Metrics m_;  // guarded by mu_
 };
 
 }  // namespace

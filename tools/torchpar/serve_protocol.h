@@ -10,6 +10,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -55,6 +56,51 @@ inline Histogram seconds_histogram() {
   return Histogram{
       .bounds = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}};
 }
+
+/// The server's counters and histograms (Prometheus names in text()). Not thread-safe: the
+/// server guards it with its mutex.
+struct Metrics {
+  std::map<int, uint64_t> requests;  // by HTTP status
+  uint64_t prompt_tokens = 0;
+  uint64_t generated_tokens = 0;
+  uint64_t steps = 0;
+  Histogram batch_size{.bounds = {1, 2, 4, 8, 16, 32, 64, 128}};
+  Histogram ttft = seconds_histogram();
+  Histogram tpot = seconds_histogram();
+  Histogram duration = seconds_histogram();
+
+  /// The Prometheus text exposition (format 0.0.4), with the gauges given.
+  std::string text(size_t queue_depth, size_t running, int64_t max_batch) const {
+    std::string out =
+        "# HELP torchpar_serve_requests_total HTTP requests answered, by status code.\n"
+        "# TYPE torchpar_serve_requests_total counter\n";
+    for (const auto& [code, n] : requests)
+      out += fmt::format("torchpar_serve_requests_total{{code=\"{}\"}} {}\n", code, n);
+    const auto one = [&](const char* type, const char* name, const char* help, double v) {
+      out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{} {}\n", name, help, name, type, name, v);
+    };
+    one("counter", "torchpar_serve_prompt_tokens_total", "Prompt tokens of admitted requests.",
+        static_cast<double>(prompt_tokens));
+    one("counter", "torchpar_serve_generated_tokens_total", "Tokens generated.",
+        static_cast<double>(generated_tokens));
+    one("counter", "torchpar_serve_steps_total", "Decoding steps of the running batch.",
+        static_cast<double>(steps));
+    one("gauge", "torchpar_serve_queue_depth", "Requests waiting for a batch slot.",
+        static_cast<double>(queue_depth));
+    one("gauge", "torchpar_serve_running", "Sequences in the running batch.",
+        static_cast<double>(running));
+    one("gauge", "torchpar_serve_max_batch", "Most sequences in the running batch (--max-batch).",
+        static_cast<double>(max_batch));
+    batch_size.write(out, "torchpar_serve_batch_size", "Sequences per decoding step.");
+    ttft.write(out, "torchpar_serve_time_to_first_token_seconds",
+               "From a request's arrival to its first token.");
+    tpot.write(out, "torchpar_serve_time_per_token_seconds",
+               "Between consecutive tokens of one request.");
+    duration.write(out, "torchpar_serve_request_duration_seconds",
+                   "From a request's arrival to its last token.");
+    return out;
+  }
+};
 
 // ---- one request --------------------------------------------------------------------------------
 
