@@ -455,7 +455,8 @@ at::Tensor GptImpl::prefill_row(const at::Tensor& prompt_ids, GptBatchCache& cac
       cache.values.push_back(zeros());
     }
   }
-  const int64_t cap_rows = doubled(cache.keys.front().size(0), rows, std::max<int64_t>(rows, 4));
+  const int64_t cap_rows =
+      doubled(cache.keys.front().size(0), rows, std::numeric_limits<int64_t>::max());
   const int64_t cap_pos = doubled(cache.keys.front().size(2), t, config_.n_positions);
   for (size_t l = 0; l < blocks_.size(); ++l) {
     for (auto* pair : {&cache.keys, &cache.values}) {

@@ -954,6 +954,57 @@ def drain(srv):
     srv.check_clean("drained")
 
 
+def idle_worker_dies():
+    """Case 8b: a worker SIGKILLed while no request runs: /health turns broken by itself."""
+    srv = Server("idle", 2, "--drain-timeout", "5")
+    if not srv.ready():
+        return
+    victim = srv.workers()[-1]
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+
+    def broken():
+        status, _, data = request(srv.port, "GET", "/health", timeout=5)
+        h = as_json(data) or {}
+        return h if status == 503 and h.get("status") == "broken" else None
+    h = wait_until(broken, 10, step=0.1)
+    check(bool(h) and f"pid {victim}" in str(h.get("reason")),
+          f"[8b] a worker killed while idle: /health 503 \"broken\" naming pid {victim} within "
+          f"{time.monotonic() - t0:.1f} s, before any request ({short(h)})")
+    status, body = complete(srv.port, {"prompt": "a", "max_tokens": 4})
+    check(status == 503 and is_error(body, "unavailable"),
+          f"[8b] then a completion: 503 unavailable ({status}: {short(body)})")
+    code = srv.terminate(20)
+    check(code == 0, f"[8b] SIGTERM: exit 0 ({code})")
+    srv.check_clean("idle death, after SIGTERM")
+
+
+def no_queue():
+    """Case 6b: --max-queue 0 takes a request when a batch slot is free, and only then."""
+    srv = Server("noqueue", 1, "--max-batch", "1", "--max-queue", "0", "--max-new-tokens", "120")
+    if not srv.ready():
+        return
+    status, body = complete(srv.port, {"prompt": "a", "max_tokens": 4, "temperature": 0})
+    check(status == 200, f"[6b] --max-queue 0, empty batch: served ({status}: {short(body)})")
+    first = threading.Event()
+    ta = in_thread(stream, srv.port, {"prompt": "abc", "max_tokens": 120, "temperature": 0},
+                   first=first, timeout=120)
+    first.wait(60)
+    srv.signal_workers(signal.SIGSTOP)
+    try:
+        status, body = complete(srv.port, {"prompt": "b", "max_tokens": 4}, timeout=30)
+        check(status == 503 and is_error(body, "overloaded_error"),
+              f"[6b] --max-queue 0, the one slot taken: 503 overloaded_error ({status}: "
+              f"{short(body)})")
+    finally:
+        srv.signal_workers(signal.SIGCONT)
+    a = joined(*ta, 60)
+    check(isinstance(a, tuple) and a[0] == 200, f"[6b] the running request completes ({short(a)})")
+    code = srv.terminate(20)
+    check(code == 0, f"[6b] SIGTERM: exit 0 ({code})")
+    srv.check_clean("no queue, after SIGTERM")
+
+
 def main():
     write_checkpoint()
     want_greedy = {tp: infer(tp, "--greedy", "--max-new-tokens", str(GREEDY_N)) for tp in (1, 2)}
@@ -984,6 +1035,8 @@ def main():
         drain(srv)
     api_keys()
     overload()
+    no_queue()
+    idle_worker_dies()
     srv = Server("tp2", 2, "--max-new-tokens", "120", "--drain-timeout", "5")
     if srv.ready():
         equivalences(srv, want_greedy[2], want_sampled[2])

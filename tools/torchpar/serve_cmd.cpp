@@ -287,8 +287,10 @@ class Serve {
         return;
       }
       std::lock_guard<std::mutex> lock(mu_);
-      ++m_.steps;
-      if (!result.ids.empty()) m_.batch_size.observe(static_cast<double>(result.ids.size()));
+      if (!result.ids.empty()) {  // a step that only let sequences leave decoded nothing
+        ++m_.steps;
+        m_.batch_size.observe(static_cast<double>(result.ids.size()));
+      }
       const auto now = Clock::now();
       for (size_t i = 0; i < result.ids.size(); ++i) {
         const auto it = running_.find(static_cast<uint64_t>(result.ids[i]));
@@ -376,7 +378,7 @@ class Serve {
   /// then the scheduler ends.
   void drain() {
     std::unique_lock<std::mutex> lock(mu_);
-    if (status_ == Status::kReady || status_ == Status::kLoading) {
+    if (status_ == Status::kReady) {
       fmt::print(stderr, "torchpar serve: draining ({} running, {} queued)\n", running_.size(),
                  waiting_.size());
       status_ = Status::kDraining;
@@ -501,7 +503,10 @@ class Serve {
                     "unavailable");
         return;
       }
-      if (static_cast<int64_t>(waiting_.size()) >= c_.max_queue) {
+      // --max-queue counts the requests that wait beyond the batch's free slots.
+      const int64_t free_slots =
+          std::max<int64_t>(0, c_.max_batch - static_cast<int64_t>(running_.size()));
+      if (static_cast<int64_t>(waiting_.size()) >= c_.max_queue + free_slots) {
         reply_error(res, 503,
                     fmt::format("the server is overloaded: {} requests wait already "
                                 "(--max-queue); retry later",
