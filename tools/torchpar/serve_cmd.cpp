@@ -243,7 +243,7 @@ class Serve {
         };
         while (!work_.wait_for(lock, std::chrono::seconds(1), has_work)) {
           // Idle: a worker that died now would otherwise show only at the next request.
-          if (const auto dead = dead_worker()) {
+          if (const auto dead = serve::dead_worker(engine_->pids())) {
             lock.unlock();
             broken(*dead);
             return;
@@ -301,24 +301,6 @@ class Serve {
         r.cv.notify_all();
       }
     }
-  }
-
-  /// "rank R (pid P) exited" for the first worker that is gone or a zombie, else nullopt.
-  std::optional<std::string> dead_worker() const {
-    const auto pids = engine_->pids();
-    for (size_t rank = 0; rank < pids.size(); ++rank) {
-      std::ifstream stat(fmt::format("/proc/{}/stat", pids[rank]));
-      std::string line;
-      std::getline(stat, line);
-      const auto paren = line.rfind(')');
-      if (!stat || paren == std::string::npos || paren + 2 >= line.size() ||
-          line[paren + 2] == 'Z' || line[paren + 2] == 'X')
-        return fmt::format(
-            "TensorParallel worker rank {} (pid {}) exited while the server was "
-            "idle",
-            rank, pids[rank]);
-    }
-    return std::nullopt;
   }
 
   void add_token(Completion& r, int64_t token, Clock::time_point now) {

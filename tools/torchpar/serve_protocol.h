@@ -10,6 +10,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -101,6 +102,22 @@ struct Metrics {
     return out;
   }
 };
+
+/// "TensorParallel worker rank R (pid P) exited ..." for the first of `pids` (by rank) that is
+/// gone or a zombie (its /proc/<pid>/stat state), else nullopt.
+inline std::optional<std::string> dead_worker(const std::vector<int>& pids) {
+  for (size_t rank = 0; rank < pids.size(); ++rank) {
+    std::ifstream stat(fmt::format("/proc/{}/stat", pids[rank]));
+    std::string line;
+    std::getline(stat, line);
+    const auto paren = line.rfind(')');
+    if (!stat || paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] == 'Z' ||
+        line[paren + 2] == 'X')
+      return fmt::format("TensorParallel worker rank {} (pid {}) exited while the server was idle",
+                         rank, pids[rank]);
+  }
+  return std::nullopt;
+}
 
 // ---- one request --------------------------------------------------------------------------------
 
