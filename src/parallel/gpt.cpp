@@ -436,15 +436,14 @@ void GptImpl::check_batch_cache(const GptBatchCache& cache, const char* where) c
         blocks_.size(), heads_, c10::toString(config_.dtype)));
 }
 
-at::Tensor GptImpl::prefill_row(const at::Tensor& prompt_ids, GptBatchCache& cache) {
-  check_batch_cache(cache, "Gpt.prefill_row");
-  if (prompt_ids.defined() && prompt_ids.dim() == 2 && prompt_ids.size(0) != 1)
-    throw ValueError(fmt::format("Gpt.prefill_row: prompt_ids must be [1, tokens], got {}",
-                                 shape_of(prompt_ids.sizes())));
+at::Tensor GptImpl::prefill_rows(const at::Tensor& prompt_ids, GptBatchCache& cache) {
+  check_batch_cache(cache, "Gpt.prefill_rows");
   GptKvCache one;
-  const at::Tensor logits = forward(prompt_ids, &one);  // checks ids, dtype, n_positions
+  const at::Tensor logits = forward(prompt_ids, &one);  // checks ids, shape, dtype, n_positions
+  const int64_t k = prompt_ids.size(0);
   const int64_t t = prompt_ids.size(1);
-  const int64_t rows = cache.rows() + 1;
+  const int64_t first = cache.rows();
+  const int64_t rows = first + k;
   if (cache.keys.empty()) {
     const int64_t head_dim = config_.n_embd / config_.n_head;
     const auto zeros = [&] {
@@ -463,10 +462,10 @@ at::Tensor GptImpl::prefill_row(const at::Tensor& prompt_ids, GptBatchCache& cac
       at::Tensor& c = (*pair)[l];
       grow(c, std::max<int64_t>(cap_rows, 4),
            std::max<int64_t>(cap_pos, std::min<int64_t>(64, config_.n_positions)));
-      c[rows - 1].narrow(1, 0, t).copy_((pair == &cache.keys ? one.keys : one.values)[l][0]);
+      c.narrow(0, first, k).narrow(2, 0, t).copy_((pair == &cache.keys ? one.keys : one.values)[l]);
     }
   }
-  cache.lengths.push_back(t);
+  cache.lengths.insert(cache.lengths.end(), static_cast<size_t>(k), t);
   return logits.select(1, -1);
 }
 

@@ -167,31 +167,40 @@ class StepBatch {
             model.forward(ids, model.uses_cache() ? &caches_[i] : nullptr).select(1, -1));
       }
     }
+    // Joins: a Gpt prefills each run of consecutive prompts of one length in one forward.
     int64_t offset = 0;
-    for (const auto& j : r.join) {
-      if (j.length < 1 || offset + j.length > static_cast<int64_t>(r.join_tokens.size()))
+    for (size_t a = 0; a < r.join.size();) {
+      size_t b = a + 1;
+      while (gpt != nullptr && b < r.join.size() && r.join[b].length == r.join[a].length) ++b;
+      const int64_t length = r.join[a].length;
+      const auto k = static_cast<int64_t>(b - a);
+      if (length < 1 || offset + k * length > static_cast<int64_t>(r.join_tokens.size()))
         throw ValueError(
-            fmt::format("TensorParallel.step: sequence {}'s prompt is malformed", j.id));
-      const at::Tensor prompt =
-          at::tensor(at::IntArrayRef(r.join_tokens.data() + offset, static_cast<size_t>(j.length)),
-                     long_options)
-              .view({1, -1});
-      offset += j.length;
+            fmt::format("TensorParallel.step: sequence {}'s prompt is malformed", r.join[a].id));
+      const at::Tensor prompts = at::tensor(at::IntArrayRef(r.join_tokens.data() + offset,
+                                                            static_cast<size_t>(k * length)),
+                                            long_options)
+                                     .view({k, length});
+      offset += k * length;
       if (gpt != nullptr) {
-        logits.push_back(gpt->prefill_row(prompt, batch_));
+        logits.push_back(gpt->prefill_rows(prompts, batch_));
       } else {
         caches_.emplace_back();
         logits.push_back(
-            model.forward(prompt, model.uses_cache() ? &caches_.back() : nullptr).select(1, -1));
+            model.forward(prompts, model.uses_cache() ? &caches_.back() : nullptr).select(1, -1));
       }
-      Seq q{.id = j.id,
-            .sampling = {.temperature = j.temperature, .top_k = j.top_k, .greedy = j.greedy}};
-      if (j.has_seed) q.gen = at::make_generator<at::CPUGeneratorImpl>(j.seed);
-      if (gpt == nullptr && !model.uses_cache()) {
-        const at::Tensor p = prompt.contiguous();
-        q.history.assign(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
+      for (size_t i = a; i < b; ++i) {
+        const auto& j = r.join[i];
+        Seq q{.id = j.id,
+              .sampling = {.temperature = j.temperature, .top_k = j.top_k, .greedy = j.greedy}};
+        if (j.has_seed) q.gen = at::make_generator<at::CPUGeneratorImpl>(j.seed);
+        if (gpt == nullptr && !model.uses_cache()) {
+          const at::Tensor p = prompts[static_cast<int64_t>(i - a)].contiguous();
+          q.history.assign(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
+        }
+        seqs_.push_back(std::move(q));
       }
-      seqs_.push_back(std::move(q));
+      a = b;
     }
     const auto n = static_cast<int64_t>(seqs_.size());
     at::Tensor next = at::empty({n}, long_options);

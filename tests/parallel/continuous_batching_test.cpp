@@ -1,4 +1,4 @@
-// Continuous batching: GptBatchCache (Gpt::prefill_row / decode_rows against a whole forward per
+// Continuous batching: GptBatchCache (Gpt::prefill_rows / decode_rows against a whole forward per
 // sequence) and TensorParallel::step (sequences joining and leaving between steps give the
 // tokens generate gives each alone, at TP = 1 and 2, for a Gpt and for a custom model with and
 // without a cache; argument errors leave the batch as it was; a worker killed between steps
@@ -147,8 +147,21 @@ TEST(GptBatchCache, DecodeRowsEqualsAWholeForwardPerSequence) {
   tp::GptBatchCache cache;
   std::vector<at::Tensor> seqs = {random_ids(5, 1), random_ids(9, 2), random_ids(2, 3)};
   for (const auto& s : seqs) {
-    const at::Tensor last = gpt.prefill_row(s, cache);
+    const at::Tensor last = gpt.prefill_rows(s, cache);
     EXPECT_LE(max_abs_diff(last, gpt.forward(s).select(1, -1)), 1e-5);
+  }
+  {  // two prompts of one length in one forward: two rows, each its own sequence's
+    tp::GptBatchCache two;
+    const at::Tensor both = at::cat({seqs[0], random_ids(5, 9)}, 0);
+    const at::Tensor last = gpt.prefill_rows(both, two);
+    EXPECT_EQ(two.lengths, (std::vector<int64_t>{5, 5}));
+    EXPECT_LE(max_abs_diff(last, gpt.forward(both).select(1, -1)), 1e-5);
+    const at::Tensor next = gpt.decode_rows(at::tensor({3L, 4L}, at::kLong), two);
+    EXPECT_LE(max_abs_diff(
+                  next[1],
+                  gpt.forward(at::cat({both.narrow(0, 1, 1), at::full({1, 1}, 4L, at::kLong)}, 1))
+                      .select(1, -1)[0]),
+              1e-5);
   }
   ASSERT_EQ(cache.rows(), 3);
   EXPECT_EQ(cache.lengths, (std::vector<int64_t>{5, 9, 2}));
@@ -157,7 +170,7 @@ TEST(GptBatchCache, DecodeRowsEqualsAWholeForwardPerSequence) {
       cache.remove_row(1);
       seqs.erase(seqs.begin() + 1);
       seqs.push_back(random_ids(3, 4));
-      (void)gpt.prefill_row(seqs.back(), cache);
+      (void)gpt.prefill_rows(seqs.back(), cache);
     }
     std::vector<int64_t> next;
     for (const auto& s : seqs) next.push_back((s.select(1, -1).item<int64_t>() * 7 + step) % 97);
@@ -173,7 +186,7 @@ TEST(GptBatchCache, DecodeRowsEqualsAWholeForwardPerSequence) {
   }
   // Full context: the row that holds n_positions cannot take another position.
   tp::GptBatchCache full;
-  (void)gpt.prefill_row(random_ids(kConfig.n_positions, 5), full);
+  (void)gpt.prefill_rows(random_ids(kConfig.n_positions, 5), full);
   try {
     (void)gpt.decode_rows(at::tensor({1L}, at::kLong), full);
     ADD_FAILURE() << "decode_rows went past n_positions";
@@ -189,7 +202,9 @@ TEST(GptBatchCache, DecodeRowsEqualsAWholeForwardPerSequence) {
 TEST(TensorParallelStep, JoinsAndLeavesGiveWhatGenerateGivesEachAlone) {
   std::vector<tp::StepJoin> seqs;
   for (int64_t i = 0; i < 5; ++i) {
-    seqs.push_back({.id = i, .prompt_ids = random_ids(3 + 2 * i, 10 + i).view({-1})});
+    // Sequences 3 and 4 (joining together) have prompts of one length: one batched prefill.
+    seqs.push_back(
+        {.id = i, .prompt_ids = random_ids(3 + 2 * std::min<int64_t>(i, 3), 10 + i).view({-1})});
   }
   seqs[0].greedy = true;
   seqs[1].temperature = 0;  // greedy too

@@ -69,7 +69,7 @@ struct GptKvCache {
 };
 
 /// The KV caches of many sequences of different lengths in one batched layout: what continuous
-/// batching decodes with (GptImpl::prefill_row adds a sequence, GptImpl::decode_rows gives every
+/// batching decodes with (GptImpl::prefill_rows adds sequences, GptImpl::decode_rows gives every
 /// sequence its next position in one forward, remove_row drops one). Rows 0 .. rows() - 1 are
 /// the sequences; remove_row moves the last row into the freed one, so the running rows stay
 /// contiguous and a step attends over views of the cache, never over copies of it. A sequence
@@ -168,16 +168,16 @@ class GptImpl : public torch::nn::Module {
   ///   logits = gpt->forward(next, &cache);                // [1, 1, V]
   at::Tensor forward(const at::Tensor& input_ids, GptKvCache* cache = nullptr);
 
-  /// Adds a sequence to `cache` (continuous batching): one forward over its prompt fills a
-  /// new last row.
+  /// Adds sequences to `cache` (continuous batching): one forward over their prompts, all of
+  /// the same length, fills new last rows, in order.
   ///
-  /// Shapes:  prompt_ids [1, tokens] int64, 1 <= tokens <= n_positions, ids in [0,
-  ///          vocab_size) -> the logits of its last position [1, vocab_size]; the new row is
-  ///          cache.rows() - 1 with lengths = tokens. The logits equal forward(prompt_ids)'s
-  ///          last position.
+  /// Shapes:  prompt_ids [k, tokens] int64, k >= 1, 1 <= tokens <= n_positions, ids in [0,
+  ///          vocab_size) -> the logits of each one's last position [k, vocab_size]; the new
+  ///          rows are cache.rows() - k ... cache.rows() - 1, with lengths = tokens. The logits
+  ///          equal forward(prompt_ids)'s last position.
   /// Errors:  as forward; a cache of another model (layers, heads, dtype). After an error the
   ///          cache holds the rows it held.
-  at::Tensor prefill_row(const at::Tensor& prompt_ids, GptBatchCache& cache);
+  at::Tensor prefill_rows(const at::Tensor& prompt_ids, GptBatchCache& cache);
 
   /// One new position for every row of `cache` in one forward: row r's token `tokens[r]` at
   /// position cache.lengths[r]; then each row's length grows by 1. Rows of different lengths
