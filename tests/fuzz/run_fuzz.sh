@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds a libFuzzer target (address + undefined sanitizers, in a build tree of its own)
 # and runs it for N seconds. Usage: run_fuzz.sh SRC_DIR BUILD_DIR SECONDS [TARGET]
-# TARGET: loads_fuzz (the default), manager_request_fuzz or rpc_message_fuzz.
+# TARGET: loads_fuzz (the default), manager_request_fuzz, rpc_message_fuzz or pickle_fuzz.
 set -euo pipefail
 src=$1; build=$2; secs=${3:-60}; target=${4:-loads_fuzz}
 cmake -S "$src" -B "$build" -DCMAKE_CXX_COMPILER=g++ \
