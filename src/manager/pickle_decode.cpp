@@ -6,8 +6,8 @@
 #include <charconv>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -25,34 +25,6 @@ using K = Value::Kind;
 
 constexpr uint32_t kNoEntry = UINT32_MAX;
 
-struct Node {
-  K kind = K::kNone;
-  bool new_object = false;  // kObject: NEWOBJ
-  bool visiting = false;    // on the path of the STOP pass (a cycle if met again)
-  union {
-    int64_t i;      // kBool, kInt
-    double f;       // kFloat
-    uint32_t kids;  // containers: index into kids_; kObject: [type, args, state?];
-                    // kGlobal: index into globals_
-  } u{};
-  std::string_view s;  // kStr, kBytes, kByteArray, kBigInt
-};
-
-/// Shortened and escaped for error messages (names come from hostile input).
-std::string printable(std::string_view s) {
-  std::string out;
-  for (char ch : s.substr(0, 100)) {
-    const auto c = static_cast<uint8_t>(ch);
-    if (c < 0x20 || c >= 0x7f) {
-      out += fmt::format("\\x{:02x}", c);
-    } else {
-      out += ch;
-    }
-  }
-  if (s.size() > 100) out += "...";
-  return out;
-}
-
 class Decoder {
  public:
   Decoder(std::string_view in, const DecodeOptions& o)
@@ -68,7 +40,7 @@ class Decoder {
       step();
     }
     const uint32_t root = pop();
-    return build(root, 0);
+    return build_tree(a_, root, o_, op_pos_);
   }
 
  private:
@@ -114,27 +86,27 @@ class Decoder {
   // ---- the arena and the stack ----
 
   void charge(size_t n) {
-    arena_ += n;
-    if (arena_ > 2 * o_.max_elements)
+    arena_size_ += n;
+    if (arena_size_ > 2 * o_.max_elements)
       fail(fmt::format("more than max_elements ({}) values", o_.max_elements));
   }
   uint32_t node(K kind) {
     charge(1);
     Node n;
     n.kind = kind;
-    nodes_.push_back(n);
-    return static_cast<uint32_t>(nodes_.size() - 1);
+    a_.nodes.push_back(n);
+    return static_cast<uint32_t>(a_.nodes.size() - 1);
   }
   uint32_t container(K kind, std::vector<uint32_t> kids) {
     charge(kids.size());
     const uint32_t id = node(kind);
-    nodes_[id].u.kids = static_cast<uint32_t>(kids_.size());
-    kids_.push_back(std::move(kids));
+    a_.nodes[id].u.kids = static_cast<uint32_t>(a_.kids.size());
+    a_.kids.push_back(std::move(kids));
     return id;
   }
   uint32_t text(K kind, std::string_view s) {
     const uint32_t id = node(kind);
-    nodes_[id].s = s;
+    a_.nodes[id].s = s;
     return id;
   }
   void push(uint32_t id) {
@@ -169,10 +141,10 @@ class Decoder {
     return items;
   }
   std::vector<uint32_t>& kids_of(uint32_t id, K kind, const char* what) {
-    if (nodes_[id].kind != kind)
+    if (a_.nodes[id].kind != kind)
       fail(fmt::format("{} needs a {} below, not a {}", what, kind_name(kind),
-                       kind_name(nodes_[id].kind)));
-    return kids_[nodes_[id].u.kids];
+                       kind_name(a_.nodes[id].kind)));
+    return a_.kids[a_.nodes[id].u.kids];
   }
   static const char* kind_name(K k) {
     static const char* const names[] = {"None", "bool",  "int",       "int",    "float",
@@ -223,8 +195,8 @@ class Decoder {
     if (!allowed_.contains(module, name))
       fail(fmt::format("global {}.{} is not allowed", printable(module), printable(name)));
     const uint32_t id = node(K::kGlobal);
-    nodes_[id].u.kids = static_cast<uint32_t>(globals_.size());
-    globals_.emplace_back(module, name);
+    a_.nodes[id].u.kids = static_cast<uint32_t>(a_.globals.size());
+    a_.globals.emplace_back(module, name);
     return id;
   }
 
@@ -232,163 +204,56 @@ class Decoder {
   /// anything else an object node.
   uint32_t call(uint32_t callable, uint32_t args, bool new_object) {
     const char* what = new_object ? "NEWOBJ" : "REDUCE";
-    if (nodes_[callable].kind != K::kGlobal)
-      fail(fmt::format("{} needs a global, not a {}", what, kind_name(nodes_[callable].kind)));
+    if (a_.nodes[callable].kind != K::kGlobal)
+      fail(fmt::format("{} needs a global, not a {}", what, kind_name(a_.nodes[callable].kind)));
     const std::vector<uint32_t> a = kids_of(args, K::kTuple, what);
     if (!new_object) {
-      const auto [module, name] = globals_[nodes_[callable].u.kids];
-      const auto kind_at = [&](size_t i) { return nodes_[a[i]].kind; };
+      const auto [module, name] = a_.globals[a_.nodes[callable].u.kids];
+      const auto kind_at = [&](size_t i) { return a_.nodes[a[i]].kind; };
       if (module == "builtins" && (name == "set" || name == "frozenset")) {
         const K kind = name == "set" ? K::kSet : K::kFrozenSet;
         if (a.empty()) return container(kind, {});
         if (a.size() == 1 && (kind_at(0) == K::kList || kind_at(0) == K::kTuple ||
                               kind_at(0) == K::kSet || kind_at(0) == K::kFrozenSet))
-          return container(kind, kids_[nodes_[a[0]].u.kids]);
+          return container(kind, a_.kids[a_.nodes[a[0]].u.kids]);
       } else if (module == "builtins" && (name == "bytes" || name == "bytearray")) {
         const K kind = name == "bytes" ? K::kBytes : K::kByteArray;
         if (a.empty()) return text(kind, {});
         if (a.size() == 1 && (kind_at(0) == K::kBytes || kind_at(0) == K::kByteArray))
-          return text(kind, nodes_[a[0]].s);
+          return text(kind, a_.nodes[a[0]].s);
       } else if (module == "_codecs" && name == "encode" && a.size() == 2 &&
                  kind_at(0) == K::kStr && kind_at(1) == K::kStr &&
-                 (nodes_[a[1]].s == "latin1" || nodes_[a[1]].s == "latin-1")) {
-        return text(K::kBytes, latin1_of(nodes_[a[0]].s));
+                 (a_.nodes[a[1]].s == "latin1" || a_.nodes[a[1]].s == "latin-1")) {
+        return text(K::kBytes, latin1_of(a_.nodes[a[0]].s));
       }
     }
     const uint32_t id = container(K::kObject, {callable, args});
-    nodes_[id].new_object = new_object;
+    a_.nodes[id].new_object = new_object;
     return id;
   }
 
   std::string_view latin1_of(std::string_view utf8) {
-    std::string out;
-    out.reserve(utf8.size());
-    for (size_t i = 0; i < utf8.size(); ++i) {
-      const auto c = static_cast<uint8_t>(utf8[i]);
-      if (c < 0x80) {
-        out.push_back(static_cast<char>(c));
-      } else if ((c == 0xc2 || c == 0xc3) && i + 1 < utf8.size()) {
-        out.push_back(static_cast<char>(((c & 0x03) << 6) | (utf8[++i] & 0x3f)));
-      } else {
-        fail("_codecs.encode(..., 'latin1') of a character past U+00FF");
-      }
-    }
-    return own(std::move(out));
+    std::optional<std::string> out = latin1_of_utf8(utf8);
+    if (!out) fail("_codecs.encode(..., 'latin1') of a character past U+00FF");
+    return own(std::move(*out));
   }
-
-  // ---- protocol 0's text arguments ----
-
-  /// STRING's argument: a quoted Python 2 str literal, read as ASCII (Python 3's default
-  /// encoding for protocol 0-2 strs).
+  /// STRING's argument, read as ASCII (Python 3's default encoding for protocol 0-2 strs).
   std::string_view string_literal(std::string_view t) {
-    if (t.size() < 2 || t.front() != t.back() || (t.front() != '\'' && t.front() != '"'))
-      fail("the STRING argument is not quoted");
-    t = t.substr(1, t.size() - 2);
-    std::string out;
-    for (size_t i = 0; i < t.size(); ++i) {
-      char ch = t[i];
-      if (ch != '\\' || i + 1 == t.size()) {
-        out.push_back(ch);
-        continue;
-      }
-      const char e = t[++i];
-      switch (e) {
-        case 'n':
-          out.push_back('\n');
-          break;
-        case 't':
-          out.push_back('\t');
-          break;
-        case 'r':
-          out.push_back('\r');
-          break;
-        case 'a':
-          out.push_back('\a');
-          break;
-        case 'b':
-          out.push_back('\b');
-          break;
-        case 'f':
-          out.push_back('\f');
-          break;
-        case 'v':
-          out.push_back('\v');
-          break;
-        case '\\':
-        case '\'':
-        case '"':
-          out.push_back(e);
-          break;
-        case '\n':
-          break;
-        case 'x': {
-          unsigned v = 0;
-          if (i + 2 >= t.size()) fail("a truncated \\x escape in STRING");
-          auto r = std::from_chars(t.data() + i + 1, t.data() + i + 3, v, 16);
-          if (r.ptr != t.data() + i + 3) fail("a malformed \\x escape in STRING");
-          out.push_back(static_cast<char>(v));
-          i += 2;
-          break;
-        }
-        default:
-          if (e >= '0' && e <= '7') {
-            unsigned v = static_cast<unsigned>(e - '0');
-            for (int k = 0; k < 2 && i + 1 < t.size() && t[i + 1] >= '0' && t[i + 1] <= '7'; ++k)
-              v = v * 8 + static_cast<unsigned>(t[++i] - '0');
-            out.push_back(static_cast<char>(v & 0xff));
-          } else {
-            out.push_back('\\');
-            out.push_back(e);
-          }
-      }
-    }
-    return ascii_str(own(std::move(out)));
+    std::string error;
+    std::optional<std::string> out = python2_string_literal(t, &error);
+    if (!out) fail(error);
+    return ascii_str(own(std::move(*out)));
   }
   std::string_view ascii_str(std::string_view s) {
     for (char ch : s)
       if (static_cast<uint8_t>(ch) >= 0x80) fail("a protocol 0-2 str that is not ASCII");
     return s;
   }
-  static void append_utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) {
-      out.push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-      out.push_back(static_cast<char>(0xc0 | (cp >> 6)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-    } else if (cp < 0x10000) {
-      out.push_back(static_cast<char>(0xe0 | (cp >> 12)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-    } else {
-      out.push_back(static_cast<char>(0xf0 | (cp >> 18)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-    }
-  }
-  /// UNICODE's argument: 'raw-unicode-escape' (latin-1 bytes, \uXXXX and \UXXXXXXXX).
   std::string_view raw_unicode(std::string_view t) {
-    std::string out;
-    for (size_t i = 0; i < t.size(); ++i) {
-      const size_t digits = i + 1 < t.size() && t[i] == '\\' ? (t[i + 1] == 'u'   ? 4
-                                                                : t[i + 1] == 'U' ? 8
-                                                                                  : 0)
-                                                             : 0;
-      if (digits == 0) {
-        append_utf8(out, static_cast<uint8_t>(t[i]));
-        continue;
-      }
-      uint32_t cp = 0;
-      auto r =
-          std::from_chars(t.data() + i + 2, t.data() + std::min(t.size(), i + 2 + digits), cp, 16);
-      if (r.ptr != t.data() + i + 2 + digits || cp > 0x10ffff)
-        fail("a malformed \\u escape in UNICODE");
-      append_utf8(out, cp);
-      i += 1 + digits;
-    }
-    return own(std::move(out));
+    std::optional<std::string> out = raw_unicode_escape(t);
+    if (!out) fail("a malformed \\u escape in UNICODE");
+    return own(std::move(*out));
   }
-
   uint32_t integer(std::string_view text_value) {
     Value v;
     if (!integer_from_decimal(text_value, &v))
@@ -401,7 +266,7 @@ class Decoder {
   uint32_t integer_node(const Value& v) {
     if (const auto* i = std::get_if<int64_t>(&v.data())) {
       const uint32_t id = node(K::kInt);
-      nodes_[id].u.i = *i;
+      a_.nodes[id].u.i = *i;
       return id;
     }
     const std::string& b = std::get<BigInt>(v.data()).bytes;
@@ -409,7 +274,7 @@ class Decoder {
   }
   uint32_t int_node(int64_t v) {
     const uint32_t id = node(K::kInt);
-    nodes_[id].u.i = v;
+    a_.nodes[id].u.i = v;
     return id;
   }
   uint32_t str_node(std::string_view s) {
@@ -420,6 +285,12 @@ class Decoder {
   // ---- one opcode ----
 
   void step() {
+    if (!step_stack() && !step_number() && !step_string() && !step_container() && !step_object())
+      refuse();
+  }
+
+  /// MARK, POP, DUP, the memo, PROTO and FRAME. False if op_ is none of them.
+  bool step_stack() {
     switch (op_) {
       case kPROTO: {
         const auto p = static_cast<int>(read_le(1));
@@ -471,14 +342,22 @@ class Decoder {
       case kLONG_BINGET:
         get(read_le(4));
         break;
+      default:
+        return false;
+    }
+    return true;
+  }
 
+  /// None, bools, ints and floats. False if op_ is none of them.
+  bool step_number() {
+    switch (op_) {
       case kNONE:
         push(node(K::kNone));
         break;
       case kNEWTRUE:
       case kNEWFALSE: {
         const uint32_t id = node(K::kBool);
-        nodes_[id].u.i = op_ == kNEWTRUE;
+        a_.nodes[id].u.i = op_ == kNEWTRUE;
         push(id);
         break;
       }
@@ -486,7 +365,7 @@ class Decoder {
         std::string_view t = line();
         if (t == "00" || t == "01") {
           const uint32_t id = node(K::kBool);
-          nodes_[id].u.i = t == "01";
+          a_.nodes[id].u.i = t == "01";
           push(id);
         } else {
           push(integer(t));
@@ -524,7 +403,7 @@ class Decoder {
         if (r.ec != std::errc() || r.ptr != t.data() + t.size())
           fail(fmt::format("'{}' is not a float", printable(t)));
         const uint32_t id = node(K::kFloat);
-        nodes_[id].u.f = d;
+        a_.nodes[id].u.f = d;
         push(id);
         break;
       }
@@ -533,11 +412,19 @@ class Decoder {
         uint64_t bits = 0;
         for (char ch : b) bits = (bits << 8) | static_cast<uint8_t>(ch);
         const uint32_t id = node(K::kFloat);
-        std::memcpy(&nodes_[id].u.f, &bits, 8);
+        std::memcpy(&a_.nodes[id].u.f, &bits, 8);
         push(id);
         break;
       }
+      default:
+        return false;
+    }
+    return true;
+  }
 
+  /// str, bytes and bytearray. False if op_ is none of them.
+  bool step_string() {
+    switch (op_) {
       case kSTRING:
         push(text(K::kStr, string_literal(line())));
         break;
@@ -574,7 +461,15 @@ class Decoder {
       case kBYTEARRAY8:
         push(text(K::kByteArray, take_counted(read_le(8))));
         break;
+      default:
+        return false;
+    }
+    return true;
+  }
 
+  /// tuples, lists, dicts and sets. False if op_ is none of them.
+  bool step_container() {
+    switch (op_) {
       case kEMPTY_TUPLE:
         push(container(K::kTuple, {}));
         break;
@@ -639,7 +534,15 @@ class Decoder {
         extend(kids_of(top(), K::kSet, "ADDITEMS"), items);
         break;
       }
+      default:
+        return false;
+    }
+    return true;
+  }
 
+  /// globals and the calls on them. False if op_ is none of them.
+  bool step_object() {
+    switch (op_) {
       case kGLOBAL: {
         std::string_view module = line();
         std::string_view name = line();
@@ -649,9 +552,9 @@ class Decoder {
       case kSTACK_GLOBAL: {
         const uint32_t name = pop();
         const uint32_t module = pop();
-        if (nodes_[module].kind != K::kStr || nodes_[name].kind != K::kStr)
+        if (a_.nodes[module].kind != K::kStr || a_.nodes[name].kind != K::kStr)
           fail("STACK_GLOBAL needs two strs");
-        push(global(nodes_[module].s, nodes_[name].s));
+        push(global(a_.nodes[module].s, a_.nodes[name].s));
         break;
       }
       case kREDUCE:
@@ -669,7 +572,14 @@ class Decoder {
         extend(kids, {state});
         break;
       }
+      default:
+        return false;
+    }
+    return true;
+  }
 
+  [[noreturn]] void refuse() {
+    switch (op_) {
       case kPERSID:
       case kBINPERSID:
         fail("persistent ids are not supported");
@@ -690,138 +600,6 @@ class Decoder {
     }
   }
 
-  // ---- STOP: the node graph into a Value tree ----
-
-  void count_bytes(size_t n) {
-    out_bytes_ += n;
-    if (out_bytes_ > o_.max_bytes)
-      fail(fmt::format("the result holds more than max_bytes ({}) bytes", o_.max_bytes));
-  }
-
-  std::vector<Value> build_all(const std::vector<uint32_t>& ids, size_t depth) {
-    std::vector<Value> out;
-    out.reserve(ids.size());
-    for (uint32_t id : ids) out.push_back(build(id, depth));
-    return out;
-  }
-
-  Value build(uint32_t id, size_t depth) {
-    if (depth > o_.max_depth) fail(fmt::format("nested deeper than max_depth ({})", o_.max_depth));
-    if (++out_elements_ > o_.max_elements)
-      fail(fmt::format("the result holds more than max_elements ({}) values", o_.max_elements));
-    const Node n = nodes_[id];
-    switch (n.kind) {
-      case K::kNone:
-        return Value();
-      case K::kBool:
-        return Value(n.u.i != 0);
-      case K::kInt:
-        return Value(n.u.i);
-      case K::kFloat:
-        return Value(n.u.f);
-      case K::kBigInt:
-        count_bytes(n.s.size());
-        return Value(BigInt{std::string(n.s)});
-      case K::kStr:
-        count_bytes(n.s.size());
-        return Value::str(std::string(n.s));
-      case K::kBytes:
-        count_bytes(n.s.size());
-        return Value::bytes(std::string(n.s));
-      case K::kByteArray:
-        count_bytes(n.s.size());
-        return Value::bytearray(std::string(n.s));
-      case K::kGlobal: {
-        const auto& [module, name] = globals_[n.u.kids];
-        return Value::global(std::string(module), std::string(name));
-      }
-      default:
-        break;
-    }
-    if (n.visiting) fail("a recursive structure (an object containing itself) is not supported");
-    nodes_[id].visiting = true;
-    const std::vector<uint32_t>& kids = kids_[n.u.kids];
-    Value out;
-    switch (n.kind) {
-      case K::kTuple:
-        out = Value::tuple(build_all(kids, depth + 1));
-        break;
-      case K::kList:
-        out = Value::list(build_all(kids, depth + 1));
-        break;
-      case K::kSet:
-      case K::kFrozenSet: {
-        std::vector<Value> items = build_all(kids, depth + 1);
-        dedupe(items, nullptr);
-        out = n.kind == K::kSet ? Value::set(std::move(items)) : Value::frozenset(std::move(items));
-        break;
-      }
-      case K::kDict: {
-        std::vector<Value> keys;
-        std::vector<Value> values;
-        keys.reserve(kids.size() / 2);
-        values.reserve(kids.size() / 2);
-        for (size_t i = 0; i + 1 < kids.size(); i += 2) {
-          keys.push_back(build(kids[i], depth + 1));
-          values.push_back(build(kids[i + 1], depth + 1));
-        }
-        dedupe(keys, &values);
-        std::vector<DictItem> items;
-        items.reserve(keys.size());
-        for (size_t i = 0; i < keys.size(); ++i)
-          items.push_back({std::move(keys[i]), std::move(values[i])});
-        out = Value::dict(std::move(items));
-        break;
-      }
-      case K::kObject: {
-        const auto& [module, name] = globals_[nodes_[kids[0]].u.kids];
-        Object o;
-        o.type = Global{std::string(module), std::string(name)};
-        o.args = build_all(kids_[nodes_[kids[1]].u.kids], depth + 1);
-        o.new_object = n.new_object;
-        if (kids.size() > 2) o.state = std::make_shared<const Value>(build(kids[2], depth + 1));
-        out = Value(std::move(o));
-        break;
-      }
-      default:
-        fail("internal: unexpected node");
-    }
-    nodes_[id].visiting = false;
-    return out;
-  }
-
-  /// Python's dict / set semantics on decoded items: a later equal key replaces the value
-  /// of the first (which keeps its key and place). Left as given when a key is not a key
-  /// type (pickle.h).
-  static void dedupe(std::vector<Value>& keys, std::vector<Value>* values) {
-    if (keys.size() < 2) return;
-    for (const Value& k : keys)
-      if (!is_key_type(k)) return;
-    std::vector<size_t> keep;  // indices into keys, in order
-    keep.reserve(keys.size());
-    bool changed = false;
-    std::unordered_map<Value, size_t, KeyHash, KeyEqual> first;
-    first.reserve(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      auto [it, inserted] = first.try_emplace(keys[i], keep.size());
-      if (inserted) {
-        keep.push_back(i);
-        continue;
-      }
-      changed = true;
-      if (values != nullptr) (*values)[keep[it->second]] = std::move((*values)[i]);
-    }
-    if (!changed) return;
-    std::vector<Value> k2;
-    std::vector<Value> v2;
-    for (size_t i : keep) {
-      k2.push_back(std::move(keys[i]));
-      if (values != nullptr) v2.push_back(std::move((*values)[i]));
-    }
-    keys = std::move(k2);
-    if (values != nullptr) *values = std::move(v2);
-  }
-
   std::string_view in_;
   size_t pos_ = 0;
   size_t op_pos_ = 0;
@@ -830,17 +608,13 @@ class Decoder {
   const GlobalAllowList& allowed_;
   int proto_ = 0;
 
-  std::vector<Node> nodes_;
-  std::vector<std::vector<uint32_t>> kids_;
-  std::vector<std::pair<std::string_view, std::string_view>> globals_;
+  Arena a_;
   std::deque<std::string> owned_;
   std::vector<uint32_t> stack_;
   std::vector<size_t> marks_;
   std::vector<uint32_t> memo_;
   size_t memo_count_ = 0;
-  size_t arena_ = 0;
-  size_t out_elements_ = 0;
-  size_t out_bytes_ = 0;
+  size_t arena_size_ = 0;
 };
 
 }  // namespace

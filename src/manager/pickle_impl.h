@@ -2,8 +2,12 @@
 // Shared by pickle.cpp (value model, keys, encoder) and pickle_decode.cpp (decoder): the
 // opcodes and the integer helpers. Private to those two files.
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "manager/pickle.h"
 
@@ -102,5 +106,51 @@ Value integer_from_le(std::string bytes);  // an int64 Value when it fits, else 
 /// "[-+]digits" (at most 4300, as CPython 3.11) into *out; false if malformed.
 bool integer_from_decimal(std::string_view text, Value* out);
 std::string decimal_of_le(std::string_view le);
+
+// pickle_text.cpp: protocol 0's text arguments.
+/// Shortened to 100 bytes, non-printable bytes as \xhh (names from hostile input).
+std::string printable(std::string_view s);
+void append_utf8(std::string& out, uint32_t code_point);
+/// protocol 2's _codecs.encode(text, 'latin1'); nullopt past U+00FF.
+std::optional<std::string> latin1_of_utf8(std::string_view utf8);
+/// STRING's quoted Python 2 literal, escapes decoded; nullopt with *error when malformed.
+std::optional<std::string> python2_string_literal(std::string_view quoted, std::string* error);
+/// UNICODE's 'raw-unicode-escape' text (latin-1 bytes, \uXXXX, \UXXXXXXXX) as UTF-8.
+std::optional<std::string> raw_unicode_escape(std::string_view text);
+
+// pickle_keys.cpp: Python's dict / set semantics on decoded items: a later key equal to an
+// earlier one replaces the earlier one's value (`values`, when not null) and goes. Left as
+// given when a key is not a key type.
+void dedupe_keys(std::vector<Value>& keys, std::vector<Value>* values);
+
+// ---- the decoder's arena (pickle_decode.cpp) and its STOP pass (pickle_tree.cpp) ----
+
+/// One value the opcodes built. Containers hold the indices of their items, so that the
+/// memo and the stack share one object as in Python (an APPENDS after a PUT is seen through
+/// a later GET).
+struct Node {
+  Value::Kind kind = Value::Kind::kNone;
+  bool new_object = false;  // kObject: NEWOBJ
+  bool visiting = false;    // on the path of the STOP pass (a cycle if met again)
+  union {
+    int64_t i;      // kBool, kInt
+    double f;       // kFloat
+    uint32_t kids;  // containers: index into Arena::kids; kObject: [type, args, state?];
+                    // kGlobal: index into Arena::globals
+  } u{};
+  std::string_view s;  // kStr, kBytes, kByteArray, kBigInt
+};
+
+/// The nodes of one decode; strings point into the input or the decoder's own storage.
+struct Arena {
+  std::vector<Node> nodes;
+  std::vector<std::vector<uint32_t>> kids;
+  std::vector<std::pair<std::string_view, std::string_view>> globals;  // module, name
+};
+
+/// The STOP pass: node `root` as a Value tree, each memo reference copied, with
+/// options.max_depth, max_elements and max_bytes checked on the expanded tree and cycles
+/// refused. Errors: PickleError at the STOP opcode (at `stop_offset`).
+Value build_tree(Arena& arena, uint32_t root, const DecodeOptions& options, size_t stop_offset);
 
 }  // namespace torchpar::detail::pickle::impl
