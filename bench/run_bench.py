@@ -2018,6 +2018,8 @@ def runners_serve(cfg):
 
 
 def report_serve(runs, limits, cfg):
+    # Both servers have run: the 115 MB checkpoint is not a result to keep.
+    shutil.rmtree(cfg.raw / "serve" / "checkpoint", ignore_errors=True)
     med = {name: rec.get("median", {}) for name, rec in runs.items()}
     rows, trows, lrows, summary = [], [], [], {}
     for tp in SERVE_TPS:
