@@ -12,7 +12,9 @@ Benchmarks (names for --only), run in this order:
   pools        pool_bench vs peers/python_pool.py (multiprocessing.Pool, torch.multiprocessing.Pool)
   manager      manager_bench vs peers/python_manager.py (multiprocessing.Manager): dict set+get and
                list append from a child, 4 KiB tensors through a manager Queue; each over TCP and
-               an abstract Unix socket (ours) and AF_UNIX and TCP (Python's)
+               an abstract Unix socket (ours) and AF_UNIX and TCP (Python's); and
+               peers/python_manager_client.py: CPython's own SyncManager client against
+               `torchpar manager` vs Python's server (dict set+get, list append; TCP, AF_UNIX)
   rpc          rpc_bench vs peers/python_rpc.py (torch.distributed.rpc, TensorPipe backend): rpc_sync
                round trips (tiny; 1 MiB tensor fresh, and ours from shared memory), 64 rpc_async
                calls in flight; and raw TensorPipe ping-pong (tiny, 1 MiB; rpc_bench drives
@@ -711,6 +713,13 @@ MANAGER_BENCH = {"dict_setget": "BM_ManagerDictSetGet", "list_append": "BM_Manag
                  "queue_tensor_4k": "BM_ManagerQueueTensor4K"}
 MANAGER_TRANSPORTS = ("tcp", "unix")  # ours: 0 = TCP 127.0.0.1 (the default), 1 = "@name"
 MANAGER_TARGET = 10  # x Python's default Manager (AF_UNIX)
+# CPython's own SyncManager client (peers/python_manager_client.py) against `torchpar manager` and
+# against Python's server, each a process of its own (issue 44); target: >= 3x Python's server.
+PYCLIENT_ROWS = [("dict set+get (one pair = 2 round trips)", "dict_setget", "pairs/s"),
+                 ("list append", "list_append", "appends/s")]
+PYCLIENT_OURS = "SyncManager client -> torchpar manager"
+PYCLIENT_PEER = "SyncManager client -> Python manager"
+PYCLIENT_TARGET = 3
 
 
 def manager_sizes(cfg):
@@ -739,8 +748,23 @@ def runners_manager(cfg):
     timeout = cfg.pick(120, 600)
     peer = [PY, PEERS / "python_manager.py", "--ops", ops, "--items", items,
             "--batches", cfg.pick(1, 3), "--timeout", timeout - 30]
+    client = [PY, PEERS / "python_manager_client.py", "--ops", ops, "--batches", cfg.pick(1, 3),
+              "--timeout", timeout - 30]
+    why = manager_cli_missing(cfg)
     return [Runner("manager_bench", True, ours, parse_manager_bench, timeout),
-            Runner("python_manager.py", False, peer, parse_python_manager, timeout)]
+            Runner("python_manager.py", False, peer, parse_python_manager, timeout),
+            Runner(PYCLIENT_OURS, why is None, client + ["--server", "torchpar", "--torchpar", cfg.torchpar],
+                   parse_python_manager, timeout, skip=why),
+            Runner(PYCLIENT_PEER, False, client + ["--server", "python"], parse_python_manager, timeout)]
+
+
+def manager_cli_missing(cfg):
+    """None when `torchpar manager` exists, else why the Python-client rows are not run."""
+    try:
+        r = subprocess.run([str(cfg.torchpar), "manager", "--help"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot run {cfg.torchpar} manager --help: {e}"
+    return None if r.returncode == 0 else f"{cfg.torchpar} has no manager subcommand"
 
 
 def report_manager(runs, limits, cfg):
@@ -774,7 +798,51 @@ def report_manager(runs, limits, cfg):
            "compares our two transports (> 1: the abstract Unix socket is faster). torchpar copies "
            "the tensors; Python (with torch imported) passes them to and from the server as "
            "shared-memory fds.\n\n### Targets (issue 16)\n\n")
-    md += table(["target", "measured", "met"], trows) + "\n\n![manager](manager.png)"
+    md += table(["target", "measured", "met"], trows)
+    py_md, py_summary = report_manager_pyclient(runs, ops, cfg)
+    summary.update(py_summary)
+    md += py_md + "\n\n![manager](manager.png)"
+    return md, summary
+
+
+def report_manager_pyclient(runs, ops, cfg):
+    """The rows of CPython's SyncManager client against torchpar manager vs Python's server."""
+    ours, peer = runs[PYCLIENT_OURS]["median"], runs[PYCLIENT_PEER]["median"]
+    rows, trows, summary = [], [], {}
+    for label, measure, unit in PYCLIENT_ROWS:
+        vals = {(who, t): med.get(f"{measure}/{t}") for who, med in (("ours", ours), ("peer", peer))
+                for t in ("tcp", "unix")}
+        cpu = {(who, t): med.get(f"{measure}_client_cpu/{t}") for who, med in (("ours", ours), ("peer", peer))
+               for t in ("tcp", "unix")}
+        ratio = {t: advantage(vals["ours", t], vals["peer", t], True) for t in ("tcp", "unix")}
+        # The client's CPU per operation is the part no server saves: Python's wall time per
+        # operation over it bounds the speed-up any server could give this client.
+        ceiling = {t: (1e6 / vals["peer", t] / cpu["peer", t]) if vals["peer", t] and cpu["peer", t] else None
+                   for t in ("tcp", "unix")}
+        rows.append((label, unit, fmt(vals["ours", "tcp"]), fmt(vals["peer", "tcp"]), fmt_x(ratio["tcp"]),
+                     fmt(vals["ours", "unix"]), fmt(vals["peer", "unix"]), fmt_x(ratio["unix"]),
+                     f"{fmt(cpu['ours', 'tcp'])} / {fmt(cpu['peer', 'tcp'])}", fmt_x(ceiling["tcp"])))
+        for t, name in (("tcp", "TCP 127.0.0.1"), ("unix", "AF_UNIX path")):
+            trows.append((f"{label} from CPython's SyncManager client, {name}: torchpar manager "
+                          f"≥ {PYCLIENT_TARGET}x Python's server", fmt_x(ratio[t]),
+                          verdict(ratio[t], PYCLIENT_TARGET, True)))
+        summary[f"pyclient_{measure}"] = {
+            "torchpar_tcp": vals["ours", "tcp"], "python_tcp": vals["peer", "tcp"],
+            "torchpar_unix": vals["ours", "unix"], "python_unix": vals["peer", "unix"], "unit": unit,
+            "client_cpu_us": {f"{w}_{t}": v for (w, t), v in cpu.items()}, "ratio_tcp": ratio["tcp"],
+            "ratio_unix": ratio["unix"], "ceiling_tcp": ceiling["tcp"], "ceiling_unix": ceiling["unix"],
+            "target": PYCLIENT_TARGET, "met": None if ratio["tcp"] is None else ratio["tcp"] >= PYCLIENT_TARGET}
+    md = ("\n\n### CPython's own SyncManager client (issue 44)\n\n"
+          "/usr/bin/python3's `SyncManager(address, authkey).connect()` in the benchmark's own process, "
+          "against `torchpar manager` and against Python's SyncManager server, each a process of its "
+          f"own (peers/python_manager_client.py); {ops:,} dict pairs or list appends per timed batch, "
+          "the same client code for both. \"Client CPU\" is the client process's CPU time per "
+          "operation (torchpar run / Python run): the part no server can save, so Python's wall time "
+          "per operation over it (\"ceiling\") bounds the speed-up any server could give this "
+          "client.\n\n")
+    md += table(["measure", "unit", "torchpar TCP", "Python TCP", "TCP vs TCP", "torchpar Unix path",
+                 "Python AF_UNIX", "Unix vs AF_UNIX", "client CPU (us/op)", "ceiling (TCP)"], rows, left=2)
+    md += "\n\n### Targets (issue 44)\n\n" + table(["target", "measured", "met"], trows)
     return md, summary
 
 
@@ -785,6 +853,12 @@ def plot_manager(runs, out):
                 ("Python\nAF_UNIX", peer.get(f"{m}/unix")), ("Python\nTCP", peer.get(f"{m}/tcp"))],
                None, True)
               for label, m, unit in MANAGER_ROWS]
+    py_ours, py_peer = runs[PYCLIENT_OURS]["median"], runs[PYCLIENT_PEER]["median"]
+    panels += [(f"CPython's SyncManager client:\n{label} ({unit})",
+                [("torchpar\nTCP", py_ours.get(f"{m}/tcp")), ("torchpar\nUnix", py_ours.get(f"{m}/unix")),
+                 ("Python\nTCP", py_peer.get(f"{m}/tcp")), ("Python\nAF_UNIX", py_peer.get(f"{m}/unix"))],
+                None, True)
+               for label, m, unit in PYCLIENT_ROWS]
     bar_grid(out / "manager.png", "Manager: torchpar vs Python's multiprocessing.Manager", panels, cols=3)
 
 
