@@ -761,10 +761,14 @@ def runners_manager(cfg):
 def manager_cli_missing(cfg):
     """None when `torchpar manager` exists, else why the Python-client rows are not run."""
     try:
-        r = subprocess.run([str(cfg.torchpar), "manager", "--help"], capture_output=True, timeout=30)
+        r = subprocess.run([str(cfg.torchpar), "manager", "--help"], capture_output=True, text=True,
+                           timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"cannot run {cfg.torchpar} manager --help: {e}"
-    return None if r.returncode == 0 else f"{cfg.torchpar} has no manager subcommand"
+    # Without the subcommand, `torchpar manager --help` prints the top-level help (status 0).
+    if r.returncode == 0 and re.search(r"^Usage: \S+ manager\b", r.stdout, re.M):
+        return None
+    return f"{cfg.torchpar} has no manager subcommand"
 
 
 def report_manager(runs, limits, cfg):

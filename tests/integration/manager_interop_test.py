@@ -30,6 +30,7 @@ import multiprocessing.managers
 import os
 import pickle
 import queue
+import re
 import secrets
 import signal
 import socket
@@ -72,11 +73,14 @@ def raises(exc_type, fn, *args, **kwargs):
 
 
 def has_manager_command():
+    """`torchpar manager --help` prints the subcommand's usage (a torchpar without it prints
+    the top-level help, also with status 0)."""
     try:
-        r = subprocess.run([TORCHPAR, "manager", "--help"], capture_output=True, timeout=30)
+        r = subprocess.run([TORCHPAR, "manager", "--help"], capture_output=True, text=True,
+                           timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return r.returncode == 0
+    return r.returncode == 0 and re.search(r"^Usage: \S+ manager\b", r.stdout, re.M) is not None
 
 
 class Server:
