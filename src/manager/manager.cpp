@@ -147,4 +147,13 @@ void Manager::shutdown() {
   }
 }
 
+void serve_manager(const std::string& address, const AuthKey& authkey,
+                   const std::function<void(const std::string&)>& ready, bool allow_legacy_md5) {
+  auto server =
+      std::make_shared<detail::ManagerServer>(Listener(address), authkey, allow_legacy_md5);
+  server->serve_forever([&] {
+    if (ready) ready(server->address());
+  });
+}
+
 }  // namespace torchpar

@@ -106,6 +106,35 @@ std::shared_ptr<ManagerServer::Served> ManagerServer::find(uint64_t id) {
   return it->second.served;
 }
 
+uint64_t ManagerServer::add_object(std::string type_id, std::unique_ptr<ServedObject> object,
+                                   int64_t refcount) {
+  auto served = std::make_shared<Served>();
+  served->type_id = std::move(type_id);
+  served->object = std::move(object);
+  std::lock_guard<std::mutex> g(mu_);
+  const uint64_t id = next_id_++;
+  objects_.emplace(id, Entry{std::move(served), refcount});
+  return id;
+}
+
+bool ManagerServer::incref(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = objects_.find(id);
+  if (it == objects_.end()) return false;
+  ++it->second.refcount;
+  return true;
+}
+
+size_t ManagerServer::number_of_objects() {
+  std::lock_guard<std::mutex> g(mu_);
+  return objects_.size();
+}
+
+void ManagerServer::stop() {
+  stopping_ = true;
+  listener_.close();  // wakes serve_forever's accept; the process exits
+}
+
 bool ManagerServer::decref(uint64_t id, int64_t count) {
   std::shared_ptr<Served> dropped;  // destroyed after the table lock is released
   std::lock_guard<std::mutex> g(mu_);
@@ -200,6 +229,10 @@ void ManagerServer::serve_connection(Connection connection) {
     } catch (const std::exception&) {
       break;  // the client left, or broke the framing (or the channel's): end the connection
     }
+    if (first && !bytes.empty() && bytes[0] == '\x80') {  // PROTO: a pickle, a Python client
+      serve_python_connection(*this, connection, std::move(bytes), &shutdown);
+      break;
+    }
     Response response;
     bool attached = false;
     try {
@@ -226,8 +259,7 @@ void ManagerServer::serve_connection(Connection connection) {
     }
   }
   if (shutdown) {
-    stopping_ = true;
-    listener_.close();  // wakes serve_forever's accept; the process exits
+    stop();
     return;
   }
   // The client is gone: what it still held goes with it.
@@ -322,7 +354,8 @@ void ManagerServer::handshake_then_serve(Connection connection, uint64_t ticket)
     const int fd = connection.fileno();
     const std::string peer = describe_peer(fd);
     try {
-      auth_accept(fd, *authkey_, std::chrono::steady_clock::now() + kHandshakeTimeout);
+      auth_accept(fd, *authkey_, std::chrono::steady_clock::now() + kHandshakeTimeout,
+                  {.allow_legacy_md5 = allow_legacy_md5_});
     } catch (const AuthenticationError& e) {
       ok = false;
       refusal = fmt::format("Manager {}: refused peer {}: {}", address(), peer, e.what());

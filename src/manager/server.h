@@ -160,8 +160,13 @@ class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
   /// Connections in the handshake at once; a new one closes the oldest.
   static constexpr size_t kMaxPendingHandshakes = 64;
 
-  explicit ManagerServer(Listener listener, std::optional<AuthKey> authkey = std::nullopt)
-      : listener_(std::move(listener)), authkey_(std::move(authkey)) {}
+  /// `allow_legacy_md5`: also accept the HMAC-MD5 handshake of Python <= 3.11's clients
+  /// (`torchpar manager`); the servers of C++ Managers speak {sha256} only.
+  explicit ManagerServer(Listener listener, std::optional<AuthKey> authkey = std::nullopt,
+                         bool allow_legacy_md5 = false)
+      : listener_(std::move(listener)),
+        authkey_(std::move(authkey)),
+        allow_legacy_md5_(allow_legacy_md5) {}
   const std::string& address() const { return listener_.address(); }
   /// Accepts and serves clients (a thread each) until shutdown. Returns then; the caller's
   /// process exits (connection threads are detached and end with it). `ready` runs before
@@ -182,12 +187,28 @@ class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
   manager::Response handle(const manager::Request& request, bool* shutdown, Held* held,
                            int fd = -1);
 
- private:
   struct Served {
     std::mutex mu;  // one call at a time on this object
     std::string type_id;
     std::unique_ptr<ServedObject> object;
   };
+
+  // ---- Python clients (py_protocol.cpp): Python's refcounts are global, not per
+  // connection (each incref / decref comes on a connection of its own).
+  /// Adds `object` with refcount `refcount`; returns its id.
+  uint64_t add_object(std::string type_id, std::unique_ptr<ServedObject> object, int64_t refcount);
+  /// The object `id`. Errors: ServedError("KeyError") when the server holds none.
+  std::shared_ptr<Served> find(uint64_t id);
+  /// One more reference to `id`; false when it is gone.
+  bool incref(uint64_t id);
+  /// Drops `count` references to `id` (the object goes at zero); false if it is gone.
+  bool decref(uint64_t id, int64_t count);
+  /// Live objects.
+  size_t number_of_objects();
+  /// A client asked for shutdown: serve_forever returns.
+  void stop();
+
+ private:
   struct Entry {
     std::shared_ptr<Served> served;
     int64_t refcount = 0;
@@ -200,12 +221,10 @@ class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
   bool admit(Connection connection);
   /// A connection's thread: the handshake, then serve_connection.
   void handshake_then_serve(Connection connection, uint64_t ticket);
-  std::shared_ptr<Served> find(uint64_t id);
-  /// Drops `count` references to `id` (the object goes at zero); false if it is gone.
-  bool decref(uint64_t id, int64_t count);
 
   Listener listener_;
   std::optional<AuthKey> authkey_;
+  bool allow_legacy_md5_ = false;
   // Connections in the handshake: ticket (in accept order: the smallest is the oldest) ->
   // fd. A thread leaves the map before it closes its fd, so an fd in the map is open and
   // the accepting thread may shut it down (under pending_mu_).
@@ -227,5 +246,12 @@ class ManagerServer : public std::enable_shared_from_this<ManagerServer> {
 /// the owner shuts the server down), and the process dies with its owner (PDEATHSIG, as
 /// every torchpar Process child).
 void manager_server_main(Connection ready, std::string address, AuthKey authkey);
+
+/// Serves a Python client (multiprocessing.managers' protocol: pickled `(ident, method,
+/// args, kwds)` requests, `('#RETURN' | '#ERROR' | '#TRACEBACK' | '#PROXY', value)` answers)
+/// on `connection`, whose first frame `first` was a pickle, until the client leaves or asks
+/// for shutdown (*shutdown set). py_protocol.cpp.
+void serve_python_connection(ManagerServer& server, Connection& connection, std::string first,
+                             bool* shutdown);
 
 }  // namespace torchpar::detail

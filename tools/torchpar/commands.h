@@ -23,6 +23,7 @@ Command add_train(CLI::App& app);
 Command add_bench(CLI::App& app);
 Command add_infer(CLI::App& app);
 Command add_serve(CLI::App& app);
+Command add_manager(CLI::App& app);
 
 /// The longest timeout an option takes, in seconds (about 115 days): a steady_clock deadline
 /// now + 1e10 s overflows (292 years of nanoseconds), so larger values are refused, not

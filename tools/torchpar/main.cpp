@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
   auto bench = torchpar::cli::add_bench(app);
   auto infer = torchpar::cli::add_infer(app);
   auto serve = torchpar::cli::add_serve(app);
+  auto manager = torchpar::cli::add_manager(app);
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("info")) return info();
@@ -49,6 +50,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("bench")) return bench();
     if (app.got_subcommand("infer")) return infer();
     if (app.got_subcommand("serve")) return serve();
+    if (app.got_subcommand("manager")) return manager();
   } catch (const std::exception& e) {
     fmt::print(stderr, "torchpar: error: {}\n", e.what());
     return 1;

@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -255,5 +256,24 @@ class Manager {
   std::unique_ptr<Process> server_;  // owner only
   std::string address_;
 };
+
+/// Runs a manager server in the calling thread, in the foreground (what `torchpar manager`
+/// runs), for C++ clients (Manager::connect) and Python clients alike: CPython's own
+/// multiprocessing.managers.SyncManager(address, authkey).connect() creates and calls dict,
+/// list, Namespace, Value, Array, Queue, JoinableQueue, Lock, RLock, Semaphore,
+/// BoundedSemaphore, Condition, Event and Barrier objects here, with Python's exceptions
+/// (KeyError, queue.Empty, threading.BrokenBarrierError, ...). docs/manager.md, "Python
+/// clients", lists what a foreign server supports.
+///
+/// `address`: "host:port" (port 0: any free one) or a filesystem path (AF_UNIX); `authkey`:
+/// every client proves it (Python's handshake; `allow_legacy_md5` also accepts the HMAC-MD5
+/// form of Python <= 3.11's clients). `ready(bound address)` runs once the server listens.
+/// Returns when a client asks for shutdown (Python: the manager's shutdown call).
+/// Errors:  Error when the address cannot be bound (naming it); what `ready` throws.
+/// Safety:  one server per call; a thread per connection inside.
+/// Source:  multiprocessing.managers.Server.serve_forever (BaseManager.get_server()).
+void serve_manager(const std::string& address, const AuthKey& authkey,
+                   const std::function<void(const std::string& bound_address)>& ready = {},
+                   bool allow_legacy_md5 = true);
 
 }  // namespace torchpar
