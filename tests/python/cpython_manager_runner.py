@@ -223,6 +223,20 @@ def _server_dead(pid):
     return state in ("Z", "X")
 
 
+def _reason_line(err):
+    """One line for a failing test; for a RemoteError (the server's traceback between two
+    rules of dashes) the server's last line, the exception it raised."""
+    exc_type, value, _ = err
+    if exc_type.__name__ == "RemoteError":
+        # torchpar's text has no newline before the closing rule: strip it off the line.
+        lines = [l.strip().rstrip("-") for l in str(value).splitlines()
+                 if l.strip() and l.strip().strip("-")]
+        if lines:
+            line = f"RemoteError: {lines[-1]}"
+            return line if len(line) <= 240 else line[:237] + "..."
+    return mp_runner._one_line(err)
+
+
 class _ManagerResult(mp_runner._EventResult):
     """The existing runner's event result, plus: after each test, the server must still
     run; when it does not, the event names the test and the run stops (the suite checks
@@ -231,6 +245,20 @@ class _ManagerResult(mp_runner._EventResult):
     def __init__(self, *args, server_pid, **kwargs):
         super().__init__(*args, **kwargs)
         self._server_pid = server_pid
+
+    def addError(self, test, err):
+        self._verbose_traceback(test, err)
+        self._record(test, "errors", _reason_line(err))
+
+    def addFailure(self, test, err):
+        self._verbose_traceback(test, err)
+        self._record(test, "failed", _reason_line(err))
+
+    def _verbose_traceback(self, test, err):
+        if self._verbose:
+            import traceback
+            text = "".join(traceback.format_exception(*err))
+            print(f"{test.id()}:\n{text}", file=sys.__stderr__, flush=True)
 
     def stopTest(self, test):
         test_id = self._current
