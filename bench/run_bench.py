@@ -821,11 +821,14 @@ def report_manager_pyclient(runs, ops, cfg):
         ratio = {t: advantage(vals["ours", t], vals["peer", t], True) for t in ("tcp", "unix")}
         # The client's CPU per operation is the part no server saves: Python's wall time per
         # operation over it bounds the speed-up any server could give this client.
+        server_cpu = {(who, t): med.get(f"{measure}_server_cpu/{t}") for who, med in (("ours", ours), ("peer", peer))
+                      for t in ("tcp", "unix")}
         ceiling = {t: (1e6 / vals["peer", t] / cpu["peer", t]) if vals["peer", t] and cpu["peer", t] else None
                    for t in ("tcp", "unix")}
         rows.append((label, unit, fmt(vals["ours", "tcp"]), fmt(vals["peer", "tcp"]), fmt_x(ratio["tcp"]),
                      fmt(vals["ours", "unix"]), fmt(vals["peer", "unix"]), fmt_x(ratio["unix"]),
-                     f"{fmt(cpu['ours', 'tcp'])} / {fmt(cpu['peer', 'tcp'])}", fmt_x(ceiling["tcp"])))
+                     f"{fmt(cpu['ours', 'tcp'])} / {fmt(cpu['peer', 'tcp'])}",
+                     f"{fmt(server_cpu['ours', 'tcp'])} / {fmt(server_cpu['peer', 'tcp'])}", fmt_x(ceiling["tcp"])))
         for t, name in (("tcp", "TCP 127.0.0.1"), ("unix", "AF_UNIX path")):
             trows.append((f"{label} from CPython's SyncManager client, {name}: torchpar manager "
                           f"≥ {PYCLIENT_TARGET}x Python's server", fmt_x(ratio[t]),
@@ -833,7 +836,8 @@ def report_manager_pyclient(runs, ops, cfg):
         summary[f"pyclient_{measure}"] = {
             "torchpar_tcp": vals["ours", "tcp"], "python_tcp": vals["peer", "tcp"],
             "torchpar_unix": vals["ours", "unix"], "python_unix": vals["peer", "unix"], "unit": unit,
-            "client_cpu_us": {f"{w}_{t}": v for (w, t), v in cpu.items()}, "ratio_tcp": ratio["tcp"],
+            "client_cpu_us": {f"{w}_{t}": v for (w, t), v in cpu.items()},
+            "server_cpu_us": {f"{w}_{t}": v for (w, t), v in server_cpu.items()}, "ratio_tcp": ratio["tcp"],
             "ratio_unix": ratio["unix"], "ceiling_tcp": ceiling["tcp"], "ceiling_unix": ceiling["unix"],
             "target": PYCLIENT_TARGET, "met": None if ratio["tcp"] is None else ratio["tcp"] >= PYCLIENT_TARGET}
     md = ("\n\n### CPython's own SyncManager client (issue 44)\n\n"
@@ -843,9 +847,11 @@ def report_manager_pyclient(runs, ops, cfg):
           "the same client code for both. \"Client CPU\" is the client process's CPU time per "
           "operation (torchpar run / Python run): the part no server can save, so Python's wall time "
           "per operation over it (\"ceiling\") bounds the speed-up any server could give this "
-          "client.\n\n")
+          "client. \"Server CPU\" is the server process's CPU time per operation (torchpar / Python; "
+          "TCP, /proc clock ticks): what the server itself spends.\n\n")
     md += table(["measure", "unit", "torchpar TCP", "Python TCP", "TCP vs TCP", "torchpar Unix path",
-                 "Python AF_UNIX", "Unix vs AF_UNIX", "client CPU (us/op)", "ceiling (TCP)"], rows, left=2)
+                 "Python AF_UNIX", "Unix vs AF_UNIX", "client CPU (us/op)", "server CPU (us/op)", "ceiling (TCP)"],
+                rows, left=2)
     md += "\n\n### Targets (issue 44)\n\n" + table(["target", "measured", "met"], trows)
     return md, summary
 

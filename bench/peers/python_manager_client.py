@@ -12,7 +12,8 @@ measures, from its main thread:
   list_append   l.append(i)                        (appends/s: one round trip)
 and, for each, this process's CPU time per operation (<measure>_client_cpu, us/op): the
 client's own share of a round trip, which no server can save (wall time per operation over
-it bounds the speed-up any server can give this client).
+it bounds the speed-up any server can give this client), and the server process's CPU time per
+operation (<measure>_server_cpu, us/op; /proc/PID/stat, clock-tick resolution).
 Each measure: a warm-up batch of 100, then --batches timed batches of --ops; value = all items /
 all time (as Google Benchmark's items_per_second). The server is stopped with SIGTERM after
 the transport (killed after 10 s; its process group too).
@@ -125,19 +126,27 @@ class Server:
         return self.proc.returncode
 
 
-def rate(batch, n, batches):
-    """(items/s, this process's CPU microseconds per item) of `batches` timed calls of
-    batch(n), after one warm-up batch. The CPU time is the client's own cost per round trip:
-    the part no server can save."""
+def process_cpu_s(pid):
+    """CPU seconds (user + system, all threads) a process has used: /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rate(batch, n, batches, server_pid):
+    """(items/s, this process's CPU microseconds per item, the server's) of `batches` timed
+    calls of batch(n), after one warm-up batch. The client's CPU time is its own cost per round
+    trip: the part no server can save; the server's is what it spends per operation."""
     batch(WARMUP)
-    done, elapsed, cpu = 0, 0.0, 0.0
+    done, elapsed, cpu, server_cpu = 0, 0.0, 0.0, 0.0
     for _ in range(batches):
-        c0, t0 = time.process_time(), time.perf_counter()
+        s0, c0, t0 = process_cpu_s(server_pid), time.process_time(), time.perf_counter()
         batch(n)
         elapsed += time.perf_counter() - t0
         cpu += time.process_time() - c0
+        server_cpu += process_cpu_s(server_pid) - s0
         done += n
-    return done / elapsed, cpu / done * 1e6
+    return done / elapsed, cpu / done * 1e6, server_cpu / done * 1e6
 
 
 def bench_transport(kind, torchpar, transport, ops, batches):
@@ -164,8 +173,9 @@ def bench_transport(kind, torchpar, transport, ops, batches):
                 if len(l) - before != k:
                     raise RuntimeError(f"list: {len(l) - before} of {k} appends arrived")
 
-            res = {"dict_setget": rate(dict_batch, ops, batches),
-                   "list_append": rate(list_batch, ops, batches)}
+            pid = server.proc.pid
+            res = {"dict_setget": rate(dict_batch, ops, batches, pid),
+                   "list_append": rate(list_batch, ops, batches, pid)}
             del d, l, manager
         finally:
             status = server.stop()
@@ -198,9 +208,10 @@ def main():
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(args.timeout)
     for transport in args.transports.split(","):
-        for name, (value, cpu_us) in bench_transport(args.server, args.torchpar, transport,
-                                                     args.ops, args.batches).items():
-            for key, v, unit in ((name, value, "ops/s"), (f"{name}_client_cpu", cpu_us, "us/op")):
+        for name, (value, cpu_us, server_us) in bench_transport(
+                args.server, args.torchpar, transport, args.ops, args.batches).items():
+            for key, v, unit in ((name, value, "ops/s"), (f"{name}_client_cpu", cpu_us, "us/op"),
+                                 (f"{name}_server_cpu", server_us, "us/op")):
                 print(json.dumps({"name": key, "transport": transport, "server": args.server,
                                   "value": v, "unit": unit}), flush=True)
     return 0
