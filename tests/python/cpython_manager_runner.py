@@ -457,7 +457,7 @@ def _parse_groups(text):
 
 def print_report(report, show_skips):
     print(f"\nCPython {report['python']} test._test_multiprocessing manager tests: "
-          f"impl={report['impl']} server={report['server']} "
+          f"impl={report['impl']} server={report['server']} address={report['address']} "
           f"start_method={report['start_method']}")
     header = f"{'group':<12}{'passed':>8}{'failed':>8}{'errors':>8}{'skipped':>9}" \
              f"{'total':>7}{'seconds':>9}"
@@ -499,7 +499,7 @@ def run(args):
             return 2
     os.environ[START_METHOD_ENV] = args.start_method
     groups = _parse_groups(args.groups)
-    report = {"impl": args.impl, "start_method": args.start_method,
+    report = {"impl": args.impl, "start_method": args.start_method, "address": args.address,
               "server": args.torchpar_bin + " manager" if args.impl == "torchpar"
               else "multiprocessing.managers.SyncManager(...).get_server()",
               "python": sys.version.split()[0], "timeout_s": args.timeout,
