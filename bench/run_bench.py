@@ -803,13 +803,13 @@ def report_manager(runs, limits, cfg):
            "the tensors; Python (with torch imported) passes them to and from the server as "
            "shared-memory fds.\n\n### Targets (issue 16)\n\n")
     md += table(["target", "measured", "met"], trows)
-    py_md, py_summary = report_manager_pyclient(runs, ops, cfg)
+    py_md, py_summary = report_manager_pyclient(runs, ops)
     summary.update(py_summary)
     md += py_md + "\n\n![manager](manager.png)"
     return md, summary
 
 
-def report_manager_pyclient(runs, ops, cfg):
+def report_manager_pyclient(runs, ops):
     """The rows of CPython's SyncManager client against torchpar manager vs Python's server."""
     ours, peer = runs[PYCLIENT_OURS]["median"], runs[PYCLIENT_PEER]["median"]
     rows, trows, summary = [], [], {}
@@ -819,10 +819,10 @@ def report_manager_pyclient(runs, ops, cfg):
         cpu = {(who, t): med.get(f"{measure}_client_cpu/{t}") for who, med in (("ours", ours), ("peer", peer))
                for t in ("tcp", "unix")}
         ratio = {t: advantage(vals["ours", t], vals["peer", t], True) for t in ("tcp", "unix")}
-        # The client's CPU per operation is the part no server saves: Python's wall time per
-        # operation over it bounds the speed-up any server could give this client.
         server_cpu = {(who, t): med.get(f"{measure}_server_cpu/{t}") for who, med in (("ours", ours), ("peer", peer))
                       for t in ("tcp", "unix")}
+        # The client's CPU per operation is the part no server saves: Python's wall time per
+        # operation over it bounds the speed-up any server could give this client.
         ceiling = {t: (1e6 / vals["peer", t] / cpu["peer", t]) if vals["peer", t] and cpu["peer", t] else None
                    for t in ("tcp", "unix")}
         rows.append((label, unit, fmt(vals["ours", "tcp"]), fmt(vals["peer", "tcp"]), fmt_x(ratio["tcp"]),
