@@ -4,8 +4,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -113,6 +115,21 @@ std::vector<Value> items_of(const Value& v) {
     for (const auto& it : v.as<pickle::Dict>().items) keys.push_back(it.key);
     return keys;
   }
+  if (v.is<pickle::Object>() && v.as<pickle::Object>().type.module == "builtins" &&
+      v.as<pickle::Object>().type.name == "range") {  // range(start, stop, step)
+    const auto& r = v.as<pickle::Object>().args;
+    const int64_t start = r.size() > 1 ? to_int(r[0], "range") : 0;
+    const int64_t stop = to_int(r.at(r.size() > 1 ? 1 : 0), "range");
+    const int64_t step = r.size() > 2 ? to_int(r[2], "range") : 1;
+    if (step == 0) raise("ValueError", "range() arg 3 must not be zero");
+    std::vector<Value> out;
+    for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+      if (out.size() >= (size_t{1} << 22))
+        raise("MemoryError", "a range of more than 4 Mi items is refused here");
+      out.emplace_back(i);
+    }
+    return out;
+  }
   raise("TypeError", fmt::format("'{}' object is not iterable here", v.type_name()));
 }
 
@@ -153,8 +170,18 @@ class PyDict final : public PyServed {
     });
   }
 
+  /// The dict's size, for its iterators (they live in other objects, under other locks).
+  std::shared_ptr<const std::atomic<int64_t>> size() const { return size_; }
+
   Value py_call(const std::string& m, std::vector<Value>& a, const pickle::Dict& kw,
-                const CallContext&) override {
+                const CallContext& c) override {
+    Value result = dict_call(m, a, kw, c);
+    size_->store(static_cast<int64_t>(index_.size()));
+    return result;
+  }
+
+  Value dict_call(const std::string& m, std::vector<Value>& a, const pickle::Dict& kw,
+                  const CallContext&) {
     static const Value kNone;
     const auto arg = [&](size_t i, const char* name, const Value* dflt = nullptr) -> const Value& {
       return argument(a, kw, i, name, dflt);
@@ -268,6 +295,7 @@ class PyDict final : public PyServed {
 
   std::vector<std::optional<DictItem>> items_;  // insertion order; holes where erased
   std::unordered_map<Value, size_t, KeyHash, KeyEqual> index_;
+  std::shared_ptr<std::atomic<int64_t>> size_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 // ---- list and Array ---------------------------------------------------------------------
@@ -542,7 +570,8 @@ class PyValue final : public PyServed {
 
 class PyIterator final : public PyServed {
  public:
-  explicit PyIterator(std::vector<Value> items) : items_(std::move(items)) {}
+  PyIterator(std::vector<Value> items, std::shared_ptr<const std::atomic<int64_t>> size)
+      : items_(std::move(items)), size_(std::move(size)), initial_(size_ ? size_->load() : 0) {}
   std::vector<std::string> exposed() const override {
     return {"__next__", "send", "throw", "close"};
   }
@@ -553,6 +582,8 @@ class PyIterator final : public PyServed {
       return {};
     }
     if (m == "throw") raise("TypeError", "a served iterator takes no exceptions");
+    if (size_ && size_->load() != initial_)  // as a dict iterator checks its dict
+      raise("RuntimeError", "dictionary changed size during iteration");
     if (next_ >= items_.size()) throw PyException("builtins", "StopIteration", {}, "StopIteration");
     return std::move(items_[next_++]);  // __next__ and send (a list iterator ignores sent values)
   }
@@ -560,6 +591,8 @@ class PyIterator final : public PyServed {
 
  private:
   std::vector<Value> items_;
+  std::shared_ptr<const std::atomic<int64_t>> size_;  // the dict's, or null
+  int64_t initial_ = 0;
   size_t next_ = 0;
 };
 
@@ -590,8 +623,9 @@ bool py_equal(const Value& a, const Value& b) {
   return a == b;
 }
 
-std::unique_ptr<PyServed> make_py_iterator(std::vector<Value> items) {
-  return std::make_unique<PyIterator>(std::move(items));
+std::unique_ptr<PyServed> make_py_iterator(std::vector<Value> items, const PyServed* source) {
+  const auto* dict = dynamic_cast<const PyDict*>(source);
+  return std::make_unique<PyIterator>(std::move(items), dict ? dict->size() : nullptr);
 }
 
 std::unique_ptr<PyServed> make_py_object(const std::string& type_id, std::vector<Value> args,

@@ -72,8 +72,9 @@ std::unique_ptr<PyServed> make_py_object(const std::string& type_id, std::vector
 /// The blocking types (py_sync.cpp); nullptr for another typeid.
 std::unique_ptr<PyServed> make_py_sync(const std::string& type_id, std::vector<Value>& args,
                                        const pickle::Dict& kwds);
-/// An iterator over `items` (the "Iterator" typeid: __next__ raises StopIteration at the end).
-std::unique_ptr<PyServed> make_py_iterator(std::vector<Value> items);
+/// An iterator over `items` (the "Iterator" typeid: __next__ raises StopIteration at the end)
+/// that `source` returned; a dict's raises RuntimeError once the dict changed size.
+std::unique_ptr<PyServed> make_py_iterator(std::vector<Value> items, const PyServed* source);
 
 /// Argument `index` (or keyword `name`) of a call, else `fallback`; TypeError when absent and
 /// no fallback.

@@ -14,8 +14,11 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "manager/pickle.h"
@@ -74,6 +77,14 @@ Value names(const std::vector<std::string>& methods) {
   return Value::tuple(std::move(out));
 }
 
+/// True the first time `id` is pinned in this process (PythonClient::pin_referenced).
+bool pin_once(uint64_t id) {
+  static std::mutex mu;
+  static std::set<uint64_t> pinned;
+  std::lock_guard<std::mutex> lock(mu);
+  return pinned.insert(id).second;
+}
+
 class PythonClient {
  public:
   PythonClient(ManagerServer& server, Connection& conn)
@@ -91,9 +102,9 @@ class PythonClient {
       reply = Value::tuple({Value::str("#ERROR"), e.value()});
     } catch (const pickle::PickleError& e) {
       reply = Value::tuple(
-          {Value::str("#TRACEBACK"), Value::str(fmt::format("UnpicklingError: {}", e.what()))});
-    } catch (const std::exception& e) {
-      reply = Value::tuple({Value::str("#TRACEBACK"), Value::str(e.what())});
+          {Value::str("#TRACEBACK"), Value::str(fmt::format("UnpicklingError: {}\n", e.what()))});
+    } catch (const std::exception& e) {  // a traceback's text ends with a newline
+      reply = Value::tuple({Value::str("#TRACEBACK"), Value::str(fmt::format("{}\n", e.what()))});
     }
     conn_.send_bytes(pickle::encode(reply));
     return !*shutdown;
@@ -111,6 +122,7 @@ class PythonClient {
                       request.type_name()));
     const std::string method = (*t)[1].as<pickle::Str>().utf8;
     auto& args = (*t)[2].as<pickle::Tuple>().items;
+    pin_referenced(request);
     const auto& kwds = (*t)[3].as<pickle::Dict>();
     if (!serving_) return control(method, args, kwds, shutdown);
     return call(id_of((*t)[0]), method, args, kwds);
@@ -135,7 +147,7 @@ class PythonClient {
       return Value::tuple({Value::str(ident_of(id)), exposed});
     }
     if (method == "incref") {
-      if (!server_.incref(ident())) throw Traceback(fmt::format("KeyError: '{}'", args[0].repr()));
+      if (!server_.incref(ident())) throw Traceback(fmt::format("KeyError: {}", args[0].repr()));
       return {};
     }
     if (method == "decref") {
@@ -160,6 +172,40 @@ class PythonClient {
       return {};
     }
     throw Traceback(fmt::format("AssertionError: '{}' unrecognized", method));
+  }
+
+  /// A proxy of one of this server's objects that travels inside a request (a Queue
+  /// appended to a managed list) is kept as a value; Python's server keeps the object alive
+  /// for it (id_to_local_proxy_obj), so does this one: each object so referenced is pinned
+  /// (one reference, held until the server exits), whatever its clients' proxies do.
+  void pin_referenced(const Value& v) {
+    if (const auto* o = std::get_if<pickle::Object>(&v.data())) {
+      if (o->type.module == "multiprocessing.managers" && o->type.name == "Token" && o->state &&
+          o->state->is<pickle::Tuple>()) {
+        const auto& f = o->state->as<pickle::Tuple>().items;
+        if (f.size() == 3 && py::py_equal(f[1], address_)) {
+          try {
+            const uint64_t id = id_of(f[2]);
+            if (pin_once(id)) server_.incref(id);
+          } catch (const Traceback&) {
+          }
+        }
+      }
+      for (const auto& a : o->args) pin_referenced(a);
+      if (o->state) pin_referenced(*o->state);
+      return;
+    }
+    std::visit(
+        [&](const auto& x) {
+          using T = std::decay_t<decltype(x)>;
+          if constexpr (std::is_same_v<T, pickle::Tuple> || std::is_same_v<T, pickle::List> ||
+                        std::is_same_v<T, pickle::Set> || std::is_same_v<T, pickle::FrozenSet>) {
+            for (const auto& item : x.items) pin_referenced(item);
+          } else if constexpr (std::is_same_v<T, pickle::Dict>) {
+            for (const auto& item : x.items) pin_referenced(item.value);
+          }
+        },
+        v.data());
   }
 
   PyServed* py_object(uint64_t id) {
@@ -195,7 +241,7 @@ class PythonClient {
     if (const auto type_id = object->proxy_typeid(method)) {
       std::vector<Value> items;
       if (result.is<pickle::List>()) items = std::move(result.as<pickle::List>().items);
-      auto iterator = py::make_py_iterator(std::move(items));
+      auto iterator = py::make_py_iterator(std::move(items), object);
       const Value rexposed = names(iterator->exposed());
       const uint64_t rid = server_.add_object(*type_id, std::move(iterator), 1);
       throw ProxyReply{Value::tuple({rexposed, token(*type_id, address_, rid)})};

@@ -22,7 +22,14 @@ struct ManagerConfig {
   std::string authkey_file;
 };
 
-extern "C" void on_manager_stop(int) { ::_exit(0); }  // nothing to flush or unlink
+/// The Unix socket's path to remove at a signal (empty for TCP); written before the
+/// handlers are installed, read only by them.
+char g_socket_path[4096] = {};
+
+extern "C" void on_manager_stop(int) {
+  if (g_socket_path[0] == '/') ::unlink(g_socket_path);  // as Python's Listener.close does
+  ::_exit(0);
+}
 
 int run_manager(const ManagerConfig& c) {
   std::ifstream f(c.authkey_file, std::ios::binary);
@@ -32,6 +39,8 @@ int run_manager(const ManagerConfig& c) {
   std::string key = ss.str();
   while (!key.empty() && (key.back() == '\n' || key.back() == '\r')) key.pop_back();
   if (key.empty()) throw ValueError(fmt::format("--authkey-file {} is empty", c.authkey_file));
+  if (!c.address.empty() && c.address[0] == '/' && c.address.size() < sizeof g_socket_path)
+    c.address.copy(g_socket_path, c.address.size());
   struct sigaction sa {};
   sa.sa_handler = on_manager_stop;
   ::sigemptyset(&sa.sa_mask);
