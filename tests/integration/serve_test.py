@@ -913,10 +913,17 @@ def drain(srv):
     fa = {"prompt": "Zz 3", "max_tokens": 110, "temperature": 0}
     fb = {"prompt": "Zz 4", "max_tokens": 110, "temperature": 0}
     refs = [text_of(complete(srv.port, f)[1]) for f in (fa, fb)]
-    first = threading.Event()
-    ta = in_thread(stream, srv.port, fa, first=first, timeout=120)
-    first.wait(60)
-    srv.signal_workers(signal.SIGSTOP)
+    # The tiny model may finish all 110 tokens between the first event and the SIGSTOP on a
+    # loaded machine: try again until the request is caught running (as case 8 does).
+    for attempt in range(5):
+        first = threading.Event()
+        ta = in_thread(stream, srv.port, fa, first=first, timeout=120)
+        first.wait(60)
+        srv.signal_workers(signal.SIGSTOP)
+        if running(srv.port) == 1:
+            break
+        srv.signal_workers(signal.SIGCONT)
+        joined(*ta, 120)
     try:
         check(running(srv.port) == 1, "[9] a streaming request runs (workers stopped)")
         # --max-batch 8: the second joins at the next step; with the workers stopped it waits.

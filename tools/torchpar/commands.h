@@ -75,4 +75,20 @@ CLI::Validator decimal_integer() {
       "INT");
 }
 
+/// The worker options `torchpar infer` and `torchpar serve` share (TensorParallelOptions'
+/// dtype, backend and threads_per_worker).
+inline void add_worker_options(CLI::App* cmd, std::string& dtype, std::string& backend,
+                               int& threads_per_worker) {
+  cmd->add_option("--dtype", dtype, "weights in the workers: float32 | bfloat16 | float16")
+      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))
+      ->capture_default_str();
+  cmd->add_option("--backend", backend, "collectives between the workers: auto | shm | gloo")
+      ->check(CLI::IsMember({"auto", "shm", "gloo"}))
+      ->capture_default_str();
+  cmd->add_option("--threads-per-worker", threads_per_worker,
+                  "LibTorch intra-op threads per worker; 0: cores / tensor-parallel")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
+}
+
 }  // namespace torchpar::cli

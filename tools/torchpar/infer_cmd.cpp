@@ -122,16 +122,7 @@ Command add_infer(CLI::App& app) {
   auto* seed =
       cmd->add_option("--seed", c->seed, "sampling seed (default: random, printed on stderr)")
           ->check(decimal_integer<uint64_t>());
-  cmd->add_option("--dtype", c->dtype, "weights in the workers: float32 | bfloat16 | float16")
-      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))
-      ->capture_default_str();
-  cmd->add_option("--backend", c->backend, "collectives between the workers: auto | shm | gloo")
-      ->check(CLI::IsMember({"auto", "shm", "gloo"}))
-      ->capture_default_str();
-  cmd->add_option("--threads-per-worker", c->threads_per_worker,
-                  "LibTorch intra-op threads per worker; 0: cores / tensor-parallel")
-      ->check(CLI::Range(0, 256))
-      ->capture_default_str();
+  add_worker_options(cmd, c->dtype, c->backend, c->threads_per_worker);
   cmd->add_option("--timeout", c->timeout, "seconds: starting, and the whole generation")
       ->check(finite_number(0, kMaxTimeoutSeconds, /*lo_open=*/true))
       ->capture_default_str();

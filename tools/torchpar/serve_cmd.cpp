@@ -652,16 +652,7 @@ Command add_serve(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--api-key-file", c->api_key_file,
                   "file holding the API key: every request then needs Authorization: Bearer <key>");
-  cmd->add_option("--dtype", c->dtype, "weights in the workers: float32 | bfloat16 | float16")
-      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))
-      ->capture_default_str();
-  cmd->add_option("--backend", c->backend, "collectives between the workers: auto | shm | gloo")
-      ->check(CLI::IsMember({"auto", "shm", "gloo"}))
-      ->capture_default_str();
-  cmd->add_option("--threads-per-worker", c->threads_per_worker,
-                  "LibTorch intra-op threads per worker; 0: cores / tensor-parallel")
-      ->check(CLI::Range(0, 256))
-      ->capture_default_str();
+  add_worker_options(cmd, c->dtype, c->backend, c->threads_per_worker);
   cmd->add_option("--timeout", c->timeout,
                   "seconds: loading the model, and each decoding step (a worker that stops "
                   "answering breaks the server)")
