@@ -20,6 +20,7 @@
 #include "torchpar/manager/containers.h"
 #include "torchpar/manager/manager.h"
 #include "torchpar/manager/proxy.h"
+#include "torchpar/manager/python.h"
 #include "torchpar/parallel/distributed_data_parallel.h"
 #include "torchpar/parallel/parallel.h"
 #include "torchpar/parallel/state_dict.h"

@@ -19,6 +19,7 @@
 #include "torchpar/core/error.h"
 #include "torchpar/ipc/listener.h"
 #include "torchpar/manager/proxy.h"
+#include "torchpar/manager/python.h"
 #include "torchpar/serialize/serialize.h"
 
 namespace torchpar {
@@ -374,6 +375,54 @@ void BaseProxy::load(detail::InputArchive& ar) {
       timeout_s < 0 ? Timeout() : Timeout(std::chrono::duration<double>(timeout_s));
   ref_ = detail::ProxyRef::adopt(
       detail::ManagerClient::get(address, authkey, timeout, share_tensors), std::move(type_id), id);
+}
+
+// ---- PythonProxy ----------------------------------------------------------------------
+
+std::string PythonProxy::ident() const { return fmt::format("{:x}", id()); }
+
+pickle::Value PythonProxy::call(const std::string& method, std::vector<pickle::Value> args,
+                                Timeout wait) const {
+  return pickle::decode(
+      call_method(method, pickle::encode(pickle::Value::tuple(std::move(args))), wait));
+}
+
+pickle::Value PythonProxy::copy() const { return pickle::decode(call_method("#GETVALUE", {})); }
+
+std::optional<pickle::Value> PythonDictProxy::get(const pickle::Value& key) const {
+  try {
+    return call("__getitem__", {key});
+  } catch (const RemoteError& e) {
+    if (e.type() == "KeyError") return std::nullopt;
+    throw;
+  }
+}
+
+bool PythonDictProxy::contains(const pickle::Value& key) const {
+  const pickle::Value v = call("__contains__", {key});
+  return v.as<bool>();
+}
+
+size_t PythonDictProxy::size() const { return static_cast<size_t>(call("__len__").as<int64_t>()); }
+
+namespace {
+/// The items of a list or tuple result.
+std::vector<pickle::Value> sequence_items(pickle::Value v) {
+  if (v.is<pickle::List>()) return std::move(v.as<pickle::List>().items);
+  return std::move(v.as<pickle::Tuple>().items);
+}
+}  // namespace
+
+std::vector<pickle::Value> PythonDictProxy::keys() const { return sequence_items(call("keys")); }
+
+std::vector<std::pair<pickle::Value, pickle::Value>> PythonDictProxy::items() const {
+  std::vector<std::pair<pickle::Value, pickle::Value>> out;
+  for (auto& item : sequence_items(call("items"))) {
+    auto& pair = item.as<pickle::Tuple>().items;
+    if (pair.size() != 2) throw Error("PythonDictProxy::items: an item that is not a pair");
+    out.emplace_back(std::move(pair[0]), std::move(pair[1]));
+  }
+  return out;
 }
 
 }  // namespace torchpar

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <charconv>
 #include <tuple>
 #include <utility>
 
@@ -117,6 +118,34 @@ std::shared_ptr<detail::ProxyRef> Manager::create(const std::string& type_id,
   const std::string value = client_->request(r);
   const auto id = loads<uint64_t>(Payload{value, {}});
   return std::make_shared<detail::ProxyRef>(client_, type_id, id);
+}
+
+std::shared_ptr<detail::ProxyRef> Manager::create_python(const std::string& type_id,
+                                                         std::vector<pickle::Value> args) {
+  auto ref = create("python:" + type_id, pickle::encode(pickle::Value::tuple(std::move(args))));
+  ref->type_id = type_id;  // Python's typeid: what its Token carries
+  return ref;
+}
+
+PythonProxy Manager::python_object(const std::string& type_id, std::vector<pickle::Value> args) {
+  return PythonProxy(create_python(type_id, std::move(args)));
+}
+
+std::shared_ptr<detail::ProxyRef> Manager::attach(const std::string& type_id,
+                                                  const std::string& ident) {
+  if (!client_) throw ClosedError("Manager: moved from");
+  uint64_t id = 0;
+  const auto [p, ec] = std::from_chars(ident.data(), ident.data() + ident.size(), id, 16);
+  if (ident.empty() || ec != std::errc() || p != ident.data() + ident.size()) {
+    throw ValueError(fmt::format(
+        "Manager::python_proxy: ident '{}' is not an object id (a Token's id: lowercase hex)",
+        ident));
+  }
+  return detail::ProxyRef::adopt(client_, type_id, id);
+}
+
+PythonProxy Manager::python_proxy(const std::string& type_id, const std::string& ident) {
+  return PythonProxy(attach(type_id, ident));
 }
 
 size_t Manager::number_of_objects() {

@@ -2,7 +2,7 @@
 // model and the allow-list. Python's key semantics are in pickle_keys.cpp, the encoder in
 // pickle_encode.cpp, the decoder in pickle_decode.cpp (opcodes), pickle_tree.cpp (STOP) and
 // pickle_text.cpp (protocol 0's text). See pickle.h.
-#include "manager/pickle.h"
+#include "torchpar/manager/pickle.h"
 
 #include <algorithm>
 #include <charconv>
@@ -16,7 +16,7 @@
 
 #include "manager/pickle_impl.h"
 
-namespace torchpar::detail::pickle {
+namespace torchpar::pickle {
 
 // ---- errors ------------------------------------------------------------------------------------
 
@@ -494,4 +494,4 @@ const GlobalAllowList& GlobalAllowList::defaults() {
   return *list;
 }
 
-}  // namespace torchpar::detail::pickle
+}  // namespace torchpar::pickle

@@ -13,10 +13,10 @@
 
 #include <fmt/format.h>
 
-#include "manager/pickle.h"
 #include "manager/pickle_impl.h"
+#include "torchpar/manager/pickle.h"
 
-namespace torchpar::detail::pickle {
+namespace torchpar::pickle {
 
 namespace {
 
@@ -623,4 +623,4 @@ Value decode(std::string_view bytes, const DecodeOptions& options) {
   return Decoder(bytes, options).run();
 }
 
-}  // namespace torchpar::detail::pickle
+}  // namespace torchpar::pickle

@@ -9,10 +9,10 @@
 
 #include <fmt/format.h>
 
-#include "manager/pickle.h"
 #include "manager/pickle_impl.h"
+#include "torchpar/manager/pickle.h"
 
-namespace torchpar::detail::pickle {
+namespace torchpar::pickle {
 
 // ---- encoder -----------------------------------------------------------------------------------
 
@@ -289,4 +289,4 @@ std::string encode(const Value& value, int protocol) {
   return Encoder(protocol).run(value);
 }
 
-}  // namespace torchpar::detail::pickle
+}  // namespace torchpar::pickle

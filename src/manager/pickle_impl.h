@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "manager/pickle.h"
+#include "torchpar/manager/pickle.h"
 
-namespace torchpar::detail::pickle::impl {
+namespace torchpar::pickle::impl {
 
 // Every opcode of protocols 0-5 (Lib/pickle.py, Lib/pickletools.py): NAME, byte.
 #define TORCHPAR_PICKLE_OPCODES(X) \
@@ -153,4 +153,4 @@ struct Arena {
 /// refused. Errors: PickleError at the STOP opcode (at `stop_offset`).
 Value build_tree(Arena& arena, uint32_t root, const DecodeOptions& options, size_t stop_offset);
 
-}  // namespace torchpar::detail::pickle::impl
+}  // namespace torchpar::pickle::impl

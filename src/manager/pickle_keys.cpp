@@ -7,10 +7,10 @@
 #include <utility>
 #include <vector>
 
-#include "manager/pickle.h"
 #include "manager/pickle_impl.h"
+#include "torchpar/manager/pickle.h"
 
-namespace torchpar::detail::pickle {
+namespace torchpar::pickle {
 
 // ---- key semantics -----------------------------------------------------------------------------
 
@@ -240,4 +240,4 @@ void impl::dedupe_keys(std::vector<Value>& keys, std::vector<Value>* values) {
   if (values != nullptr) *values = std::move(v2);
 }
 
-}  // namespace torchpar::detail::pickle
+}  // namespace torchpar::pickle

@@ -10,7 +10,7 @@
 
 #include "manager/pickle_impl.h"
 
-namespace torchpar::detail::pickle::impl {
+namespace torchpar::pickle::impl {
 
 std::string printable(std::string_view s) {
   std::string out;
@@ -148,4 +148,4 @@ std::optional<std::string> raw_unicode_escape(std::string_view t) {
   return out;
 }
 
-}  // namespace torchpar::detail::pickle::impl
+}  // namespace torchpar::pickle::impl

@@ -9,7 +9,7 @@
 
 #include "manager/pickle_impl.h"
 
-namespace torchpar::detail::pickle::impl {
+namespace torchpar::pickle::impl {
 
 namespace {
 
@@ -136,4 +136,4 @@ Value build_tree(Arena& arena, uint32_t root, const DecodeOptions& options, size
   return TreeBuilder(arena, options, stop_offset).build(root, 0);
 }
 
-}  // namespace torchpar::detail::pickle::impl
+}  // namespace torchpar::pickle::impl

@@ -2,10 +2,10 @@
 // The objects a Python client of the manager creates (multiprocessing.managers.SyncManager's
 // typeids: dict, list, Namespace, Value, Array, Queue, JoinableQueue, Lock, RLock, Semaphore,
 // BoundedSemaphore, Condition, Event, Barrier, and the Iterator a dict's __iter__ returns),
-// holding pickle values (src/manager/pickle.h) and answering calls with Python's semantics.
-// The blocking types wrap the C++ clients' served objects (served_sync.cpp), items and all
-// as pickles, so both kinds of client get the same waits and timeouts. Private to the
-// library; py_protocol.cpp serves them.
+// holding pickle values (include/torchpar/manager/pickle.h) and answering calls with Python's
+// semantics. The blocking types wrap the C++ clients' served objects (served_sync.cpp), items and
+// all as pickles, so both kinds of client get the same waits and timeouts. Private to the library;
+// py_protocol.cpp serves them.
 
 #include <memory>
 #include <optional>
@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "manager/pickle.h"
 #include "manager/server.h"
+#include "torchpar/manager/pickle.h"
 
 namespace torchpar::detail::py {
 

@@ -25,9 +25,9 @@
 #include <variant>
 #include <vector>
 
-#include "manager/pickle.h"
 #include "manager/py_objects.h"
 #include "manager/server.h"
+#include "torchpar/manager/pickle.h"
 
 namespace torchpar::detail {
 namespace {

@@ -2,6 +2,8 @@
 // Python's truth value (py_objects.h).
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include <optional>
 #include <string>
 #include <utility>
@@ -27,11 +29,41 @@ void raise(const std::string& name, const std::string& message) {
   throw PyException("builtins", name, message);
 }
 
-std::string PyServed::call(const std::string& method, const std::string&, const CallContext&) {
-  throw ServedError("AttributeError",
-                    fmt::format("'{}' belongs to an object a Python client made: only Python "
-                                "clients call it",
-                                method));
+namespace {
+
+/// The items of a C++ client's pickled argument tuple ("" for none). Errors: ServedError
+/// "PickleError" for a pickle that cannot be read, "TypeError" for one that is no tuple.
+std::vector<Value> pickled_tuple(const std::string& bytes, const std::string& what) {
+  if (bytes.empty()) return {};
+  Value decoded;
+  try {
+    decoded = pickle::decode(bytes, {.max_elements = size_t{1} << 20});
+  } catch (const pickle::PickleError& e) {
+    throw ServedError("PickleError", e.what());
+  }
+  if (!decoded.is<pickle::Tuple>()) {
+    throw ServedError("TypeError", fmt::format("the arguments of {} are a {}, not a tuple", what,
+                                               decoded.type_name()));
+  }
+  return std::move(decoded.as<pickle::Tuple>().items);
+}
+
+}  // namespace
+
+std::string PyServed::call(const std::string& method, const std::string& args,
+                           const CallContext& context) {
+  // A C++ client (PythonProxy): args are a pickled tuple, the result a pickle.
+  std::vector<Value> argv = pickled_tuple(args, fmt::format("'{}'", method));
+  try {
+    const auto names = exposed();
+    if (std::find(names.begin(), names.end(), method) == names.end()) {
+      if (method == "#GETVALUE") return pickle::encode(value());
+      throw ServedError("AttributeError", fmt::format("method '{}' is not exposed", method));
+    }
+    return pickle::encode(py_call(method, argv, pickle::Dict{}, context));
+  } catch (const PyException& e) {
+    throw ServedError(e.name(), e.what());
+  }
 }
 
 Value PyServed::value() const { raise("TypeError", "this object has no value to send"); }
@@ -91,3 +123,17 @@ bool truthy(const Value& v) {
 }
 
 }  // namespace torchpar::detail::py
+
+namespace torchpar::detail {
+
+std::unique_ptr<ServedObject> make_python_object(const std::string& type_id,
+                                                 const std::string& pickled_args) {
+  auto args = py::pickled_tuple(pickled_args, fmt::format("a new '{}'", type_id));
+  try {
+    return py::make_py_object(type_id, std::move(args), pickle::Dict{});
+  } catch (const py::PyException& e) {
+    throw ServedError(e.name(), e.what());
+  }
+}
+
+}  // namespace torchpar::detail

@@ -153,8 +153,14 @@ Response ManagerServer::handle(const Request& request, bool* shutdown, Held* hel
     switch (static_cast<RequestKind>(request.kind)) {
       case RequestKind::kCreate: {
         auto served = std::make_shared<Served>();
-        served->type_id = request.type_id;
-        served->object = make_served_object(request.type_id, request.args);
+        constexpr std::string_view kPython = "python:";  // Manager::python_object
+        if (request.type_id.starts_with(kPython)) {
+          served->type_id = request.type_id.substr(kPython.size());
+          served->object = make_python_object(served->type_id, request.args);
+        } else {
+          served->type_id = request.type_id;
+          served->object = make_served_object(request.type_id, request.args);
+        }
         std::lock_guard<std::mutex> g(mu_);
         const uint64_t id = next_id_++;
         objects_.emplace(id, Entry{std::move(served), 1});

@@ -144,6 +144,13 @@ std::unique_ptr<ServedObject> make_served_barrier(const std::string& args);
 std::unique_ptr<ServedObject> make_served_registered(const std::string& type_id,
                                                      const std::string& args);
 
+/// An object of Python's kind for a C++ client (Manager::python_object: the request's
+/// typeid is "python:" + `type_id`, its args a pickled tuple), as a Python client's create
+/// makes it (py_values.cpp). Errors: ServedError with the Python exception's name
+/// ("ValueError" for an unknown typeid, "TypeError", "PickleError").
+std::unique_ptr<ServedObject> make_python_object(const std::string& type_id,
+                                                 const std::string& pickled_args);
+
 /// The server: serve_forever() accepts clients on `listener` until a shutdown request.
 ///
 /// Handshakes: the Listener has no key; the server runs the key's handshake (`authkey`,

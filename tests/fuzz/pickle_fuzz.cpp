@@ -1,10 +1,10 @@
-// libFuzzer target for the pickle codec of Python's manager protocol (src/manager/pickle.h):
-// arbitrary bytes, as a Python client that passed the handshake could send them, go through
-// decode. Each must give a Value or a PickleError, never a crash, an out-of-bounds read, a
-// leak or a runaway allocation (the limits are lowered so that a hostile expansion shows up
-// within -malloc_limit_mb). What decodes is encoded again at protocols 2 to 5 and must decode
-// to the same value (abort otherwise), and key_hash / key_equal run on the dict keys and set
-// elements found.
+// libFuzzer target for the pickle codec of Python's manager protocol
+// (include/torchpar/manager/pickle.h): arbitrary bytes, as a Python client that passed the
+// handshake could send them, go through decode. Each must give a Value or a PickleError, never a
+// crash, an out-of-bounds read, a leak or a runaway allocation (the limits are lowered so that a
+// hostile expansion shows up within -malloc_limit_mb). What decodes is encoded again at protocols 2
+// to 5 and must decode to the same value (abort otherwise), and key_hash / key_equal run on the
+// dict keys and set elements found.
 //
 // Built without LibTorch: the codec, torchpar's error classes and c10's exception base.
 #include <cstddef>
@@ -17,11 +17,11 @@
 #include <string_view>
 #include <vector>
 
-#include "manager/pickle.h"
+#include "torchpar/manager/pickle.h"
 
 namespace {
 
-namespace pk = torchpar::detail::pickle;
+namespace pk = torchpar::pickle;
 using pk::Value;
 
 /// Seeds: what Python's manager protocol sends, at protocols 2 to 5 (our encoder writes the

@@ -18,6 +18,10 @@ session of its own, and killed with its process group whatever happens):
      handshake, with the key) a message that is not a pickle and a request naming a global
      outside the allow-list: the server still serves afterwards;
   5. AF_UNIX: a filesystem path as --address works the same (dict set/get);
+  7. a C++ client (examples/04_python_shared_dict.cpp, PythonDictProxy) and a Python client
+     share dicts both ways: C++ attaches to the dict Python made by its token's id, reads
+     Python's items and writes its own; Python attaches to the dict C++ made by its ident and
+     writes a reply C++ reads; the C++ dict is freed once both let go;
   6. SIGTERM: exit status 0 within 10 s, no process left in the server's session, and the
      AF_UNIX socket file removed (as Python's Listener does on close).
 Exit 77 (skipped) when BIN_DIR/torchpar has no `manager` subcommand.
@@ -43,6 +47,7 @@ import time
 
 BIN = sys.argv[1]
 TORCHPAR = os.path.join(BIN, "torchpar")
+EXAMPLE = os.path.join(BIN, "example_python_shared_dict")
 LISTENING = "torchpar manager: listening on "
 CASE_S = 15  # bound on one case (SIGALRM); the whole test is bounded by ctest and below
 failures = []
@@ -89,6 +94,7 @@ class Server:
     def __init__(self, workdir, address="127.0.0.1:0"):
         self.authkey = secrets.token_bytes(32)
         key_path = os.path.join(workdir, f"key.{secrets.token_hex(4)}")
+        self.key_path = key_path
         fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(self.authkey + b"\n")  # the trailing newline is stripped
@@ -301,6 +307,57 @@ def case_two_processes(server):
             writer.wait()
 
 
+def case_cpp_client(server):
+    """A Python client and a C++ client (examples/04_python_shared_dict.cpp) share dicts."""
+    m = server.manager()
+    d = m.dict()
+    d["from_python"] = "h\u00e9llo"
+    d[1] = 1.5
+    d["counter"] = 41
+    before = m._number_of_objects()  # d and what earlier cases left
+    addr = server.address if isinstance(server.address, str) else "%s:%d" % server.address
+    cpp = subprocess.Popen([EXAMPLE, addr, server.key_path, d._token.id], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("ident:"):
+            line = cpp.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+        check(lines[:3] == ["python wrote: 'from_python' = 'h\u00e9llo'", "python wrote: 1 = 1.5",
+                            "python wrote: 'counter' = 41"],
+              "C++ reads the items a Python client wrote (str, int and float keys)", repr(lines))
+        check(d["from_cpp"] == "hello from C++" and d[("step", 1)] == 0.5 and
+              d["counts"] == [1, 2, 3] and d["counter"] == 42 and d[1.0] == 1.5,
+              "Python reads what C++ wrote (str, tuple key, list value, read-modify-write)",
+              repr(d.copy()))
+        ident = lines[-1].split()[-1] if lines and lines[-1].startswith("ident:") else None
+        check(ident is not None, "C++ made a dict of its own and printed its ident", repr(lines))
+        if ident is None:
+            return
+        theirs = multiprocessing.managers.DictProxy(
+            multiprocessing.managers.Token("dict", server.address, ident), "pickle",
+            authkey=server.authkey)
+        check(theirs.copy() == {"answer": 42}, "Python reads the C++ client's dict by its ident",
+              repr(theirs.copy()))
+        theirs["reply"] = ("ok", 2)
+        out, err = cpp.communicate("go\n", timeout=10)
+        check(cpp.returncode == 0 and out.strip() == "reply: ('ok', 2)",
+              "C++ sees Python's write in its dict", f"rc {cpp.returncode}: {out} {err[-400:]}")
+        del theirs
+        deadline = time.monotonic() + 5  # the server sees the C++ client's close soon after
+        while m._number_of_objects() != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        check(m._number_of_objects() == before,
+              "the C++ client's dict is freed with the last proxy (its exit, Python's del)",
+              f"{m._number_of_objects()} objects, {before} before")
+    finally:
+        if cpp.poll() is None:
+            cpp.kill()
+            cpp.wait()
+
+
 def raw_connect(address):
     family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
@@ -409,6 +466,7 @@ def main():
             run_case("right key", case_right_key, server)
             run_case("wrong key", case_wrong_key, server)
             run_case("two client processes, one dict", case_two_processes, server)
+            run_case("a Python and a C++ client, shared dicts", case_cpp_client, server)
             run_case("garbage", case_garbage, server)
             run_case("SIGTERM (TCP)", case_sigterm, server)
         finally:

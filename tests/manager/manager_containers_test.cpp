@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 
 #include <chrono>
 #include <cstdint>
@@ -333,6 +334,79 @@ TEST(ManagerContainers, ObjectsAreFreedWithTheirLastProxy) {
     EXPECT_EQ(m.number_of_objects(), 3u);
     EXPECT_EQ(l.get(0), 1);
     EXPECT_EQ(a.get(0), 1);
+  }
+  EXPECT_EQ(m.number_of_objects(), 0u);
+}
+
+// ---- objects of Python's kind from C++ (Manager::python_object, PythonDictProxy) ----------
+
+/// The RemoteError type `f` raised ("" when it raised none).
+template <class F>
+std::string remote_error_type(F&& f) {
+  try {
+    f();
+  } catch (const tp::RemoteError& e) {
+    return e.type();
+  }
+  return "";
+}
+
+TEST(ManagerContainers, PythonKindDictKeepsPythonsKeySemantics) {
+  using tp::pickle::Value;
+  tp::Manager m(manager_options());
+  auto d = m.python_dict();
+  EXPECT_EQ(d.type_id(), "dict");
+  EXPECT_EQ(d.ident(), fmt::format("{:x}", d.id()));
+  d.set(1, Value::str("int"));
+  d.set(1.0, Value::str("float"));  // 1 == 1.0 in Python: the same key, the first kept
+  d.set(Value::str("a"), 1);
+  d.set(Value::bytes("a"), 2);  // b"a" != "a"
+  d.set(Value::tuple({Value::str("t"), 2}), Value::list({1, 2.5, Value()}));
+  EXPECT_EQ(d.size(), 4u);
+  EXPECT_EQ(*d.get(true), Value::str("float"));  // True == 1 too
+  EXPECT_EQ(*d.get(Value::bytes("a")), Value(2));
+  EXPECT_EQ(*d.get(Value::tuple({Value::str("t"), 2.0})), Value::list({1, 2.5, Value()}));
+  EXPECT_FALSE(d.get(Value::str("missing")).has_value());
+  EXPECT_TRUE(d.contains(Value::str("a")));
+  EXPECT_EQ(d.keys(), (std::vector<Value>{1, Value::str("a"), Value::bytes("a"),
+                                          Value::tuple({Value::str("t"), 2})}));
+  EXPECT_EQ(d.items().at(0).second, Value::str("float"));
+  EXPECT_EQ(remote_error_type([&] { d.pop(Value::str("missing")); }), "KeyError");
+  EXPECT_EQ(remote_error_type([&] { d.set(Value::list({}), 1); }), "TypeError");  // unhashable
+  EXPECT_EQ(remote_error_type([&] { d.call("no_such_method"); }), "AttributeError");
+  EXPECT_EQ(d.pop(Value::bytes("a")), Value(2));
+  d.erase(Value::str("a"));
+  EXPECT_EQ(d.copy().kind(), Value::Kind::kDict);
+  EXPECT_EQ(d.copy().as<tp::pickle::Dict>().items.size(), 2u);
+  d.clear();
+  EXPECT_EQ(d.size(), 0u);
+}
+
+TEST(ManagerContainers, PythonKindObjectsAreSharedByIdentAndFreed) {
+  using tp::pickle::Value;
+  tp::Manager m(manager_options());
+  {
+    auto d = m.python_dict();
+    auto same = m.python_dict(d.ident());  // as a Python client rebuilds a proxy from a Token
+    same.set(Value::str("k"), 7);
+    EXPECT_EQ(*d.get(Value::str("k")), Value(7));
+    EXPECT_THROW(m.python_dict("not hex"), tp::ValueError);
+    EXPECT_EQ(remote_error_type([&] { m.python_dict("fffff"); }), "KeyError");
+
+    auto l = m.python_object("list", {Value::list({1, 2})});
+    l.call("append", {Value::str("x")});
+    EXPECT_EQ(l.call("__len__"), Value(3));
+    EXPECT_EQ(l.call("__getitem__", {-1}), Value::str("x"));
+    EXPECT_EQ(remote_error_type([&] { l.call("__getitem__", {10}); }), "IndexError");
+
+    auto q = m.python_object("Queue", {int64_t{1}});
+    q.call("put", {Value::str("item")});
+    EXPECT_EQ(q.call("get"), Value::str("item"));
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_EQ(remote_error_type([&] { q.call("get", {true, 0.2}, 5s); }), "Empty");
+    EXPECT_GE(std::chrono::steady_clock::now() - start, 190ms);  // it waited its timeout
+    EXPECT_EQ(remote_error_type([&] { m.python_object("NoSuchType"); }), "ValueError");
+    EXPECT_EQ(m.number_of_objects(), 3u);
   }
   EXPECT_EQ(m.number_of_objects(), 0u);
 }

@@ -1,4 +1,4 @@
-// The pickle codec of Python's manager protocol (src/manager/pickle.h):
+// The pickle codec of Python's manager protocol (include/torchpar/manager/pickle.h):
 //   - every type round-trips through encode and decode at protocols 2 to 5;
 //   - pickles /usr/bin/python3 wrote (protocols 0 to 5: a Token, '#ERROR' answers with
 //     exceptions, RemoteError, queue.Empty, nested containers, big ints, memo back-references,
@@ -24,11 +24,11 @@
 #include <string>
 #include <vector>
 
-#include "manager/pickle.h"
+#include "torchpar/manager/pickle.h"
 #include "torchpar/torchpar.h"
 
 namespace tp = torchpar;
-namespace pk = torchpar::detail::pickle;
+namespace pk = torchpar::pickle;
 using namespace std::chrono_literals;
 using namespace std::string_literals;
 using pk::Value;

@@ -30,6 +30,7 @@
 #include "torchpar/core/timeout.h"
 #include "torchpar/manager/containers.h"
 #include "torchpar/manager/proxy.h"
+#include "torchpar/manager/python.h"
 #include "torchpar/manager/register.h"
 #include "torchpar/manager/sync.h"
 #include "torchpar/process/start_method.h"
@@ -230,6 +231,28 @@ class Manager {
   }
 
   /// The server's address ("127.0.0.1:43125", a path, "@name").
+  /// A new object of Python's kind for C++ and Python clients to share: `type_id` is one of
+  /// SyncManager's ("dict", "list", "Namespace", "Value", "Array", "Queue", "JoinableQueue",
+  /// "Lock", "RLock", "Semaphore", "BoundedSemaphore", "Condition", "Event", "Barrier"),
+  /// made from `args` as SyncManager.<type_id>(*args) makes it (python_object("list",
+  /// {Value::list({1, 2})}), python_object("Queue", {int64_t{8}})). A Python client reaches
+  /// it through its ident() (torchpar/manager/python.h). Only a `torchpar manager` or
+  /// serve_manager server has Python's kinds; a Manager's own server has them too.
+  /// Errors: RemoteError "ValueError" for an unknown type_id, "TypeError" for bad args.
+  PythonProxy python_object(const std::string& type_id, std::vector<pickle::Value> args = {});
+  /// python_object("dict") as a PythonDictProxy. Source: SyncManager.dict.
+  PythonDictProxy python_dict() { return PythonDictProxy(create_python("dict", {})); }
+  /// This process's proxy for the object of Python's kind a Python client made: its
+  /// typeid and its token's id (`proxy._token.id`, hex), as a Python client rebuilds a proxy
+  /// from a Token. Takes a reference (the object lives while this proxy does).
+  /// Errors: RemoteError "KeyError" when the server holds no object `ident`; ValueError
+  /// when `ident` is not hex.
+  PythonProxy python_proxy(const std::string& type_id, const std::string& ident);
+  /// python_proxy("dict", ident) as a PythonDictProxy.
+  PythonDictProxy python_dict(const std::string& ident) {
+    return PythonDictProxy(attach("dict", ident));
+  }
+
   const std::string& address() const;
   /// The server's pid (owner), -1 for a Manager from connect().
   int pid() const;
@@ -246,6 +269,11 @@ class Manager {
   /// constructor's arguments; "" for none). Returns this process's reference to it.
   std::shared_ptr<detail::ProxyRef> create(const std::string& type_id,
                                            const std::string& args = {});
+  /// create() for an object of Python's kind ("python:" + type_id in the request).
+  std::shared_ptr<detail::ProxyRef> create_python(const std::string& type_id,
+                                                  std::vector<pickle::Value> args);
+  /// A new reference of this process on the object `ident` (hex) of `type_id`.
+  std::shared_ptr<detail::ProxyRef> attach(const std::string& type_id, const std::string& ident);
   /// The payload bytes of a constructor's arguments, as make_served_object decodes them.
   template <class... A>
   static std::string encode_args(const A&... args) {

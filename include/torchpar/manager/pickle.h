@@ -5,7 +5,8 @@
 // pickle decodes into a value model (Value) and never into objects: a class named by GLOBAL
 // or STACK_GLOBAL must be on an allow-list and stays a name, a REDUCE / NEWOBJ / BUILD on it
 // an Object that keeps the class, its arguments and its state, and encodes back to the same
-// opcodes. Private to the library; no LibTorch.
+// opcodes. No LibTorch. Public for the C++ side of objects shared with Python clients
+// (torchpar/manager/python.h: PythonProxy, PythonDictProxy), whose items are these values.
 //
 // Read:    protocols 0 to 5. Every opcode of protocols 2-5 that builds data, plus the text
 //          opcodes of protocols 0/1 (INT, LONG, FLOAT, STRING, UNICODE, GET, PUT, LIST, DICT,
@@ -32,7 +33,7 @@
 
 #include "torchpar/core/error.h"
 
-namespace torchpar::detail::pickle {
+namespace torchpar::pickle {
 
 /// A pickle that cannot be decoded (truncated, malformed, hostile, a global outside the
 /// allow-list, over a limit) or a value that cannot be encoded. `what()` names the problem
@@ -353,4 +354,4 @@ struct KeyEqual {
   bool operator()(const Value& a, const Value& b) const { return key_equal(a, b); }
 };
 
-}  // namespace torchpar::detail::pickle
+}  // namespace torchpar::pickle
