@@ -63,12 +63,14 @@ Python original: PyTorch's test/distributed/test_distributed_spawn.py and run_te
 """
 
 import argparse
+import atexit
 import datetime
 import fnmatch
 import json
 import os
 import platform
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -512,6 +514,14 @@ def main(argv=None):
     if args.world_size < 2:
         parser.error("--world-size must be at least 2")
 
+    # The suite's cases make temporary files (FileStore files) and leave some behind: they all
+    # go to a directory of the run's own, removed at the end (the rank log stays outside it).
+    outer_tmp = tempfile.gettempdir()
+    run_tmp = tempfile.mkdtemp(prefix="dist_test_runner_")
+    owner = os.getpid()  # forked ranks inherit the handler: only this process removes it
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(run_tmp, ignore_errors=True))
+    tempfile.tempdir = run_tmp
+    os.environ["TMPDIR"] = run_tmp  # the spawned ranks' tempfile too
     os.environ.update({
         RUNNER_ENV: "1",
         "BACKEND": args.backend,
@@ -550,7 +560,8 @@ def main(argv=None):
             log_path = args.rank_log
             log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         else:
-            log_fd, log_path = tempfile.mkstemp(prefix="dist_test_ranks_", suffix=".log")
+            log_fd, log_path = tempfile.mkstemp(prefix="dist_test_ranks_", suffix=".log",
+                                                dir=outer_tmp)
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(log_fd, 1)
