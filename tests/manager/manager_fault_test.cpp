@@ -6,6 +6,8 @@
 //   - a client process (fork and spawn) SIGKILLed in the middle of a blocking call: the other
 //     clients' calls go on, its references are dropped, and the server thread of its call
 //     ends once the call returns;
+//   - Python's protocol after a correct handshake: mutated control requests and calls are
+//     each answered with a reply of the protocol on the same connection;
 //   - after a correct handshake: frames that are no request (mutated and truncated valid
 //     requests, random bytes) are answered with SerializationError and the connection goes
 //     on; huge length prefixes (4-byte and CPython's 64-bit form) end that connection
@@ -321,6 +323,102 @@ TEST(ManagerGarbage, FramesThatAreNoRequestsAreAnsweredAndTheConnectionGoesOn) {
   ASSERT_TRUE(r.ok) << r.error_message;
   EXPECT_EQ(tp::loads<uint64_t>(tp::Payload{r.value, {}}), 1u);
   EXPECT_EQ(d.get("x"), std::optional<int64_t>(1));
+}
+
+/// True when `bytes` decode as a request of Python's protocol whose method is `name`.
+bool python_request_is(const std::string& bytes, const std::string& name) {
+  namespace pk = tp::pickle;
+  try {
+    const pk::Value v = pk::decode(bytes);
+    if (!v.is<pk::Tuple>()) return false;
+    const auto& items = v.as<pk::Tuple>().items;
+    return items.size() > 1 && items[1].is<pk::Str>() && items[1].as<pk::Str>().utf8 == name;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+/// A reply of Python's protocol: ('#RETURN' | '#ERROR' | '#TRACEBACK' | '#PROXY', value).
+bool is_python_reply(const std::string& bytes) {
+  namespace pk = tp::pickle;
+  const pk::Value v = pk::decode(bytes);
+  if (!v.is<pk::Tuple>() || v.as<pk::Tuple>().items.size() != 2) return false;
+  const auto& kind = v.as<pk::Tuple>().items[0];
+  if (!kind.is<pk::Str>()) return false;
+  const std::string& k = kind.as<pk::Str>().utf8;
+  return k == "#RETURN" || k == "#ERROR" || k == "#TRACEBACK" || k == "#PROXY";
+}
+
+// Python's protocol after a correct handshake (the path CPython's clients take): byte flips,
+// truncations and random tails of valid control requests and of calls on a dict and a list
+// are each answered with a reply of the protocol (an error for most), on the same
+// connection; the server and the objects a C++ client holds are intact afterwards.
+TEST(ManagerGarbage, MutatedPythonRequestsGetProtocolRepliesAndTheServerServes) {
+  namespace pk = tp::pickle;
+  using pk::Value;
+  tp::Manager m(manager_options());
+  tp::PythonDictProxy d = m.python_dict();
+  d.set(Value::str("x"), 1);
+  tp::PythonProxy l = m.python_object("list", {Value::list({1, 2})});
+  const auto request = [](Value ident, const char* method, std::vector<Value> args) {
+    return pk::encode(Value::tuple(
+        {std::move(ident), Value::str(method), Value::tuple(std::move(args)), Value::dict({})}));
+  };
+  const std::vector<std::string> control = {
+      request(Value(), "create", {Value::str("dict")}),
+      request(Value(), "incref", {Value::str(l.ident())}),
+      request(Value(), "number_of_objects", {}),
+      request(Value(), "dummy", {}),
+  };
+  const std::vector<std::string> calls = {
+      request(Value::str(d.ident()), "__setitem__", {Value::str("k"), Value::list({1, 2.5})}),
+      request(Value::str(d.ident()), "__getitem__", {Value::str("x")}),
+      request(Value::str(d.ident()), "items", {}),
+      request(Value::str(l.ident()), "__getitem__", {Value::object("builtins", "slice", {0, 1})}),
+      request(Value::str(l.ident()), "append", {Value::tuple({Value::bytes("b"), 3})}),
+  };
+  std::mt19937 rng(20261129);
+  const auto mutations = [&](const std::string& valid) {
+    std::vector<std::string> out;
+    for (size_t n = 1; n < valid.size(); n += 3) out.push_back(valid.substr(0, n));
+    for (size_t i = 0; i < valid.size(); ++i) {
+      std::string s = valid;
+      s[i] = static_cast<char>(s[i] ^ (1 << (rng() % 8)));
+      out.push_back(s);
+      s = valid;
+      s[i] = static_cast<char>(rng() & 0xff);
+      out.push_back(s);
+    }
+    std::string tail = valid.substr(0, valid.size() / 2);
+    for (int k = 0; k < 40; ++k) tail.push_back(static_cast<char>(rng() & 0xff));
+    out.push_back(tail);
+    return out;
+  };
+  size_t answered = 0;
+  for (const bool serving : {false, true}) {
+    tp::Connection c = authenticated(m.address());
+    if (serving) {  // a connection for a proxy's calls, as BaseProxy._connect makes one
+      c.send_bytes(request(Value(), "accept_connection", {Value::str("mutations")}));
+      ASSERT_TRUE(is_python_reply(c.recv_bytes(30s, 1 << 20)));
+    }
+    for (int round = 0; round < 3; ++round) {  // another rng draw each round
+      for (const std::string& valid : serving ? calls : control) {
+        for (const std::string& g : mutations(valid)) {
+          // A mutation that still asks for shutdown, or (serving) a decref, would be obeyed.
+          if (python_request_is(g, "shutdown") || python_request_is(g, "decref")) continue;
+          if (g.empty() || static_cast<unsigned char>(g[0]) != 0x80) continue;  // not a pickle
+          c.send_bytes(g);
+          const std::string reply = c.recv_bytes(30s, 1 << 20);
+          ASSERT_TRUE(is_python_reply(reply)) << "reply of " << reply.size() << " bytes";
+          ++answered;
+        }
+      }
+    }
+  }
+  EXPECT_GT(answered, 2000u);
+  EXPECT_EQ(*d.get(Value::str("x")), Value(1));
+  EXPECT_GE(l.call("__len__").as<int64_t>(), 2);
+  EXPECT_GE(m.number_of_objects(), 2u);
 }
 
 TEST(ManagerGarbage, HugeLengthPrefixesEndTheConnectionWithoutAllocating) {
