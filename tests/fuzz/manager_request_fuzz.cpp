@@ -7,21 +7,33 @@
 // An input is a session: records of a 2-byte big-endian length and that many bytes, each
 // one frame, handled in order on one connection's reference table, so the fuzzer can make a
 // dict and then call it.
+//
+// A session whose first frame is a pickle (0x80, as the server tells a Python client) is
+// Python's protocol instead: the frames go through serve_python_connection over a socket
+// pair, as a Python client's requests, against a server that already holds one object of
+// each of SyncManager's types (idents 1 to 11: dict, list, Namespace, Value, Array, Queue,
+// Lock, RLock, Semaphore, Condition, Event); a blocking call ends because the client side
+// has sent everything and shut its writing down (the server sees its caller gone).
+#include <arpa/inet.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "manager/py_objects.h"
 #include "manager/server.h"
+#include "torchpar/manager/pickle.h"
 #include "torchpar/torchpar.h"
 
 namespace {
@@ -104,6 +116,93 @@ std::vector<std::string> seed_session() {
   return out;
 }
 
+namespace pk = tp::pickle;
+
+/// The objects every Python session finds in the server, in ident order (1, 2, ...).
+const std::vector<std::pair<std::string, std::vector<pk::Value>>>& python_objects() {
+  static const std::vector<std::pair<std::string, std::vector<pk::Value>>> objects = {
+      {"dict", {}},
+      {"list", {pk::Value::list({1, pk::Value::str("a")})}},
+      {"Namespace", {}},
+      {"Value", {pk::Value::str("i"), 7}},
+      {"Array", {pk::Value::str("d"), pk::Value::list({1.5, 2.5})}},
+      {"Queue", {2}},
+      {"Lock", {}},
+      {"RLock", {}},
+      {"Semaphore", {1}},
+      {"Condition", {}},
+      {"Event", {}},
+  };
+  return objects;
+}
+
+std::string python_request(pk::Value ident, const char* method, std::vector<pk::Value> args) {
+  return pk::encode(pk::Value::tuple({std::move(ident), pk::Value::str(method),
+                                      pk::Value::tuple(std::move(args)), pk::Value::dict({})}));
+}
+
+/// Python sessions: control calls, then a proxy's connection calling each object.
+std::vector<std::vector<std::string>> python_seeds() {
+  using pk::Value;
+  const auto id = [](int i) {  // idents are hex, as the server writes them
+    char text[16];
+    std::snprintf(text, sizeof text, "%x", i);
+    return Value::str(text);
+  };
+  return {
+      {python_request(Value(), "create", {Value::str("dict")}),
+       python_request(Value(), "incref", {id(1)}), python_request(Value(), "decref", {id(1)}),
+       python_request(Value(), "number_of_objects", {}), python_request(Value(), "dummy", {})},
+      {python_request(Value(), "accept_connection", {Value::str("fuzz")}),
+       python_request(id(1), "__setitem__", {Value::str("k"), Value::tuple({1, 2.5})}),
+       python_request(id(1), "__getitem__", {Value::str("k")}), python_request(id(1), "items", {}),
+       python_request(id(1), "__iter__", {}), python_request(id(2), "append", {Value::bytes("b")}),
+       python_request(id(2), "__getitem__", {Value::object("builtins", "slice", {0, 1})}),
+       python_request(id(2), "sort", {}),
+       python_request(id(3), "__setattr__", {Value::str("x"), 1}),
+       python_request(id(4), "set", {9}), python_request(id(5), "__setitem__", {0, 3.5}),
+       python_request(id(6), "put", {Value::str("item")}), python_request(id(6), "get", {}),
+       python_request(id(7), "acquire", {}), python_request(id(7), "release", {}),
+       python_request(id(11), "set", {}), python_request(id(11), "wait", {0.01})},
+  };
+}
+
+/// Runs a Python session: `frames` from one client, on a server holding python_objects().
+void run_python_session(std::vector<std::string> frames) {
+  auto server = std::make_shared<ManagerServer>(closed_listener());
+  for (const auto& [type_id, args] : python_objects()) {
+    server->add_object(type_id, tp::detail::py::make_py_object(type_id, args, pk::Dict{}), 1);
+  }
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) std::abort();
+  // The client: every frame after the first (the server gets the first as read), then the
+  // end of its writing, then it reads the replies until the server closes.
+  std::thread client(
+      [fd = sv[1], rest = std::vector<std::string>(frames.begin() + 1, frames.end())] {
+        for (const std::string& f : rest) {
+          const uint32_t n = htonl(static_cast<uint32_t>(f.size()));
+          std::string framed(reinterpret_cast<const char*>(&n), 4);
+          framed += f;
+          for (size_t off = 0; off < framed.size();) {
+            const ssize_t w = ::send(fd, framed.data() + off, framed.size() - off, MSG_NOSIGNAL);
+            if (w <= 0) break;
+            off += static_cast<size_t>(w);
+          }
+        }
+        ::shutdown(fd, SHUT_WR);
+        char buf[4096];
+        while (::recv(fd, buf, sizeof buf, 0) > 0) {
+        }
+        ::close(fd);
+      });
+  {
+    tp::Connection conn(tp::UniqueFd(sv[0]), true, true, tp::Connection::Framing::kPython);
+    bool shutdown = false;
+    tp::detail::serve_python_connection(*server, conn, std::move(frames[0]), &shutdown);
+  }  // closes sv[0]: the client's reading ends
+  client.join();
+}
+
 void write_seed(const std::string& path, const std::vector<std::string>& records) {
   std::ofstream f(path, std::ios::binary);
   for (const std::string& r : records) {
@@ -124,6 +223,10 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   (void)closed_listener();
   if (dir.empty() || !std::filesystem::is_directory(dir) || !std::filesystem::is_empty(dir))
     return 0;
+  const auto python = python_seeds();
+  for (size_t i = 0; i < python.size(); ++i) {
+    write_seed(dir + "/python" + std::to_string(i), python[i]);
+  }
   const std::vector<std::string> session = seed_session();
   write_seed(dir + "/session", session);
   for (size_t i = 0; i < session.size(); ++i) {
@@ -134,6 +237,16 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size > 2 && data[2] == 0x80) {  // the first frame is a pickle: a Python client
+    std::vector<std::string> frames;
+    for (size_t at = 0; frames.size() < kMaxRecords && at + 2 <= size;) {
+      const size_t n = std::min<size_t>((size_t{data[at]} << 8) | data[at + 1], size - at - 2);
+      frames.emplace_back(reinterpret_cast<const char*>(data + at + 2), n);
+      at += 2 + n;
+    }
+    run_python_session(std::move(frames));
+    return 0;
+  }
   auto server = std::make_shared<ManagerServer>(closed_listener());
   ManagerServer::Held held;
   bool shutdown = false;
