@@ -19,6 +19,14 @@ constexpr size_t kCoalesceBytes = 16384;
 // A message grows by at most this much before its bytes have arrived.
 constexpr size_t kRecvStep = size_t{64} << 20;
 
+// True when `fd` is a SOCK_SEQPACKET socket (a Pipe's end): frames go as records.
+bool is_seqpacket(int fd) {
+  int type = 0;
+  socklen_t len = sizeof type;
+  return fd >= 0 && ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 &&
+         type == SOCK_SEQPACKET;
+}
+
 AuthDeadline or_never(const detail::Deadline& d) { return d ? *d : AuthDeadline::max(); }
 
 uint64_t big_endian(const unsigned char* p, int n) {
@@ -75,7 +83,8 @@ Connection::Connection(UniqueFd fd, bool readable, bool writable, Framing framin
     : fd_(std::make_shared<UniqueFd>(std::move(fd))),
       readable_(readable),
       writable_(writable),
-      framing_(framing) {}
+      framing_(framing),
+      records_(is_seqpacket(fd_->get())) {}
 
 bool Connection::closed() const { return !fd_ || !fd_->valid(); }
 
@@ -93,7 +102,10 @@ void Connection::close() {
 void Connection::send_payload_checked(const Payload& p) {
   if (!writable_) throw Error("Connection is read-only");
   if (framing_ == Framing::kPayload) {
-    send_payload(fileno(), p);
+    if (records_)
+      detail::send_payload_records(fileno(), p);
+    else
+      send_payload(fileno(), p);
     return;
   }
   if (!p.fds.empty()) {
@@ -139,8 +151,9 @@ Payload Connection::recv_payload_checked(Timeout timeout, size_t max_bytes) {
   // VMs, while a reply in a ping-pong usually arrives within a few. The spin retries the
   // read itself (a poll loop then a read was one system call more per message).
   try {
-    return detail::recv_payload_spinning(fileno(), timeout, max_bytes,
-                                         std::chrono::microseconds(50));
+    constexpr auto kSpin = std::chrono::microseconds(50);
+    if (records_) return detail::recv_payload_records(fileno(), timeout, max_bytes, kSpin);
+    return detail::recv_payload_spinning(fileno(), timeout, max_bytes, kSpin);
   } catch (const ProtocolError& e) {
     close();
     throw ProtocolError(fmt::format("{}; the connection was closed", e.what()));
@@ -192,12 +205,17 @@ void Connection::load(detail::InputArchive& ar) {
   }
   framing_ = static_cast<Framing>(framing);
   fd_ = std::make_shared<UniqueFd>(ar.take_fd(idx));
+  records_ = is_seqpacket(fd_->get());
 }
 
 std::pair<Connection, Connection> Pipe(bool duplex) {
+  // Records, not a byte stream: a small message is read whole in one system call (a stream
+  // needs one read for the header and one for the rest, or a read-ahead that would hide
+  // messages from poll on fileno()).
   int sv[2];
-  detail::check_syscall("socketpair", "Pipe",
-                        [&] { return ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv); });
+  detail::check_syscall("socketpair", "Pipe", [&] {
+    return ::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv);
+  });
   if (duplex)
     return {Connection(UniqueFd(sv[0]), true, true), Connection(UniqueFd(sv[1]), true, true)};
   ::shutdown(sv[0], SHUT_WR);

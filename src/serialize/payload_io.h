@@ -17,4 +17,17 @@ namespace torchpar::detail {
 Payload recv_payload_spinning(int sock, Timeout timeout, size_t max_bytes,
                               std::chrono::microseconds spin);
 
+/// send_payload over a SOCK_SEQPACKET Unix socket (Pipe): the frame goes as records, the
+/// first holding the header, the fds (up to 250) and up to 16 KiB of the bytes, so that the
+/// receiver takes a small frame whole in one read; more fds follow in 1-byte records, the
+/// rest of the bytes in records of up to 128 KiB (smaller when the socket's send buffer
+/// refuses that: EMSGSIZE). Errors and safety as send_payload.
+void send_payload_records(int sock, const Payload& payload);
+
+/// recv_payload_spinning for frames sent with send_payload_records. A record that does not
+/// fit where the frame says it goes (longer than the frame's rest, or a first record
+/// shorter than a header) is a SerializationError; the record is gone, the socket usable.
+Payload recv_payload_records(int sock, Timeout timeout, size_t max_bytes,
+                             std::chrono::microseconds spin);
+
 }  // namespace torchpar::detail

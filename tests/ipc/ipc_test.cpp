@@ -366,38 +366,151 @@ TEST(Pipe, BytesPollClosedAndDirection) {
   EXPECT_EQ(r.recv<std::vector<int>>(1s), (std::vector<int>{1, 2}));
 }
 
-// recv spins on the read itself for a moment (detail::recv_payload_spinning) before it
-// sleeps: a frame that comes during the spin, after it, or split around its end arrives
-// whole, with and without a timeout, and a timeout of 0 on an empty pipe still times out.
+// Two connected kPayload ends over a stream socket pair (a Pipe's ends are SOCK_SEQPACKET):
+// the framing for a Unix stream socket handed to Connection.
+std::pair<tp::Connection, tp::Connection> stream_pair() {
+  int sv[2];
+  EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  return {tp::Connection(tp::UniqueFd(sv[0]), true, true),
+          tp::Connection(tp::UniqueFd(sv[1]), true, true)};
+}
+
+// recv spins on the read itself for a moment (detail::recv_payload_spinning, or
+// recv_payload_records on a Pipe's records) before it sleeps: a frame that comes during the
+// spin, after it, or split around its end arrives whole, with and without a timeout, and a
+// timeout of 0 on an empty pipe still times out.
 TEST(Pipe, FramesArriveWholeAroundTheReceiveSpin) {
-  auto [a, b] = tp::Pipe();
-  EXPECT_THROW(b.recv_bytes(0s), tp::TimeoutError);
-  for (const bool with_timeout : {true, false}) {
-    SCOPED_TRACE(with_timeout ? "recv_bytes(5s)" : "recv_bytes()");
-    auto recv = [&, &b = b] { return with_timeout ? b.recv_bytes(5s) : b.recv_bytes(); };
-    for (const auto delay : {0ms, 30ms}) {
+  for (const bool records : {true, false}) {
+    SCOPED_TRACE(records ? "Pipe (records)" : "stream socket pair");
+    auto [a, b] = records ? tp::Pipe() : stream_pair();
+    EXPECT_THROW(b.recv_bytes(0s), tp::TimeoutError);
+    for (const bool with_timeout : {true, false}) {
+      SCOPED_TRACE(with_timeout ? "recv_bytes(5s)" : "recv_bytes()");
+      auto recv = [&, &b = b] { return with_timeout ? b.recv_bytes(5s) : b.recv_bytes(); };
+      for (const auto delay : {0ms, 30ms}) {
+        std::thread sender([&, &a = a] {
+          std::this_thread::sleep_for(delay);
+          a.send_bytes("whole");
+        });
+        EXPECT_EQ(recv(), "whole");
+        sender.join();
+      }
+      // A frame that comes in two writes, the second after the spin has ended (magic
+      // "PARF", no fds, 5 bytes): on a stream its header is split; as records the first
+      // holds the header and 2 bytes, the second the other 3.
+      const uint32_t head[4] = {0x46524150u, 0u, 5u, 0u};
+      std::string frame(reinterpret_cast<const char*>(head), sizeof head);
+      frame += "split";
+      const size_t cut = records ? sizeof head + 2 : 6;
       std::thread sender([&, &a = a] {
-        std::this_thread::sleep_for(delay);
-        a.send_bytes("whole");
+        ASSERT_EQ(::send(a.fileno(), frame.data(), cut, MSG_NOSIGNAL), static_cast<ssize_t>(cut));
+        std::this_thread::sleep_for(30ms);
+        ASSERT_EQ(::send(a.fileno(), frame.data() + cut, frame.size() - cut, MSG_NOSIGNAL),
+                  static_cast<ssize_t>(frame.size() - cut));
       });
-      EXPECT_EQ(recv(), "whole");
+      EXPECT_EQ(recv(), "split");
       sender.join();
     }
-    // A frame whose header comes in two writes, the second after the spin has ended:
-    // magic "PARF", no fds, 5 bytes.
-    const uint32_t head[4] = {0x46524150u, 0u, 5u, 0u};
-    std::string frame(reinterpret_cast<const char*>(head), sizeof head);
-    frame += "split";
-    std::thread sender([&, &a = a] {
-      ASSERT_EQ(::send(a.fileno(), frame.data(), 6, MSG_NOSIGNAL), 6);
-      std::this_thread::sleep_for(30ms);
-      ASSERT_EQ(::send(a.fileno(), frame.data() + 6, frame.size() - 6, MSG_NOSIGNAL),
-                static_cast<ssize_t>(frame.size() - 6));
-    });
-    EXPECT_EQ(recv(), "split");
-    sender.join();
+    EXPECT_FALSE(b.poll()) << "nothing left over on the socket";
   }
-  EXPECT_FALSE(b.poll()) << "nothing left over in the stream";
+}
+
+// A Pipe sends a frame as SOCK_SEQPACKET records (docs/wire_format.md): the header with up
+// to 16 KiB, fd records of up to 250 fds, then records of up to 128 KiB. Every length
+// around those edges and a frame with more fds than one record carries arrive whole in a
+// child and back, over an end the child got by fork and one rebuilt from its fd alone.
+TEST(Pipe, RecordsCarryEveryLengthAndManyFds) {
+  auto [mine, theirs] = tp::Pipe();
+  const std::vector<size_t> lengths = {0, 1, 16383, 16384, 16385, 147457, (3u << 20) + 7};
+  constexpr int kPipes = 260;  // fds in one frame: more than the 250 of one record
+  auto c = tp::testing::fork_child([&, theirs = theirs](int) mutable {
+    tp::Connection again(tp::UniqueFd(::dup(theirs.fileno())), true, true);
+    for (size_t i = 0; i < lengths.size(); ++i) again.send_bytes(again.recv_bytes(30s));
+    auto [ends, tail] = theirs.recv<std::tuple<std::vector<tp::Connection>, std::string>>(30s);
+    for (size_t i = 0; i < ends.size(); ++i) ends[i].send(static_cast<int>(i));
+    theirs.send(tail.size());
+    return 0;
+  });
+  for (const size_t n : lengths) {
+    std::string bytes(n, '\0');
+    for (size_t i = 0; i < n; ++i) bytes[i] = static_cast<char>(i * 131 + n);
+    mine.send_bytes(bytes);
+    EXPECT_EQ(mine.recv_bytes(30s), bytes) << n << " bytes";
+  }
+  std::vector<tp::Connection> keep, send;
+  for (int i = 0; i < kPipes; ++i) {
+    auto [x, y] = tp::Pipe();
+    keep.push_back(x);
+    send.push_back(y);
+  }
+  mine.send(std::make_tuple(send, std::string(100000, 'z')));
+  send.clear();
+  for (int i = 0; i < kPipes; ++i) EXPECT_EQ(keep[i].recv<int>(30s), i);
+  EXPECT_EQ(mine.recv<size_t>(30s), 100000u);
+  EXPECT_EQ(tp::testing::wait_child(c, 60s), 0);
+}
+
+// Records that do not fit the frame they claim to belong to are refused with a
+// SerializationError that names the problem; each is dropped whole, so the next message
+// arrives intact. A peer gone mid-frame is a ClosedError.
+TEST(Pipe, MalformedRecordsAreRefusedAndThePipeStaysInStep) {
+  auto [a, b] = tp::Pipe();
+  auto raw = [&, &a = a](const std::string& record) {
+    ASSERT_EQ(::send(a.fileno(), record.data(), record.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(record.size()));
+  };
+  auto header = [](uint64_t nbytes, uint32_t magic = 0x46524150u) {
+    const uint32_t head[4] = {magic, 0u, static_cast<uint32_t>(nbytes),
+                              static_cast<uint32_t>(nbytes >> 32)};
+    return std::string(reinterpret_cast<const char*>(head), sizeof head);
+  };
+  auto refused = [&, &b = b](const std::string& what) {
+    try {
+      (void)b.recv_bytes(5s);
+      ADD_FAILURE() << "no error; expected one naming: " << what;
+    } catch (const tp::SerializationError& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+    a.send_bytes("after");
+    EXPECT_EQ(b.recv_bytes(5s), "after");
+  };
+  raw("abc");
+  refused("shorter than a frame header");
+  raw(header(4, 0x12345678u) + "abcd");
+  refused("bad frame magic");
+  raw(header(4) + std::string(20, 'x'));
+  refused("the first record holds 20 bytes of a frame of 4");
+  raw(header(100) + std::string(10, 'x'));
+  raw(std::string(200, 'y'));
+  refused("a record longer than the frame's next part");
+  EXPECT_FALSE(b.poll());
+  raw(header(1000) + std::string(10, 'x'));
+  a.close();
+  try {
+    (void)b.recv_bytes(5s);
+    ADD_FAILURE() << "a frame cut short by the peer's close was received";
+  } catch (const tp::ClosedError& e) {
+    EXPECT_NE(std::string(e.what()).find("mid-frame (10 of 1000 bytes)"), std::string::npos)
+        << e.what();
+  }
+}
+
+// A socket whose send buffer cannot hold a record of the default lengths (EMSGSIZE) gets
+// shorter records: a 1 MiB message still arrives whole.
+TEST(Pipe, ASmallSendBufferMakesShorterRecords) {
+  auto [a, b] = tp::Pipe();
+  const int small = 4096;  // the kernel doubles it: an 8 KiB buffer
+  ASSERT_EQ(::setsockopt(a.fileno(), SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
+  std::string bytes(1 << 20, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i % 251);
+  std::thread sender([&, &a = a] { a.send_bytes(bytes); });
+  EXPECT_EQ(b.recv_bytes(30s), bytes);
+  sender.join();
+  // A frame whose first record is over the buffer too (sent while the receiver reads: the
+  // buffer holds one record at a time).
+  sender = std::thread([&, &a = a] { a.send_bytes(std::string(20000, 'q')); });
+  EXPECT_EQ(b.recv_bytes(30s), std::string(20000, 'q'));
+  sender.join();
 }
 
 int main(int argc, char** argv) {

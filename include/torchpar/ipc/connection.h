@@ -4,9 +4,11 @@
 ///
 /// One Connection type with two framings, as Python has one Connection class for Pipe()
 /// and for Listener/Client:
-///   - `Framing::kPayload` (Pipe): a Unix socket pair between related processes. Values
-///     travel as torchpar payloads (16-byte frame header, docs/wire_format.md) and the fds
-///     of shared tensors, queues and locks travel with SCM_RIGHTS, so tensors are shared.
+///   - `Framing::kPayload` (Pipe): a Unix socket pair between related processes
+///     (SOCK_SEQPACKET: a small message is one record, read whole in one system call).
+///     Values travel as torchpar payloads (16-byte frame header, docs/wire_format.md) and
+///     the fds of shared tensors, queues and locks travel with SCM_RIGHTS, so tensors are
+///     shared.
 ///   - `Framing::kPython` (Listener::accept, Client; torchpar/ipc/listener.h): a TCP or
 ///     Unix stream socket to any process, on this host or another, possibly Python's own
 ///     multiprocessing.connection. Frames are Python's: a 4-byte big-endian signed length
@@ -59,8 +61,9 @@ class Connection {
   };
 
   Connection() = default;
-  /// Adopts the connected stream socket `fd`. kPython needs a stream socket (TCP or Unix);
-  /// kPayload a Unix one.
+  /// Adopts the connected socket `fd`. kPython needs a stream socket (TCP or Unix);
+  /// kPayload a Unix one, stream or SOCK_SEQPACKET (found with getsockopt SO_TYPE: frames
+  /// then go as records, as Pipe's do).
   Connection(UniqueFd fd, bool readable, bool writable, Framing framing = Framing::kPayload);
 
   /// Sends `value`. kPayload: tensors are shared by default (the receiver aliases them, as
@@ -124,6 +127,7 @@ class Connection {
   bool readable_ = false;
   bool writable_ = false;
   Framing framing_ = Framing::kPayload;
+  bool records_ = false;  ///< a SOCK_SEQPACKET socket (Pipe): kPayload frames go as records
 };
 
 /// A connected pair. duplex: both ends send and receive; otherwise the first end only
