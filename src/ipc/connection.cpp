@@ -102,10 +102,20 @@ void Connection::close() {
 void Connection::send_payload_checked(const Payload& p) {
   if (!writable_) throw Error("Connection is read-only");
   if (framing_ == Framing::kPayload) {
-    if (records_)
-      detail::send_payload_records(fileno(), p);
-    else
+    if (!records_) {
       send_payload(fileno(), p);
+      return;
+    }
+    bool started = false;
+    try {
+      detail::send_payload_records(fileno(), p, &started);
+    } catch (...) {
+      // Part of the frame went out: the peer waits for the rest, and a next frame would be
+      // read as its continuation. Closed, the peer sees the end (when no other process
+      // holds this end).
+      if (started) close();
+      throw;
+    }
     return;
   }
   if (!p.fds.empty()) {

@@ -108,6 +108,7 @@ struct ReadWait {
   Deadline spin_until;
   bool spinning = false;
   int failed_reads = 0;
+  bool reset_seen = false;  // ECONNRESET reported once: the peer is gone
 
   ReadWait(const Deadline& d, const Deadline& spin) : deadline(d), spin_until(spin) {
     spinning = spin.finite();
@@ -133,6 +134,13 @@ size_t recv_some(int sock, struct msghdr& msg, std::vector<UniqueFd>* fds, ReadW
     const ssize_t n = ::recvmsg(sock, &msg, flags);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == ECONNRESET && !w.reset_seen) {
+        // The peer closed with data of ours unread. A SOCK_SEQPACKET socket says so before
+        // the records still queued for us (a stream after them); reported once, then the
+        // reads return what is queued and 0: read on, as from a stream.
+        w.reset_seen = true;
+        continue;
+      }
       if (w.spinning && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         // The read is the check: a reply that arrives is taken by the call that sees it.
         const auto now = Clock::now();
@@ -201,8 +209,10 @@ void recv_exact(int sock, char* data, size_t len, std::vector<UniqueFd>* fds, bo
 // small frame, into a buffer on the stack.
 constexpr size_t kFirstRecordBytes = 16384;
 // Later records: bytes each, below the 208 KiB send buffer Linux gives a Unix socket by
-// default (a record must fit in it whole); halved while the socket refuses them (EMSGSIZE).
-constexpr size_t kRecordBytes = 131072;
+// default (a record must fit in it whole), and short enough that the kernel keeps all but
+// ~16 KiB of one in pages (it holds up to 68 KiB of a record in page fragments and the rest
+// in one contiguous allocation); halved while the socket refuses them (EMSGSIZE, ENOBUFS).
+constexpr size_t kRecordBytes = 81920;
 constexpr size_t kMinRecordBytes = 1024;
 // The longest later record a receiver takes (a longer one is a protocol error).
 constexpr size_t kMaxRecordBytes = 2 * kRecordBytes;
@@ -239,7 +249,7 @@ void check_fds_and_length(const FrameHeader& h, size_t nfds, size_t max_bytes) {
 }
 
 // Sends one record with `fds` attached: all of it or nothing. False when the socket cannot
-// take a record this long (EMSGSIZE).
+// take a record this long (EMSGSIZE; ENOBUFS: no memory for one now).
 bool send_record(int sock, struct iovec* iov, int iovcnt, const int* fds, size_t nfds) {
   alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * kFdsPerMessage)];
   struct msghdr msg {};
@@ -247,24 +257,36 @@ bool send_record(int sock, struct iovec* iov, int iovcnt, const int* fds, size_t
   msg.msg_iovlen = static_cast<size_t>(iovcnt);
   attach_fds(msg, control, sizeof control, fds, nfds);
   const ssize_t n = detail::retry_eintr([&] { return ::sendmsg(sock, &msg, MSG_NOSIGNAL); });
-  if (n < 0 && errno == EMSGSIZE) return false;
+  if (n < 0 && (errno == EMSGSIZE || errno == ENOBUFS)) return false;
   if (n < 0) detail::throw_system_error("sendmsg", errno, fmt::format("socket fd {}", sock));
   return true;
 }
 
+// True when the peer of `sock` closed or shut down its sending side.
+bool peer_hung_up(int sock) {
+  struct pollfd pfd {
+    sock, POLLRDHUP, 0
+  };
+  return detail::retry_eintr([&] { return ::poll(&pfd, 1, 0); }) > 0 &&
+         (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
 // Receives one record into `iov`; a record longer than `iov` is an error (its tail would be
-// lost). Returns its length (0: the peer closed).
+// lost). Returns its length (0: the peer closed). An empty record (a raw write of no bytes
+// on the socket: no frame has one) is skipped, not taken for the end of the stream.
 size_t recv_record(int sock, struct iovec* iov, int iovcnt, std::vector<UniqueFd>* fds,
                    ReadWait& w) {
-  struct msghdr msg {};
-  msg.msg_iov = iov;
-  msg.msg_iovlen = static_cast<size_t>(iovcnt);
-  const size_t n = recv_some(sock, msg, fds, w);
-  if ((msg.msg_flags & MSG_TRUNC) != 0)
-    throw SerializationError(
-        "recv_payload: a record longer than the frame's next part arrived (not a torchpar "
-        "peer?); it was dropped");
-  return n;
+  for (;;) {
+    struct msghdr msg {};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(iovcnt);
+    const size_t n = recv_some(sock, msg, fds, w);
+    if ((msg.msg_flags & MSG_TRUNC) != 0)
+      throw SerializationError(
+          "recv_payload: a record longer than the frame's next part arrived (not a torchpar "
+          "peer?); it was dropped");
+    if (n > 0 || peer_hung_up(sock)) return n;
+  }
 }
 
 }  // namespace
@@ -326,7 +348,7 @@ Payload recv_payload_spinning(int sock, Timeout timeout, size_t max_bytes,
   return p;
 }
 
-void send_payload_records(int sock, const Payload& payload) {
+void send_payload_records(int sock, const Payload& payload, bool* started) {
   const std::vector<int> raw = raw_fds(payload);
   FrameHeader h{kFrameMagic, static_cast<uint32_t>(raw.size()), payload.bytes.size()};
   char* data = const_cast<char*>(payload.bytes.data());
@@ -339,6 +361,7 @@ void send_payload_records(int sock, const Payload& payload) {
     if (first == 0) throw_system_error("sendmsg", EMSGSIZE, fmt::format("socket fd {}", sock));
     first /= 2;
   }
+  if (started != nullptr) *started = true;
   for (size_t i = nfds; i < raw.size(); i += kFdsPerMessage) {
     char one = 0;
     struct iovec iov {
@@ -364,28 +387,17 @@ void send_payload_records(int sock, const Payload& payload) {
   }
 }
 
-Payload recv_payload_records(int sock, Timeout timeout, size_t max_bytes,
-                             std::chrono::microseconds spin) {
-  ReadWait w(deadline_after(timeout), spin_deadline(spin));
-  Payload p;
-  FrameHeader h{};
-  char first[kFirstRecordBytes];
-  struct iovec iov[2] = {{&h, sizeof h}, {first, sizeof first}};
-  size_t n = recv_record(sock, iov, 2, &p.fds, w);
-  if (n == 0) throw ClosedError("recv_payload: the peer closed the connection");
-  w.spin_for(std::chrono::microseconds(0));  // fd records: poll or block for them
-  if (n < sizeof h)
-    throw SerializationError(
-        fmt::format("recv_payload: a record of {} bytes is shorter than a frame header", n));
-  check_header(h);
-  n -= sizeof h;
-  if (n > h.nbytes)
-    throw SerializationError(
-        fmt::format("recv_payload: the first record holds {} bytes of a frame of {}", n, h.nbytes));
+namespace {
+
+// The records of a frame after its first (which held its header and `n` bytes at `first`):
+// fd records, then the bytes.
+void recv_frame_rest(int sock, const FrameHeader& h, const char* first, size_t n, Payload& p,
+                     ReadWait& w, size_t max_bytes, std::chrono::microseconds spin) {
   const auto mid_frame = [&](uint64_t got) {
     return ClosedError(fmt::format(
         "recv_payload: the peer closed the connection mid-frame ({} of {} bytes)", got, h.nbytes));
   };
+  w.spin_for(std::chrono::microseconds(0));  // fd records: poll or block for them
   while (p.fds.size() < h.nfds) {
     char one = 0;
     struct iovec one_iov {
@@ -406,13 +418,41 @@ Payload recv_payload_records(int sock, Timeout timeout, size_t max_bytes,
     struct iovec part {
       p.bytes.data() + pos, p.bytes.size() - pos
     };
-    // The sender is writing the next record now (one 128 KiB record fills the socket's
-    // buffer): a sleep per record would cost two wake-ups each (1 MiB: 0.24 ms against
-    // 0.18 with the spin, the stream's figure).
+    // The sender is writing the next record now (two or three fill the socket's buffer): a
+    // sleep per record would cost two wake-ups each (1 MiB: 0.24 ms against 0.18 with the
+    // spin, the stream's figure).
     w.spin_for(spin);
     const size_t k = recv_record(sock, &part, 1, &p.fds, w);
     if (k == 0) throw mid_frame(pos);
     pos += k;
+  }
+}
+
+}  // namespace
+
+Payload recv_payload_records(int sock, Timeout timeout, size_t max_bytes,
+                             std::chrono::microseconds spin) {
+  ReadWait w(deadline_after(timeout), spin_deadline(spin));
+  Payload p;
+  FrameHeader h{};
+  char first[kFirstRecordBytes];
+  struct iovec iov[2] = {{&h, sizeof h}, {first, sizeof first}};
+  size_t n = recv_record(sock, iov, 2, &p.fds, w);
+  if (n == 0) throw ClosedError("recv_payload: the peer closed the connection");
+  if (n < sizeof h)
+    throw SerializationError(
+        fmt::format("recv_payload: a record of {} bytes is shorter than a frame header", n));
+  check_header(h);
+  n -= sizeof h;
+  if (n > h.nbytes)
+    throw SerializationError(
+        fmt::format("recv_payload: the first record holds {} bytes of a frame of {}", n, h.nbytes));
+  try {
+    recv_frame_rest(sock, h, first, n, p, w, max_bytes, spin);
+  } catch (const SerializationError& e) {
+    // The frame's later records may still be queued: the next read would take one for a
+    // frame's start. ProtocolError: Connection closes itself.
+    throw ProtocolError(fmt::format("{} (in the middle of a frame)", e.what()));
   }
   return p;
 }

@@ -20,13 +20,20 @@ Payload recv_payload_spinning(int sock, Timeout timeout, size_t max_bytes,
 /// send_payload over a SOCK_SEQPACKET Unix socket (Pipe): the frame goes as records, the
 /// first holding the header, the fds (up to 250) and up to 16 KiB of the bytes, so that the
 /// receiver takes a small frame whole in one read; more fds follow in 1-byte records, the
-/// rest of the bytes in records of up to 128 KiB (smaller when the socket's send buffer
-/// refuses that: EMSGSIZE). Errors and safety as send_payload.
-void send_payload_records(int sock, const Payload& payload);
+/// rest of the bytes in records of up to 80 KiB (shorter while the socket refuses them:
+/// EMSGSIZE, ENOBUFS). `started` (may be null) is set once the first record went out: an
+/// error after that leaves the peer inside a frame, and the socket should be closed.
+/// Errors and safety as send_payload.
+void send_payload_records(int sock, const Payload& payload, bool* started = nullptr);
 
-/// recv_payload_spinning for frames sent with send_payload_records. A record that does not
-/// fit where the frame says it goes (longer than the frame's rest, or a first record
-/// shorter than a header) is a SerializationError; the record is gone, the socket usable.
+/// recv_payload_spinning for frames sent with send_payload_records. Later records of a frame
+/// are spun for too (up to `spin` each). A first record that is no frame's start (shorter
+/// than a header, a bad magic, more bytes than its header says) is a SerializationError:
+/// the record is dropped whole and the socket stays in step. A fault after the first record
+/// (a record that does not fit where the frame says it goes, an fd record without fds, fds
+/// lost to RLIMIT_NOFILE) is a ProtocolError: the rest of the frame may still be queued.
+/// ECONNRESET (the peer closed with data of ours unread) is read past; an empty record
+/// (a raw write of nothing on the socket) is skipped.
 Payload recv_payload_records(int sock, Timeout timeout, size_t max_bytes,
                              std::chrono::microseconds spin);
 

@@ -450,13 +450,15 @@ TEST(Pipe, RecordsCarryEveryLengthAndManyFds) {
   EXPECT_EQ(tp::testing::wait_child(c, 60s), 0);
 }
 
-// Records that do not fit the frame they claim to belong to are refused with a
-// SerializationError that names the problem; each is dropped whole, so the next message
-// arrives intact. A peer gone mid-frame is a ClosedError.
+// A first record that is no frame's start is refused with a SerializationError naming the
+// problem; it is dropped whole, so the next message arrives intact, and an empty record is
+// skipped. A fault after a frame's first record is a ProtocolError that closes the
+// receiving end (the rest of the frame may still be queued). A peer gone mid-frame is a
+// ClosedError.
 TEST(Pipe, MalformedRecordsAreRefusedAndThePipeStaysInStep) {
   auto [a, b] = tp::Pipe();
-  auto raw = [&, &a = a](const std::string& record) {
-    ASSERT_EQ(::send(a.fileno(), record.data(), record.size(), MSG_NOSIGNAL),
+  auto raw = [](const tp::Connection& c, const std::string& record) {
+    ASSERT_EQ(::send(c.fileno(), record.data(), record.size(), MSG_NOSIGNAL),
               static_cast<ssize_t>(record.size()));
   };
   auto header = [](uint64_t nbytes, uint32_t magic = 0x46524150u) {
@@ -464,7 +466,7 @@ TEST(Pipe, MalformedRecordsAreRefusedAndThePipeStaysInStep) {
                               static_cast<uint32_t>(nbytes >> 32)};
     return std::string(reinterpret_cast<const char*>(head), sizeof head);
   };
-  auto refused = [&, &b = b](const std::string& what) {
+  auto refused = [&, &a = a, &b = b](const std::string& what) {
     try {
       (void)b.recv_bytes(5s);
       ADD_FAILURE() << "no error; expected one naming: " << what;
@@ -474,25 +476,73 @@ TEST(Pipe, MalformedRecordsAreRefusedAndThePipeStaysInStep) {
     a.send_bytes("after");
     EXPECT_EQ(b.recv_bytes(5s), "after");
   };
-  raw("abc");
+  raw(a, "abc");
   refused("shorter than a frame header");
-  raw(header(4, 0x12345678u) + "abcd");
+  raw(a, header(4, 0x12345678u) + "abcd");
   refused("bad frame magic");
-  raw(header(4) + std::string(20, 'x'));
+  raw(a, header(4) + std::string(20, 'x'));
   refused("the first record holds 20 bytes of a frame of 4");
-  raw(header(100) + std::string(10, 'x'));
-  raw(std::string(200, 'y'));
-  refused("a record longer than the frame's next part");
-  EXPECT_FALSE(b.poll());
-  raw(header(1000) + std::string(10, 'x'));
-  a.close();
+  raw(a, "");  // an empty record: no frame's, not the end of the stream either
+  a.send_bytes("after the empty record");
+  EXPECT_EQ(b.recv_bytes(5s), "after the empty record");
+  EXPECT_FALSE(b.closed());
+  raw(a, header(100) + std::string(10, 'x'));
+  raw(a, std::string(200, 'y'));
   try {
     (void)b.recv_bytes(5s);
+    ADD_FAILURE() << "a record too long for its frame was taken";
+  } catch (const tp::ProtocolError& e) {
+    EXPECT_NE(std::string(e.what()).find("a record longer than the frame's next part"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("the connection was closed"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(b.closed());
+  auto [c, d] = tp::Pipe();
+  raw(c, header(1000) + std::string(10, 'x'));
+  c.close();
+  try {
+    (void)d.recv_bytes(5s);
     ADD_FAILURE() << "a frame cut short by the peer's close was received";
   } catch (const tp::ClosedError& e) {
     EXPECT_NE(std::string(e.what()).find("mid-frame (10 of 1000 bytes)"), std::string::npos)
         << e.what();
   }
+}
+
+// A peer that exits with messages of ours unread: a SOCK_SEQPACKET socket reports
+// ECONNRESET before the replies the peer sent, a stream after them; both read the replies,
+// then end with a ClosedError (EOFError), as Python's Pipe does.
+TEST(Pipe, APeerGoneWithMessagesUnreadLeavesItsRepliesReadable) {
+  for (const bool records : {true, false}) {
+    SCOPED_TRACE(records ? "Pipe (records)" : "stream socket pair");
+    auto [mine, theirs] = records ? tp::Pipe() : stream_pair();
+    mine.send_bytes("job 1");
+    mine.send_bytes("job 2");
+    auto c = tp::testing::fork_child([theirs = theirs](int) mutable {
+      if (theirs.recv_bytes(30s) != "job 1") return 1;
+      theirs.send_bytes("result 1");
+      return 0;  // job 2 left unread
+    });
+    theirs.close();  // the child's is the last copy of its end
+    ASSERT_EQ(tp::testing::wait_child(c, 60s), 0);
+    EXPECT_EQ(mine.recv_bytes(5s), "result 1");
+    EXPECT_THROW(mine.recv_bytes(5s), tp::ClosedError);
+  }
+}
+
+// A sender whose peer goes away in the middle of a long frame closes its own end: the part
+// sent cannot be taken back, and a next frame would be read as its continuation.
+TEST(Pipe, ASendFailingMidFrameClosesTheSendingEnd) {
+  auto [a, b] = tp::Pipe();
+  std::thread sender([&, &a = a] {
+    EXPECT_ANY_THROW(a.send_bytes(std::string(4 << 20, 'x')));  // more than the buffer holds
+  });
+  ASSERT_TRUE(b.poll(10s)) << "the frame's first record did not arrive";
+  b.close();
+  sender.join();
+  EXPECT_TRUE(a.closed());
 }
 
 // A socket whose send buffer cannot hold a record of the default lengths (EMSGSIZE) gets

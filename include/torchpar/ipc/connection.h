@@ -50,7 +50,10 @@ struct SendOptions {
 /// Safety: one sender and one receiver thread at a time per end.
 /// Errors: ClosedError when this end is closed, or recv finds the peer gone (EOFError);
 ///         TimeoutError when recv's timeout passes; ProtocolError for a frame over
-///         recv_bytes' maxlength; SystemError for socket errors.
+///         recv_bytes' maxlength or a Pipe frame broken after its first record (this end
+///         is closed then; a send that fails after its first record closes it too);
+///         SerializationError for a first record that starts no frame (dropped whole: the
+///         Pipe stays usable); SystemError for socket errors.
 /// Source: multiprocessing.connection.Connection.
 class Connection {
  public:
