@@ -125,18 +125,22 @@ bool RpcFutureState::wait(Timeout timeout) {
   // not hold up the messages behind it, its own reply among them: hand the reading over.
   lk.unlock();
   rpc::release_reader_thread();
-  // Spin before sleeping, while the reply is likely to be close: 60 us, yielding every ~2 us
-  // of pauses so that a reader or a peer sharing this core runs. Never past the timeout.
-  SpinPolicy spin;
-  spin.looks = 1 << 20;
-  spin.pauses = 4;
-  spin.budget = std::chrono::microseconds(60);
+  // Spin before sleeping, while the reply is likely to be close (`spin`: a futex wake-up
+  // costs ~13 us on these VMs), yielding every ~2 us of pauses so that a reader or a peer
+  // sharing this core runs. Never past the timeout. After a small request the TCP reader
+  // spins for the reply's frame itself: a caller spinning too made three spinners on two
+  // cores (tiny rpc_sync, interleaved on the 2-core VM: 30-33 us spinning, 16-17 sleeping).
+  // After a large one the caller spins (fresh 1 MiB: ~180 us spinning, 205-290 sleeping).
+  SpinPolicy policy;
+  policy.looks = 1 << 20;
+  policy.pauses = 4;
+  policy.budget = spin;
   if (timeout)
-    spin.budget = std::min<std::chrono::nanoseconds>(
-        spin.budget, std::chrono::duration_cast<std::chrono::nanoseconds>(*timeout));
-  spin.yield_every = 40;
+    policy.budget = std::min<std::chrono::nanoseconds>(
+        policy.budget, std::chrono::duration_cast<std::chrono::nanoseconds>(*timeout));
+  policy.yield_every = 40;
   const auto is_ready = [](uint32_t r) { return r != 0; };
-  if (spin.budget.count() > 0 && spin_until(&ready, is_ready, spin)) {
+  if (policy.budget.count() > 0 && spin_until(&ready, is_ready, policy)) {
     lk.lock();  // complete() may still hold it: its callbacks' swap comes first
     return true;
   }

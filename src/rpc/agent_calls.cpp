@@ -16,6 +16,12 @@
 #include "rpc/agent.h"
 
 namespace torchpar::detail {
+namespace {
+
+/// A request of at least this many bytes has its caller spin for the reply (RpcFutureState).
+constexpr size_t kLargeRequestBytes = size_t{64} << 10;
+
+}  // namespace
 
 std::shared_ptr<RpcFutureState> RpcAgent::track(const std::string& to, const std::string& group,
                                                 const std::string& what, Timeout timeout,
@@ -48,7 +54,12 @@ std::shared_ptr<RpcFutureState> RpcAgent::call(const std::string& to, Target tar
   const std::string what =
       target == Target::kService ? "of service '" + name + "'" : "of function '" + name + "'";
   std::shared_ptr<RpcFutureState> state;
-  if (rref_id.empty()) state = track(to, group, what, timeout, &h.id);
+  if (rref_id.empty()) {
+    state = track(to, group, what, timeout, &h.id);
+    size_t bytes = args.bytes.size();
+    for (const auto& s : args.storages) bytes += s.nbytes();
+    if (bytes < kLargeRequestBytes) state->spin = std::chrono::microseconds(0);
+  }
   try {
     send(to, h, std::move(args), rpc_deadline(timeout));
   } catch (...) {

@@ -2,6 +2,7 @@
 // The state behind RpcFuture and RRef (torchpar/rpc/rpc_group.h declares them; only the RPC
 // layer sees their fields).
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -29,10 +30,14 @@ struct RpcFutureState {
   std::exception_ptr error;
   std::vector<std::function<void()>> callbacks;
 
+  /// How long wait() spins before it sleeps: 60 us after a large request (>= 64 KiB), none
+  /// after a small one, whose reply the TCP transport's reader (the default) already spins
+  /// for (see wait()).
+  std::chrono::microseconds spin{60};
+
   void complete(RpcValue v, std::exception_ptr e);
-  /// Waits up to `timeout`; false when it passed first. Spins up to 60 us first (a
-  /// same-host reply usually comes within tens of microseconds; a futex wake-up costs ~13
-  /// us on these VMs), giving the core away every few microseconds.
+  /// Waits up to `timeout`; false when it passed first. Spins up to `spin` first, giving the
+  /// core away every few microseconds.
   bool wait(Timeout timeout);
 };
 
