@@ -502,6 +502,37 @@ TEST(Collective, ShmSingleCopyOutputsOverInputsMatch) {
   }
 }
 
+/// Single copies whose outputs are big enough for this rank's own part to be copied with
+/// non-temporal stores (kStreamOwnPartBytes: 16 MiB of output), into outputs that start 12
+/// bytes past a 16-byte boundary and whose length is no multiple of 64 bytes (the streamed
+/// copy's head and tail), and back into aligned ones: every element of every part checked.
+void single_copy_streamed_rank(int rank, int world, int port) {
+  auto w = make_world(rank, world, port);
+  auto g = w.create_collective_group({}, tp::Backend::kShm);
+  const int64_t n = (5 << 20) / 2 + 7;  // 10 MiB + 28 bytes a part
+  for (int64_t offset : {3, 0}) {
+    at::Tensor arena = at::zeros({offset + world * n});
+    std::vector<at::Tensor> out;
+    for (int q = 0; q < world; ++q) out.push_back(arena.narrow(0, offset + q * n, n));
+    g.all_gather(out, make(rank, n, at::kFloat));
+    for (int q = 0; q < world; ++q) {
+      expect_equal(out[q], make(q, n, at::kFloat), "streamed all_gather");
+    }
+    std::vector<at::Tensor> in;
+    for (int q = 0; q < world; ++q) in.push_back(make(rank * world + q, n, at::kFloat));
+    arena.zero_();
+    g.all_to_all(out, in);
+    for (int q = 0; q < world; ++q) {
+      expect_equal(out[q], make(q * world + rank, n, at::kFloat), "streamed all_to_all");
+    }
+  }
+}
+
+TEST(Collective, ShmSingleCopyStreamedOwnPartsMatch) {
+  auto res = run_ranks(2, 120, &single_copy_streamed_rank, 2, free_port());
+  for (auto& r : res) EXPECT_EQ(r.exitcode, 0) << r.error;
+}
+
 /// `victim` SIGKILLs itself from a thread 30 ms into a run of 16 MiB broadcasts (root 0) and
 /// all_gathers, most of whose time goes to copying straight between the ranks' tensors: the
 /// other rank raises RankLostError naming it within the group's 8 s, wherever the kill landed

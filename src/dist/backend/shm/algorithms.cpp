@@ -30,8 +30,25 @@ constexpr size_t kStreamBytes = 4 << 20;  // tensors at least this big: results 
 /// worse, 1.84-1.95).
 constexpr size_t kReduceBlockBytes = 64 << 10;
 
-/// memcpy with non-temporal stores: the destination (a large user tensor) is not read
-/// before it is written, which saves the read-for-ownership traffic of normal stores.
+void copy_out(char* dst, const char* src, size_t n, bool stream) {
+  if (stream) {
+    stream_copy(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
+
+template <class F>
+void for_chunks(size_t bytes, size_t chunk, F&& f) {
+  if (bytes == 0) {
+    f(0, 0);
+    return;
+  }
+  for (size_t off = 0; off < bytes; off += chunk) f(off, std::min(chunk, bytes - off));
+}
+
+}  // namespace
+
 void stream_copy(char* dst, const char* src, size_t n) {
 #if defined(__x86_64__)
   const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
@@ -60,30 +77,11 @@ void stream_copy(char* dst, const char* src, size_t n) {
 #endif
 }
 
-void copy_out(char* dst, const char* src, size_t n, bool stream) {
-  if (stream) {
-    stream_copy(dst, src, n);
-  } else {
-    std::memcpy(dst, src, n);
-  }
-}
-
 void stream_fence() {
 #if defined(__x86_64__)
   _mm_sfence();
 #endif
 }
-
-template <class F>
-void for_chunks(size_t bytes, size_t chunk, F&& f) {
-  if (bytes == 0) {
-    f(0, 0);
-    return;
-  }
-  for (size_t off = 0; off < bytes; off += chunk) f(off, std::min(chunk, bytes - off));
-}
-
-}  // namespace
 
 void ShmBackend::all_reduce(const at::Tensor& t, const ReduceCallOptions& o) {
   begin(OpCode::kAllReduce, t, -1, o.op, o.timeout);

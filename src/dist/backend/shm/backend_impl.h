@@ -53,6 +53,13 @@ size_t shm_slot_bytes();
 
 namespace shm_backend {
 
+/// memcpy with non-temporal stores (SSE2; plain memcpy elsewhere): the destination (a large
+/// user tensor) is not read before it is written, which saves the read-for-ownership traffic
+/// of normal stores. Call stream_fence() before telling another thread or process the bytes
+/// are there. (algorithms.cpp)
+void stream_copy(char* dst, const char* src, size_t n);
+void stream_fence();
+
 /// The shm backend of one rank (see the file comment). Lifetime: the constructor maps the
 /// segment (rank 0 creates it) and returns once every rank attached, the name unlinked;
 /// destroy() (or the destructor) unmaps it and destroys the p2p group. Safety: one

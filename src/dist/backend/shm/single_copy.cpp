@@ -32,6 +32,24 @@ namespace {
 /// in the core's L2) and combines from there.
 constexpr size_t kSingleCopyBlockBytes = 128 << 10;
 
+/// An all_gather or all_to_all whose output is at least this big copies this rank's own part
+/// with non-temporal stores: the part (half the output on 2 ranks) does not stay in the cache
+/// anyway, and the stores skip reading the destination first. 2 ranks, each copying its own
+/// part and reading the other's with process_vm_readv, interleaved on the 2-core EPYC VM:
+/// 4 MiB parts 0.56-0.59 ms memcpy / 0.66-0.68 streamed (cache-resident), 8 MiB 1.77-1.86 /
+/// 1.61-1.72, 16 MiB 5.05 / 3.74-4.21, 64 MiB 22.5-23.7 / 18.3-21.2.
+constexpr size_t kStreamOwnPartBytes = 16 << 20;
+
+/// Copies `n` bytes of this rank's own part: streamed when `stream` (see kStreamOwnPartBytes).
+void copy_own_part(char* dst, const char* src, size_t n, bool stream) {
+  if (!stream) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  stream_copy(dst, src, n);
+  stream_fence();
+}
+
 /// One rank's contiguous tensors' data, as addresses to publish.
 uint64_t address_of(const void* p) { return reinterpret_cast<uintptr_t>(p); }
 
@@ -173,7 +191,8 @@ void ShmBackend::all_gather_single_copy(const at::Tensor& in, const std::vector<
   const Stage stage(staged, bytes * size());
   auto dst = [&](int q) { return stage.at(q * bytes, out[q].data_ptr()); };
   // This rank's own part first, while the others publish (the input may be its own output).
-  if (dst(rank()) != src) std::memcpy(dst(rank()), src, bytes);
+  const bool stream = bytes * size() >= kStreamOwnPartBytes;
+  if (dst(rank()) != src) copy_own_part(dst(rank()), src, bytes, stream);
   exchange_addresses({src});
   for (int i = 1; i < size(); ++i) {
     const int q = (rank() + i) % size();  // not all from rank 0 at once
@@ -198,7 +217,10 @@ void ShmBackend::all_to_all_single_copy(const std::vector<at::Tensor>& out,
   }
   const Stage stage(staged, bytes * size());
   auto dst = [&](int q) { return stage.at(q * bytes, out[q].data_ptr()); };
-  if (dst(me) != in[me].data_ptr()) std::memcpy(dst(me), in[me].data_ptr(), bytes);
+  const bool stream = bytes * size() >= kStreamOwnPartBytes;
+  if (dst(me) != in[me].data_ptr()) {
+    copy_own_part(dst(me), static_cast<const char*>(in[me].data_ptr()), bytes, stream);
+  }
   exchange_addresses(in);
   for (int i = 1; i < size(); ++i) {
     const int q = (me + i) % size();
