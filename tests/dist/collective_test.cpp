@@ -502,8 +502,8 @@ TEST(Collective, ShmSingleCopyOutputsOverInputsMatch) {
   }
 }
 
-/// Single copies whose outputs are big enough for this rank's own part to be copied with
-/// non-temporal stores (kStreamOwnPartBytes: 16 MiB of output), into outputs that start 12
+/// Single copies whose parts are big enough for this rank's own part to be copied with
+/// non-temporal stores (kStreamOwnPartBytes: 8 MiB), into outputs that start 12
 /// bytes past a 16-byte boundary and whose length is no multiple of 64 bytes (the streamed
 /// copy's head and tail), and back into aligned ones: every element of every part checked.
 void single_copy_streamed_rank(int rank, int world, int port) {

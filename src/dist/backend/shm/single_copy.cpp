@@ -32,13 +32,13 @@ namespace {
 /// in the core's L2) and combines from there.
 constexpr size_t kSingleCopyBlockBytes = 128 << 10;
 
-/// An all_gather or all_to_all whose output is at least this big copies this rank's own part
-/// with non-temporal stores: the part (half the output on 2 ranks) does not stay in the cache
-/// anyway, and the stores skip reading the destination first. 2 ranks, each copying its own
-/// part and reading the other's with process_vm_readv, interleaved on the 2-core EPYC VM:
-/// 4 MiB parts 0.56-0.59 ms memcpy / 0.66-0.68 streamed (cache-resident), 8 MiB 1.77-1.86 /
-/// 1.61-1.72, 16 MiB 5.05 / 3.74-4.21, 64 MiB 22.5-23.7 / 18.3-21.2.
-constexpr size_t kStreamOwnPartBytes = 16 << 20;
+/// An all_gather or all_to_all copies this rank's own part with non-temporal stores when the
+/// part is at least this big: it does not stay in the cache anyway, and the stores skip
+/// reading the destination first. 2 ranks, each copying its own part and reading the other's
+/// with process_vm_readv, interleaved on the 2-core EPYC VM: 4 MiB parts 0.56-0.59 ms memcpy /
+/// 0.66-0.68 streamed (cache-resident), 8 MiB 1.77-1.86 / 1.61-1.72, 16 MiB 5.05 / 3.74-4.21,
+/// 64 MiB 22.5-23.7 / 18.3-21.2.
+constexpr size_t kStreamOwnPartBytes = 8 << 20;
 
 /// Copies `n` bytes of this rank's own part: streamed when `stream` (see kStreamOwnPartBytes).
 void copy_own_part(char* dst, const char* src, size_t n, bool stream) {
@@ -191,7 +191,7 @@ void ShmBackend::all_gather_single_copy(const at::Tensor& in, const std::vector<
   const Stage stage(staged, bytes * size());
   auto dst = [&](int q) { return stage.at(q * bytes, out[q].data_ptr()); };
   // This rank's own part first, while the others publish (the input may be its own output).
-  const bool stream = bytes * size() >= kStreamOwnPartBytes;
+  const bool stream = bytes >= kStreamOwnPartBytes;
   if (dst(rank()) != src) copy_own_part(dst(rank()), src, bytes, stream);
   exchange_addresses({src});
   for (int i = 1; i < size(); ++i) {
@@ -217,7 +217,7 @@ void ShmBackend::all_to_all_single_copy(const std::vector<at::Tensor>& out,
   }
   const Stage stage(staged, bytes * size());
   auto dst = [&](int q) { return stage.at(q * bytes, out[q].data_ptr()); };
-  const bool stream = bytes * size() >= kStreamOwnPartBytes;
+  const bool stream = bytes >= kStreamOwnPartBytes;
   if (dst(me) != in[me].data_ptr()) {
     copy_own_part(dst(me), static_cast<const char*>(in[me].data_ptr()), bytes, stream);
   }
