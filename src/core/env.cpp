@@ -26,6 +26,10 @@ constexpr std::array kTable{
                 "address an RPC member's TCP listener binds to and publishes", true},
     EnvVariable{"TORCHPAR_RPC_SHM", EnvType::kFlag, "0",
                 "1: TensorPipe's shm transport between RPC members of one host", true},
+    EnvVariable{"TORCHPAR_RPC_READ_SPIN_US", EnvType::kUnsigned, "50",
+                "microseconds a TCP RPC reader retries a non-blocking read for a frame's start "
+                "before it blocks (0: blocks at once)",
+                true},
     EnvVariable{"TORCHPAR_MANAGER_SHM", EnvType::kFlag, "1",
                 "0: a Manager client's calls stay on their sockets (no shared-memory channel)",
                 true},

@@ -109,6 +109,42 @@ TEST(RpcTransportTcp, FrameViolationsAfterTheHandshakeCloseTheConnection) {
 // handshakes, and every member's first contact failed at once (ClosedError, which RPC reports as
 // RpcPeerLostError) until the stranger left. Now a newcomer evicts the oldest stranger, a member
 // whose handshake was closed tries again, and a silent stranger is closed after at most 5 s.
+/// TORCHPAR_RPC_READ_SPIN_US: not a whole number, or above a second, is a ValueError naming
+/// it when the transport is made; 0 (the reader blocks at once) and a spin both carry frames
+/// both ways, small and large.
+TEST(RpcTransportTcp, TheReadSpinComesFromTheEnvironment) {
+  for (const char* bad : {"abc", "-5", "1000001"}) {
+    ::setenv("TORCHPAR_RPC_READ_SPIN_US", bad, 1);
+    Inbox unused;
+    try {
+      rpc::create_tcp_transport(transport_options("bad", false), unused.handlers());
+      ADD_FAILURE() << "TORCHPAR_RPC_READ_SPIN_US=" << bad << " was taken";
+    } catch (const tp::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("TORCHPAR_RPC_READ_SPIN_US"), std::string::npos)
+          << e.what();
+    }
+  }
+  for (const char* spin : {"0", "200"}) {
+    ::setenv("TORCHPAR_RPC_READ_SPIN_US", spin, 1);
+    Inbox a_in, b_in;
+    auto a = rpc::create_tcp_transport(transport_options("a", false), a_in.handlers());
+    auto b = rpc::create_tcp_transport(transport_options("b", false), b_in.handlers());
+    for (size_t n : {size_t{16}, size_t{3} << 20}) {
+      a->send("b", b->address(), message("ping", a->address(), {patterned(n, 7)}), in(30s));
+      auto got = b_in.next(30s);
+      ASSERT_TRUE(got) << "spin " << spin << ": no ping of " << n << " bytes";
+      EXPECT_TRUE(is_patterned(got->second.storages.at(0), n, 7));
+      b->send("a", a->address(), message("pong", "", {patterned(n, 9)}), in(30s));
+      got = a_in.next(30s);
+      ASSERT_TRUE(got) << "spin " << spin << ": no pong of " << n << " bytes";
+      EXPECT_TRUE(is_patterned(got->second.storages.at(0), n, 9));
+    }
+    a->close();
+    b->close();
+  }
+  ::unsetenv("TORCHPAR_RPC_READ_SPIN_US");
+}
+
 TEST(RpcTransportTcp, StalledStrangersKeepNoMemberOut) {
   Inbox b_in;
   auto b = rpc::create_tcp_transport(transport_options("b"), b_in.handlers());  // 10 s handshakes

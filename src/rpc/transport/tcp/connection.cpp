@@ -130,20 +130,20 @@ void TcpTransport::stop_writer(Conn& conn) noexcept {
 /// storage is copied once more (64 KiB cost a 64 KiB memcpy per large message).
 constexpr size_t kReadAhead = size_t{16} << 10;
 
-/// A reader waiting for the next frame retries a non-blocking recv this long before it blocks:
-/// a blocking TCP wake-up costs ~25 us on these VMs (1-byte ping-pong on 127.0.0.1, 2-core
-/// VM: 56 us blocking, 7.8 spinning), and a reply or the next call of a busy caller usually
-/// comes within it. The core goes to whoever else can run every kReadsPerYield failed reads.
-/// Tiny rpc_sync, interleaved: 30-33 us -> 16-17 (with the caller asleep, RpcFutureState).
-/// Only at a frame's start: the rest of a large frame is already on its way, and spinning
-/// through it cost a fresh 1 MiB call ~15%.
-constexpr auto kReadSpin = std::chrono::microseconds(50);
+/// A reader waiting for the next frame retries a non-blocking recv for read_spin_ (50 us by
+/// default, TORCHPAR_RPC_READ_SPIN_US) before it blocks: a blocking TCP wake-up costs ~25 us
+/// on these VMs (1-byte ping-pong on 127.0.0.1, 2-core VM: 56 us blocking, 7.8 spinning), and
+/// a reply or the next call of a busy caller usually comes within it. The core goes to
+/// whoever else can run every kReadsPerYield failed reads. Tiny rpc_sync, interleaved:
+/// 30-33 us -> 16-17 (with the caller asleep, RpcFutureState). Only at a frame's start: the
+/// rest of a large frame is already on its way, and spinning through it cost a fresh 1 MiB
+/// call ~15%.
 constexpr int kReadsPerYield = 3;
 
-/// recv into `into` (up to `want` bytes): blocking, or first spinning up to kReadSpin.
-static ssize_t recv_some(int fd, char* into, size_t want, bool spin) {
-  if (!spin) return ::recv(fd, into, want, 0);
-  const auto until = Clock::now() + kReadSpin;
+/// recv into `into` (up to `want` bytes): blocking, or first spinning up to `spin`.
+static ssize_t recv_some(int fd, char* into, size_t want, std::chrono::microseconds spin) {
+  if (spin.count() == 0) return ::recv(fd, into, want, 0);
+  const auto until = Clock::now() + spin;
   for (int failed = 1;; ++failed) {
     const ssize_t r = ::recv(fd, into, want, MSG_DONTWAIT);
     if (r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return r;
@@ -154,9 +154,10 @@ static ssize_t recv_some(int fd, char* into, size_t want, bool spin) {
 
 /// Reads exactly `n` bytes of `conn`: first what was read ahead; a short rest with one recv of
 /// up to kReadAhead bytes (whatever is there: the next frames too), a long one straight into
-/// `data`; `spin`: the first recv spins (recv_some). Errors: ClosedError at EOF or a reset;
+/// `data`; recvs spin up to `spin` first (recv_some). Errors: ClosedError at EOF or a reset;
 /// SystemError.
-void read_exact(Conn& conn, void* data, size_t n, bool spin = false) {
+void read_exact(Conn& conn, void* data, size_t n,
+                std::chrono::microseconds spin = std::chrono::microseconds(0)) {
   auto* p = static_cast<char*>(data);
   const size_t buffered = std::min(n, conn.rend - conn.rpos);
   if (buffered > 0) {
@@ -195,7 +196,7 @@ void read_exact(Conn& conn, void* data, size_t n, bool spin = false) {
 
 Message TcpTransport::read_message(Conn& conn) const {
   unsigned char fixed[kFixedBytes];
-  read_exact(conn, fixed, sizeof fixed, /*spin=*/true);
+  read_exact(conn, fixed, sizeof fixed, read_spin_);
   if (std::memcmp(fixed, kMagic, sizeof kMagic) != 0 || get_le(fixed + 20, 4) != 0) {
     throw ProtocolError(
         fmt::format("protocol error: not an RPC frame (it starts with {:02x} {:02x} {:02x} {:02x})",

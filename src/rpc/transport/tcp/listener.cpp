@@ -8,7 +8,9 @@ namespace torchpar::rpc::tcp {
 // ---- construction and close ----------------------------------------------------------------
 
 TcpTransport::TcpTransport(TransportOptions options, TransportHandlers handlers)
-    : options_(std::move(options)), dispatcher_(options_.name, std::move(handlers)) {
+    : options_(std::move(options)),
+      read_spin_(static_cast<int64_t>(env_unsigned("TORCHPAR_RPC_READ_SPIN_US", 50, 0, 1000000))),
+      dispatcher_(options_.name, std::move(handlers)) {
   detail::check_options(options_);
   std::string bound;
   dev_t device = 0;

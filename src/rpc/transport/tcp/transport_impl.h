@@ -74,6 +74,7 @@
 #include "core/socket_address.h"
 #include "rpc/transport/support.h"
 #include "torchpar/core/auth.h"
+#include "torchpar/core/env.h"
 #include "torchpar/core/error.h"
 #include "torchpar/core/fd.h"
 #include "torchpar/core/syscall.h"
@@ -239,6 +240,8 @@ class TcpTransport final : public Transport, private detail::ConnectionTable<Con
   bool finish(Conn& conn, Outgoing& out, Clock::time_point& progress);
 
   const TransportOptions options_;
+  /// How long a reader spins for a frame's start (TORCHPAR_RPC_READ_SPIN_US; connection.cpp).
+  const std::chrono::microseconds read_spin_;
   std::string address_;  // "tcp://ip:port"
   UniqueFd listen_fd_;
   UniqueFd wake_;  // eventfd, written once by close(): wakes the accept thread and connects
