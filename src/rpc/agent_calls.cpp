@@ -58,7 +58,9 @@ std::shared_ptr<RpcFutureState> RpcAgent::call(const std::string& to, Target tar
     state = track(to, group, what, timeout, &h.id);
     size_t bytes = args.bytes.size();
     for (const auto& s : args.storages) bytes += s.nbytes();
-    if (bytes < kLargeRequestBytes) state->spin = std::chrono::microseconds(0);
+    if (bytes < kLargeRequestBytes && transport_->reader_spins()) {
+      state->spin = std::chrono::microseconds(0);
+    }
   }
   try {
     send(to, h, std::move(args), rpc_deadline(timeout));

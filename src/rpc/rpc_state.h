@@ -30,9 +30,9 @@ struct RpcFutureState {
   std::exception_ptr error;
   std::vector<std::function<void()>> callbacks;
 
-  /// How long wait() spins before it sleeps: 60 us after a large request (>= 64 KiB), none
-  /// after a small one, whose reply the TCP transport's reader (the default) already spins
-  /// for (see wait()).
+  /// How long wait() spins before it sleeps: 60 us, or none after a small request (< 64 KiB)
+  /// when the transport's reader spins for the reply itself (Transport::reader_spins: TCP,
+  /// the default; see wait()).
   std::chrono::microseconds spin{60};
 
   void complete(RpcValue v, std::exception_ptr e);

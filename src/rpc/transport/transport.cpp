@@ -87,6 +87,9 @@ class CompositeTransport final : public Transport {
     }
   }
 
+  // With TensorPipe's shm path a reply may come through its loop thread, which does not.
+  bool reader_spins() const override { return !shm_ && tcp_->reader_spins(); }
+
   void close() override {
     std::exception_ptr first;
     for (Transport* t : {tcp_.get(), shm_.get()}) {

@@ -137,6 +137,13 @@ class Transport {
   /// Stops listening, closes every connection (peers see EOF), fails pending handshakes
   /// and joins the transport's threads. No handler runs after close returns. Idempotent.
   virtual void close() = 0;
+
+  /// Whether every message arrives, for now, through a reader that spins for it before it
+  /// sleeps (TCP with TORCHPAR_RPC_READ_SPIN_US > 0, no TensorPipe shm path, and no recent
+  /// sign of more runnable threads than cores): a caller waiting for a small reply then
+  /// sleeps at once instead of spinning beside that reader (RpcFutureState::spin).
+  /// Thread-safe.
+  virtual bool reader_spins() const { return false; }
 };
 
 /// The transport of the RPC agent: our TCP transport (create_tcp_transport, tcp/) always,

@@ -130,6 +130,8 @@ void TcpTransport::stop_writer(Conn& conn) noexcept {
 /// storage is copied once more (64 KiB cost a 64 KiB memcpy per large message).
 constexpr size_t kReadAhead = size_t{16} << 10;
 
+namespace {
+
 /// A reader waiting for the next frame retries a non-blocking recv for read_spin_ (50 us by
 /// default, TORCHPAR_RPC_READ_SPIN_US) before it blocks: a blocking TCP wake-up costs ~25 us
 /// on these VMs (1-byte ping-pong on 127.0.0.1, 2-core VM: 56 us blocking, 7.8 spinning), and
@@ -140,17 +142,71 @@ constexpr size_t kReadAhead = size_t{16} << 10;
 /// call ~15%.
 constexpr int kReadsPerYield = 3;
 
-/// recv into `into` (up to `want` bytes): blocking, or first spinning up to `spin`.
-static ssize_t recv_some(int fd, char* into, size_t want, std::chrono::microseconds spin) {
-  if (spin.count() == 0) return ::recv(fd, into, want, 0);
-  const auto until = Clock::now() + spin;
+/// A spin that loses its core this long between two looks ran with more runnable threads than
+/// cores: a spinning reader is not woken when its frame arrives, it waits for its next turn on
+/// a core (tiny rpc_sync beside two compilers on the 2-core VM: 2,000-3,000 us spinning, 22
+/// us blocking). Every reader of the process then blocks at once for a while: 100 ms, doubled
+/// up to 1.6 s while the next spin after it is preempted too. Tiny rpc_sync, interleaved, 3
+/// runs each: idle 16.7-18.4 us (blocking readers: 33.0-35.7; a fixed 1 s backoff 17.5-41.8,
+/// stray preemptions at idle stopped the spin for a second), beside 2 busy loops 25.3-26.2
+/// (blocking: 21.7-22.6; a fixed 100 ms: 26.2-26.3).
+constexpr auto kPreempted = std::chrono::microseconds(200);
+constexpr int64_t kBackoffFirstNs = 100'000'000;
+constexpr int64_t kBackoffMaxNs = 1'600'000'000;
+
+/// Until when (steady clock, ns since its epoch) readers block without spinning, and the
+/// length of that backoff.
+std::atomic<int64_t> g_no_spin_until{0};
+std::atomic<int64_t> g_backoff_ns{kBackoffFirstNs};
+
+int64_t ns_of(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+/// A spin at `now` lost its core: back off (longer when the last backoff ended just now).
+void note_preempted(Clock::time_point now) {
+  const int64_t at = ns_of(now);
+  const int64_t last = g_backoff_ns.load(std::memory_order_relaxed);
+  const bool again = at < g_no_spin_until.load(std::memory_order_relaxed) + last;
+  const int64_t len = again ? std::min(2 * last, kBackoffMaxNs) : kBackoffFirstNs;
+  g_backoff_ns.store(len, std::memory_order_relaxed);
+  g_no_spin_until.store(at + len, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+bool spin_backed_off() {
+  return ns_of(Clock::now()) < g_no_spin_until.load(std::memory_order_relaxed);
+}
+
+namespace {
+
+/// recv into `into` (up to `want` bytes): blocking, or first spinning up to `spin` (none
+/// while a recent spin found the cores oversubscribed, see kPreempted).
+ssize_t recv_some(int fd, char* into, size_t want, std::chrono::microseconds spin) {
+  auto last = Clock::now();
+  if (spin.count() == 0 || ns_of(last) < g_no_spin_until.load(std::memory_order_relaxed)) {
+    return ::recv(fd, into, want, 0);
+  }
+  const auto until = last + spin;
   for (int failed = 1;; ++failed) {
     const ssize_t r = ::recv(fd, into, want, MSG_DONTWAIT);
-    if (r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return r;
-    if (Clock::now() >= until) return ::recv(fd, into, want, 0);
+    const int err = errno;
+    const auto now = Clock::now();
+    // Also when the frame is there: it may have waited for this thread's turn.
+    const bool preempted = now - last > kPreempted;
+    if (preempted) note_preempted(now);
+    if (r >= 0 || (err != EAGAIN && err != EWOULDBLOCK)) {
+      errno = err;
+      return r;
+    }
+    if (preempted || now >= until) return ::recv(fd, into, want, 0);
+    last = now;
     if (failed % kReadsPerYield == 0) ::sched_yield();
   }
 }
+
+}  // namespace
 
 /// Reads exactly `n` bytes of `conn`: first what was read ahead; a short rest with one recv of
 /// up to kReadAhead bytes (whatever is there: the next frames too), a long one straight into

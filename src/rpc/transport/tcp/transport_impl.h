@@ -176,6 +176,10 @@ bool write_some(int fd, Outgoing& out, const std::string& where, bool* moved = n
 void prune_locked(Conn& conn, Clock::time_point now,
                   std::vector<std::unique_ptr<Outgoing>>& dropped);
 
+/// Whether readers block without spinning for now: a recent spin lost its core for long
+/// (connection.cpp, kPreempted). Thread-safe.
+bool spin_backed_off();
+
 class TcpTransport final : public Transport, private detail::ConnectionTable<Conn> {
  public:
   TcpTransport(TransportOptions options, TransportHandlers handlers);
@@ -185,6 +189,7 @@ class TcpTransport final : public Transport, private detail::ConnectionTable<Con
   void send(const std::string& peer, const std::string& address, Message msg,
             Clock::time_point deadline) override;
   void close() override;
+  bool reader_spins() const override { return read_spin_.count() > 0 && !spin_backed_off(); }
 
  private:
   /// A socket in its handshake, registered so that close() can shut it down; unregistered
