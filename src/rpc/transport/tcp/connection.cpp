@@ -145,12 +145,14 @@ constexpr int kReadsPerYield = 3;
 /// A spin that loses its core this long between two looks ran with more runnable threads than
 /// cores: a spinning reader is not woken when its frame arrives, it waits for its next turn on
 /// a core (tiny rpc_sync beside two compilers on the 2-core VM: 2,000-3,000 us spinning, 22
-/// us blocking). Every reader of the process then blocks at once for a while: 100 ms, doubled
-/// up to 1.6 s while the next spin after it is preempted too. Tiny rpc_sync, interleaved, 3
+/// us blocking; a busy loop's turn is milliseconds). At 200 us ordinary hiccups at idle
+/// tripped it too (2 of 3 benchmark rounds ran backed off, 36 us a call). Every reader of the
+/// process then blocks at once for a while: 100 ms, doubled up to 1.6 s while the next spin
+/// after it is preempted too. Tiny rpc_sync, interleaved, 3
 /// runs each: idle 16.7-18.4 us (blocking readers: 33.0-35.7; a fixed 1 s backoff 17.5-41.8,
 /// stray preemptions at idle stopped the spin for a second), beside 2 busy loops 25.3-26.2
 /// (blocking: 21.7-22.6; a fixed 100 ms: 26.2-26.3).
-constexpr auto kPreempted = std::chrono::microseconds(200);
+constexpr auto kPreempted = std::chrono::microseconds(1000);
 constexpr int64_t kBackoffFirstNs = 100'000'000;
 constexpr int64_t kBackoffMaxNs = 1'600'000'000;
 
