@@ -146,33 +146,18 @@ constexpr int kReadsPerYield = 3;
 /// cores: a spinning reader is not woken when its frame arrives, it waits for its next turn on
 /// a core (tiny rpc_sync beside two compilers on the 2-core VM: 2,000-3,000 us spinning, 22
 /// us blocking; a busy loop's turn is milliseconds). At 200 us ordinary hiccups at idle
-/// tripped it too (2 of 3 benchmark rounds ran backed off, 36 us a call). Every reader of the
-/// process then blocks at once for a while: 100 ms, doubled up to 1.6 s while the next spin
-/// after it is preempted too. Tiny rpc_sync, interleaved, 3
-/// runs each: idle 16.7-18.4 us (blocking readers: 33.0-35.7; a fixed 1 s backoff 17.5-41.8,
-/// stray preemptions at idle stopped the spin for a second), beside 2 busy loops 25.3-26.2
-/// (blocking: 21.7-22.6; a fixed 100 ms: 26.2-26.3).
+/// tripped it too. Every reader of the process then blocks at once for kSpinBackoff. Tiny
+/// rpc_sync in the benchmark's rpc section, 3 rounds: 17.2 / 15.7 / 19.3 us; with a backoff
+/// doubling up to 1.6 s while it recurs, 2 of 3 rounds stayed backed off (39.2 / 16.6 / 36.5).
+/// Beside 2 busy loops: 26.2 us, blocking readers 21.7-22.6.
 constexpr auto kPreempted = std::chrono::microseconds(1000);
-constexpr int64_t kBackoffFirstNs = 100'000'000;
-constexpr int64_t kBackoffMaxNs = 1'600'000'000;
+constexpr auto kSpinBackoff = std::chrono::milliseconds(100);
 
-/// Until when (steady clock, ns since its epoch) readers block without spinning, and the
-/// length of that backoff.
+/// Until when (steady clock, ns since its epoch) readers block without spinning.
 std::atomic<int64_t> g_no_spin_until{0};
-std::atomic<int64_t> g_backoff_ns{kBackoffFirstNs};
 
 int64_t ns_of(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
-}
-
-/// A spin at `now` lost its core: back off (longer when the last backoff ended just now).
-void note_preempted(Clock::time_point now) {
-  const int64_t at = ns_of(now);
-  const int64_t last = g_backoff_ns.load(std::memory_order_relaxed);
-  const bool again = at < g_no_spin_until.load(std::memory_order_relaxed) + last;
-  const int64_t len = again ? std::min(2 * last, kBackoffMaxNs) : kBackoffFirstNs;
-  g_backoff_ns.store(len, std::memory_order_relaxed);
-  g_no_spin_until.store(at + len, std::memory_order_relaxed);
 }
 
 }  // namespace
@@ -197,7 +182,7 @@ ssize_t recv_some(int fd, char* into, size_t want, std::chrono::microseconds spi
     const auto now = Clock::now();
     // Also when the frame is there: it may have waited for this thread's turn.
     const bool preempted = now - last > kPreempted;
-    if (preempted) note_preempted(now);
+    if (preempted) g_no_spin_until.store(ns_of(now + kSpinBackoff), std::memory_order_relaxed);
     if (r >= 0 || (err != EAGAIN && err != EWOULDBLOCK)) {
       errno = err;
       return r;
