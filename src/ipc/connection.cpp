@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/futex.h"
+#include "serialize/fd_elision.h"
 #include "serialize/payload_io.h"
 #include "torchpar/core/auth.h"
 #include "torchpar/core/syscall.h"
@@ -84,7 +85,8 @@ Connection::Connection(UniqueFd fd, bool readable, bool writable, Framing framin
       readable_(readable),
       writable_(writable),
       framing_(framing),
-      records_(is_seqpacket(fd_->get())) {}
+      records_(is_seqpacket(fd_->get())),
+      elision_(framing == Framing::kPayload ? std::make_shared<detail::FdElision>() : nullptr) {}
 
 bool Connection::closed() const { return !fd_ || !fd_->valid(); }
 
@@ -97,6 +99,9 @@ void Connection::close() {
   // No shutdown(): a child may hold a duplicate of this end, and shutdown would close the
   // socket for it too. A thread blocked in recv on this end must use a timeout.
   if (fd_) fd_->reset();
+  // The segments pinned for this end's peers are unmapped (their memory freed when no one
+  // else maps them); a copy of this end in another process keeps its own.
+  if (elision_) elision_->forget();
 }
 
 void Connection::send_payload_checked(const Payload& p) {
@@ -216,6 +221,7 @@ void Connection::load(detail::InputArchive& ar) {
   framing_ = static_cast<Framing>(framing);
   fd_ = std::make_shared<UniqueFd>(ar.take_fd(idx));
   records_ = is_seqpacket(fd_->get());
+  elision_ = framing_ == Framing::kPayload ? std::make_shared<detail::FdElision>() : nullptr;
 }
 
 std::pair<Connection, Connection> Pipe(bool duplex) {

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/prefault.h"
+#include "serialize/fd_elision.h"
 #include "serialize/payload_buffers.h"
 #include "shm/allocator.h"
 #include "torchpar/core/error.h"
@@ -239,7 +240,10 @@ void save_tensor(OutputArchive& ar, const at::Tensor& tensor) {
   if (h.strategy == SharingStrategy::kFileDescriptor) {
     write<uint8_t>(ar, static_cast<uint8_t>(StorageMode::kFd));
     write<uint64_t>(ar, h.nbytes);
-    write<uint32_t>(ar, ar.options().pass_fds && !as_handle ? ar.fd_index(h.fd) : kNoFd);
+    FdElision* elision = ar.options().fd_elision;
+    const bool pass = ar.options().pass_fds && !as_handle &&
+                      !(elision != nullptr && elision->elide(h.dev, h.ino, h.segment_bytes));
+    write<uint32_t>(ar, pass ? ar.fd_index(h.fd) : kNoFd);
     write<int32_t>(ar, h.pid);
     write<int32_t>(ar, h.fd_number);
     write<uint64_t>(ar, h.dev);
@@ -366,6 +370,8 @@ void load_tensor(InputArchive& ar, at::Tensor& tensor) {
       storages.emplace_back(c10::Storage::use_byte_size_t(), h.nbytes,
                             shm_import_borrowed(h, fd, ar.options().adopt_shared), shm_allocator(),
                             /*resizable=*/false);
+      if (fd >= 0 && ar.options().fd_elision != nullptr)
+        ar.options().fd_elision->pin(h.pid, h.dev, h.ino, h.segment_bytes);
     } else {
       throw SerializationError(fmt::format("invalid tensor storage mode {}", mode));
     }

@@ -593,6 +593,10 @@ at::DataPtr shm_import_borrowed(const StorageHandle& h, int fd, bool adopt, Uniq
   return import_block(s, std::move(seg), h, adopt);
 }
 
+std::shared_ptr<Segment> mapped_fd_segment(uint64_t dev, uint64_t ino) {
+  return find_mapped(state(), fd_key(dev, ino));
+}
+
 void claim_fork_refs(int pid) {
   State& s = state();
   auto refs = std::move(t_last_fork);

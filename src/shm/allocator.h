@@ -42,6 +42,10 @@ at::DataPtr shm_import(const StorageHandle& handle, UniqueFd fd, bool adopt = tr
 at::DataPtr shm_import_borrowed(const StorageHandle& handle, int fd, bool adopt = true,
                                 UniqueFd* owned = nullptr);
 
+/// The segment of the file_descriptor strategy with identity (dev, ino) when this process
+/// has it mapped, else nullptr (a connection's FdElision pins it). Safety: any thread.
+std::shared_ptr<Segment> mapped_fd_segment(uint64_t dev, uint64_t ino);
+
 /// In the parent right after fork(): the references the fork took on every live storage
 /// (for the child) now belong to `pid`.
 void claim_fork_refs(int pid);

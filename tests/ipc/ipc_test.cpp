@@ -12,6 +12,7 @@
 #include <set>
 #include <thread>
 
+#include "serialize/fd_elision.h"
 #include "support/child.h"
 #include "support/run_tests.h"
 #include "support/start_methods.h"
@@ -342,6 +343,71 @@ TEST(Pipe, SharedTensorsSentManyTimesKeepFdsBalanced) {
   EXPECT_NE(::fcntl(a.fileno(), F_GETFD), -1) << "a borrowed fd was closed by a failed send";
   a.send_bytes("still open");
   EXPECT_EQ(b.recv_bytes(5s), "still open");
+}
+
+// A segment's fd crosses a connection once (src/serialize/fd_elision.h): sent again, its
+// handle comes without the fd and the receiver finds the segment pinned from the first time.
+// So every tensor arrives even when the sender has exited before anything was read and the
+// receiver empties its caches between messages (a handle reopened through the dead sender's
+// /proc/<pid>/fd would fail). 20 segments, more than the 16 remembered, go out, then again
+// in reverse (the last 16 without fds, the first 4 with), then the first one 3 more times.
+// Closing the end unpins them: no fd is left open.
+TEST(Pipe, TensorsResentWithoutTheirFdsArriveAfterTheSenderExited) {
+  constexpr int kSegments = 20;
+  std::vector<int> order;
+  for (int i = 0; i < kSegments; ++i) order.push_back(i);
+  for (int i = kSegments - 1; i >= 0; --i) order.push_back(i);
+  for (int k = 0; k < 3; ++k) order.push_back(0);
+  const int fds0 = tp::testing::count_open_fds();
+  {
+    auto [mine, theirs] = tp::Pipe();
+    auto c = tp::testing::fork_child([theirs = theirs, order](int) mutable {
+      std::vector<at::Tensor> sent;  // 300 KiB each: a segment of its own (not a slab block)
+      for (int i = 0; i < kSegments; ++i) sent.push_back(at::full({75 << 10}, float(i)));
+      for (int i : order) theirs.send(sent[i]);
+      return 0;
+    });
+    theirs.close();
+    ASSERT_EQ(tp::testing::wait_child(c, 60s), 0);
+    for (size_t k = 0; k < order.size(); ++k) {
+      SCOPED_TRACE(::testing::Message() << "message " << k << ", segment " << order[k]);
+      at::Tensor t = mine.recv<at::Tensor>(10s);
+      ASSERT_EQ(t.numel(), 75 << 10);
+      EXPECT_EQ(t[0].item<float>(), float(order[k]));
+      EXPECT_EQ(t[-1].item<float>(), float(order[k]));
+      t.reset();
+      tp::empty_shm_cache();  // only the connection's pins keep a segment mapped now
+    }
+    mine.close();
+  }
+  EXPECT_LE(tp::testing::count_open_fds(), fds0) << "pinned segments outlived the closed end";
+}
+
+// The rule both ends apply, and its bounds.
+TEST(Pipe, FdElisionRemembersTheLastSixteenSmallSegmentsPerProcess) {
+  using tp::detail::FdElision;
+  FdElision e;
+  EXPECT_FALSE(e.elide(1, 100, 4096)) << "a first send passes the fd";
+  EXPECT_TRUE(e.elide(1, 100, 4096)) << "a second one does not";
+  for (uint64_t ino = 1; ino <= FdElision::kSegments; ++ino) EXPECT_FALSE(e.elide(2, ino, 4096));
+  EXPECT_FALSE(e.elide(1, 100, 4096)) << "16 segments later the first is forgotten";
+  EXPECT_TRUE(e.elide(1, 100, 4096));
+  EXPECT_FALSE(e.elide(1, 200, FdElision::kMaxSegmentBytes + 1));
+  EXPECT_FALSE(e.elide(1, 200, FdElision::kMaxSegmentBytes + 1)) << "a large segment always";
+  // A forked child remembers nothing of its parent's sends.
+  auto c = tp::testing::fork_child([&e](int) { return e.elide(1, 100, 4096) ? 1 : 0; });
+  EXPECT_EQ(tp::testing::wait_child(c, 30s), 0);
+  EXPECT_TRUE(e.elide(1, 100, 4096)) << "the parent still does";
+  // Pins: the last 16 of each sending process, 16 processes at most (segments not mapped
+  // here pin nothing but still count, as the sender counted them).
+  for (int32_t pid = 1; pid <= 20; ++pid)
+    for (uint64_t ino = 1; ino <= 20; ++ino) e.pin(pid, 3, ino, 4096);
+  EXPECT_EQ(e.pinned(), FdElision::kSegments * FdElision::kSenders);
+  e.pin(99, 3, 1, FdElision::kMaxSegmentBytes + 1);
+  EXPECT_EQ(e.pinned(), FdElision::kSegments * FdElision::kSenders) << "a large one is not";
+  e.forget();
+  EXPECT_EQ(e.pinned(), 0u);
+  EXPECT_FALSE(e.elide(1, 100, 4096)) << "forget() forgets the sends too";
 }
 
 TEST(Pipe, BytesPollClosedAndDirection) {

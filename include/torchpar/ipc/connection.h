@@ -78,16 +78,22 @@ class Connection {
   template <class T>
   void send(const T& value, SendOptions options = {}) {
     // Sent at once: the value's own fds travel, no duplicates (borrow_fds).
+    // A segment whose fd went over this connection lately goes without it (fd_elision).
     Payload p = detail::dumps_with(
-        value,
-        {.copy_tensor = options.copy_tensor || framing_ == Framing::kPython, .borrow_fds = true});
+        value, {.copy_tensor = options.copy_tensor || framing_ == Framing::kPython,
+                .borrow_fds = true,
+                .fd_elision = elision_.get()});
     send_payload_borrowed(p);
   }
   /// Receives a value sent with send<T>. Errors: as recv_bytes, and SerializationError when
   /// the bytes are not a `T` (the frame was read whole: the connection stays usable).
   template <class T>
   T recv(Timeout timeout = std::nullopt) {
-    return loads<T>(recv_payload_checked(timeout, SIZE_MAX));
+    Payload p = recv_payload_checked(timeout, SIZE_MAX);
+    T value{};
+    detail::load_payload(
+        p, [&](detail::InputArchive& ar) { ar(value); }, {.fd_elision = elision_.get()}, &p.bytes);
+    return value;
   }
   /// Sends `bytes` as one message (Python's send_bytes; an empty message is allowed).
   /// Blocks until the kernel took every byte (no timeout, as Python).
@@ -131,6 +137,9 @@ class Connection {
   bool writable_ = false;
   Framing framing_ = Framing::kPayload;
   bool records_ = false;  ///< a SOCK_SEQPACKET socket (Pipe): kPayload frames go as records
+  /// The segments whose fds crossed this connection lately, both ways (kPayload only;
+  /// shared by the copies of this end in this process).
+  std::shared_ptr<detail::FdElision> elision_;
 };
 
 /// A connected pair. duplex: both ends send and receive; otherwise the first end only

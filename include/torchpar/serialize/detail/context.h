@@ -14,6 +14,8 @@
 
 namespace torchpar::detail {
 
+class FdElision;
+
 /// How a dumps runs: DumpsOptions (copy_tensor) plus what only torchpar's own callers set.
 struct DumpsContext {
   /// As DumpsOptions::copy_tensor.
@@ -48,6 +50,10 @@ struct DumpsContext {
   /// in the segment's header: any thread or process may dump the same storage, pinned or
   /// not, at once. No Python original: torch.multiprocessing's handles are loaded once.
   bool pin_shared = false;
+  /// With pass_fds, for a payload sent at once over one connection (Connection::send): a
+  /// segment whose fd this process passed over that connection lately travels without it
+  /// (its receiver pinned the segment then; src/serialize/fd_elision.h). Not owned.
+  FdElision* fd_elision = nullptr;
 };
 
 /// How a loads runs; the default is what the public loads does.
@@ -67,6 +73,10 @@ struct LoadsContext {
   /// loaded tensors alias them (no copy). A payload that refers to one without them, or
   /// past their end, raises SerializationError. Not owned; must outlive the loads call.
   const std::vector<c10::Storage>* storages = nullptr;
+  /// For a payload received over one connection (Connection::recv): each segment that
+  /// arrived with its fd is pinned there, so that the sender's later handles to it, which
+  /// come without (DumpsContext::fd_elision), find it mapped. Not owned.
+  FdElision* fd_elision = nullptr;
 };
 
 }  // namespace torchpar::detail
