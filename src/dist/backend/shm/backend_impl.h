@@ -255,8 +255,8 @@ class ShmBackend final : public GroupBackend {
   uint64_t probe_word_ = 0;   // kMagic ^ pid: what the others read at attach
   size_t slot_ = 0;
   uint32_t step_ = 0;
-  uint32_t synced_ = 0;               // every other rank is known to have arrived at this step
-  std::vector<RingEntry*> rings_;     // by rank
+  uint32_t synced_ = 0;            // every other rank is known to have arrived at this step
+  std::vector<RingEntry*> rings_;  // by rank
   std::vector<std::atomic<uint32_t>*> root_steps_;  // by rank (SegmentLayout::root_steps)
   std::vector<uint32_t> ring_steps_;  // tiny broadcasts published as root, not yet checked
   /// A chunked reduction's result block (kReduceBlockBytes) before it is copied out.

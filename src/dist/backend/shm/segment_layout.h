@@ -6,8 +6,8 @@
 // operation and up to kInlineBytes of data in the counter's own cache line, then the full
 // metadata of its current operation by parity), then per rank a ring of kRingDepth 64-byte
 // entries (its tiny broadcasts as root), then per rank kRingDepth 32-bit words (the step of
-// each of its ring entries again, 16 to a cache line), rounded up to whole pages, then 2 x nranks data
-// slots of slot_bytes each: slot (set, rank) at data_offset + (set * nranks + rank) *
+// each of its ring entries again, 16 to a cache line), rounded up to whole pages, then 2 x nranks
+// data slots of slot_bytes each: slot (set, rank) at data_offset + (set * nranks + rank) *
 // slot_bytes.
 //
 // Steps: in step k a rank writes only its own slot of set k%2 (or its inline data of parity
