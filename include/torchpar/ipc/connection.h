@@ -8,7 +8,10 @@
 ///     (SOCK_SEQPACKET: a small message is one record, read whole in one system call).
 ///     Values travel as torchpar payloads (16-byte frame header, docs/wire_format.md) and
 ///     the fds of shared tensors, queues and locks travel with SCM_RIGHTS, so tensors are
-///     shared.
+///     shared. A shared-memory segment's fd crosses once: while it is among the last 16
+///     the sender passed, its tensors go as handles that the receiver resolves to the
+///     segment it kept mapped (at most 16 segments of up to 4 MiB per sending process, until
+///     close(); docs/ipc.md), so they arrive even after their sender exited.
 ///   - `Framing::kPython` (Listener::accept, Client; torchpar/ipc/listener.h): a TCP or
 ///     Unix stream socket to any process, on this host or another, possibly Python's own
 ///     multiprocessing.connection. Frames are Python's: a 4-byte big-endian signed length
@@ -45,7 +48,7 @@ struct SendOptions {
 /// One end of a Pipe, or of a connection made by Listener::accept / Client.
 ///
 /// Lifetime: copies share the same end (the fd closes when the last copy goes); close()
-/// closes it for every copy. A Connection passed to a child (as a Process argument or
+/// closes it for every copy, and unmaps the segments kept for its peers' handles. A Connection passed to a child (as a Process argument or
 /// through a Pipe) becomes an independent fd there and keeps its framing.
 /// Safety: one sender and one receiver thread at a time per end.
 /// Errors: ClosedError when this end is closed, or recv finds the peer gone (EOFError);
