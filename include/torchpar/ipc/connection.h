@@ -48,8 +48,9 @@ struct SendOptions {
 /// One end of a Pipe, or of a connection made by Listener::accept / Client.
 ///
 /// Lifetime: copies share the same end (the fd closes when the last copy goes); close()
-/// closes it for every copy, and unmaps the segments kept for its peers' handles. A Connection passed to a child (as a Process argument or
-/// through a Pipe) becomes an independent fd there and keeps its framing.
+/// closes it for every copy, and unmaps the segments kept for its peers' handles. A
+/// Connection passed to a child (as a Process argument or through a Pipe) becomes an
+/// independent fd there and keeps its framing.
 /// Safety: one sender and one receiver thread at a time per end.
 /// Errors: ClosedError when this end is closed, or recv finds the peer gone (EOFError);
 ///         TimeoutError when recv's timeout passes; ProtocolError for a frame over
