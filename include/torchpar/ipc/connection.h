@@ -93,11 +93,9 @@ class Connection {
   /// the bytes are not a `T` (the frame was read whole: the connection stays usable).
   template <class T>
   T recv(Timeout timeout = std::nullopt) {
-    Payload p = recv_payload_checked(timeout, SIZE_MAX);
-    T value{};
-    detail::load_payload(
-        p, [&](detail::InputArchive& ar) { ar(value); }, {.fd_elision = elision_.get()}, &p.bytes);
-    return value;
+    // Segments that came with their fds are pinned for the sender's later handles.
+    return detail::loads_with<T>(recv_payload_checked(timeout, SIZE_MAX),
+                                 {.fd_elision = elision_.get()});
   }
   /// Sends `bytes` as one message (Python's send_bytes; an empty message is allowed).
   /// Blocks until the kernel took every byte (no timeout, as Python).

@@ -46,6 +46,16 @@ T loads_with(const Payload& payload, const LoadsContext& context) {
   return value;
 }
 
+/// loads_with of a payload the caller gives up: large copied storages may alias its bytes,
+/// as loads(Payload&&) says. Errors and safety as loads.
+template <class T>
+T loads_with(Payload&& payload, const LoadsContext& context) {
+  T value{};
+  load_payload(
+      payload, [&](InputArchive& ar) { ar(value); }, context, &payload.bytes);
+  return value;
+}
+
 }  // namespace detail
 
 /// Serializes `value` into a Payload.
@@ -86,10 +96,7 @@ T loads(const Payload& payload) {
 /// Errors, safety and source (machin.parallel.pickle.loads) as above.
 template <class T>
 T loads(Payload&& payload) {
-  T value{};
-  detail::load_payload(
-      payload, [&](detail::InputArchive& ar) { ar(value); }, {}, &payload.bytes);
-  return value;
+  return detail::loads_with<T>(std::move(payload), {});
 }
 
 /// Frees the large buffers (32 MiB or more; at most 2, 256 MiB in all) that dumps and loads
