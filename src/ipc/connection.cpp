@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/futex.h"
+#include "ipc/pipe_mailbox.h"
 #include "serialize/fd_elision.h"
 #include "serialize/payload_io.h"
 #include "torchpar/core/auth.h"
@@ -111,9 +112,13 @@ void Connection::send_payload_checked(const Payload& p) {
       send_payload(fileno(), p);
       return;
     }
+    // A reader already waiting in recv takes a small message from shared memory.
+    const int fd = fileno();
+    if (mailbox_ && p.fds.empty() && mailbox_->try_deliver(fd, p.bytes)) return;
+    detail::PipeMailbox::SocketSend on_socket(mailbox_.get());
     bool started = false;
     try {
-      detail::send_payload_records(fileno(), p, &started);
+      detail::send_payload_records(fd, p, &started);
     } catch (...) {
       // Part of the frame went out: the peer waits for the rest, and a next frame would be
       // read as its continuation. Closed, the peer sees the end (when no other process
@@ -167,6 +172,22 @@ Payload Connection::recv_payload_checked(Timeout timeout, size_t max_bytes) {
   // read itself (a poll loop then a read was one system call more per message).
   try {
     constexpr auto kSpin = std::chrono::microseconds(50);
+    if (records_ && mailbox_) {
+      // A message already in the slot, or the wait announced there first; the socket when
+      // the mailbox says so (a message or a sender there, or the spin over: then block).
+      auto got = mailbox_->receive(fileno(), deadline, kSpin);
+      if (got.bytes) {
+        if (got.bytes->size() > max_bytes) {
+          throw ProtocolError(
+              fmt::format("recv_payload: bad message length: the frame holds {} bytes, at most "
+                          "{} accepted",
+                          got.bytes->size(), max_bytes));
+        }
+        return Payload{std::move(*got.bytes), {}};
+      }
+      const auto spin = got.spin_on_socket ? kSpin : std::chrono::microseconds(0);
+      return detail::recv_payload_records(fileno(), deadline.remaining(), max_bytes, spin);
+    }
     if (records_) return detail::recv_payload_records(fileno(), timeout, max_bytes, kSpin);
     return detail::recv_payload_spinning(fileno(), timeout, max_bytes, kSpin);
   } catch (const ProtocolError& e) {
@@ -192,6 +213,8 @@ bool Connection::poll(Timeout timeout) {
   struct pollfd pfd {
     fileno(), POLLIN, 0
   };
+  // A message left in the mailbox by a reader that gave up (see pipe_mailbox.h).
+  if (mailbox_ && mailbox_->published()) return true;
   const auto deadline = detail::deadline_after(timeout);
   for (;;) {
     int ms = -1;  // no timeout: wait without a limit
@@ -209,6 +232,12 @@ bool Connection::poll(Timeout timeout) {
 void Connection::save(detail::OutputArchive& ar) const {
   const uint32_t idx = ar.fd_index(fileno());
   ar(idx, readable_, writable_, static_cast<uint8_t>(framing_));
+  const bool mailbox = mailbox_ != nullptr;
+  ar(mailbox);
+  if (mailbox) {
+    const uint32_t box = ar.fd_index(mailbox_->fd());
+    ar(box, static_cast<uint8_t>(mailbox_->side()));
+  }
 }
 
 void Connection::load(detail::InputArchive& ar) {
@@ -222,6 +251,17 @@ void Connection::load(detail::InputArchive& ar) {
   fd_ = std::make_shared<UniqueFd>(ar.take_fd(idx));
   records_ = is_seqpacket(fd_->get());
   elision_ = framing_ == Framing::kPayload ? std::make_shared<detail::FdElision>() : nullptr;
+  bool mailbox = false;
+  ar(mailbox);
+  mailbox_.reset();
+  if (mailbox) {
+    uint32_t box = 0;
+    uint8_t side = 0;
+    ar(box, side);
+    // Only a Pipe's end (records, torchpar frames) uses one.
+    auto opened = detail::PipeMailbox::open(ar.take_fd(box), side);
+    if (records_ && framing_ == Framing::kPayload) mailbox_ = std::move(opened);
+  }
 }
 
 std::pair<Connection, Connection> Pipe(bool duplex) {
@@ -232,11 +272,21 @@ std::pair<Connection, Connection> Pipe(bool duplex) {
   detail::check_syscall("socketpair", "Pipe", [&] {
     return ::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv);
   });
-  if (duplex)
-    return {Connection(UniqueFd(sv[0]), true, true), Connection(UniqueFd(sv[1]), true, true)};
-  ::shutdown(sv[0], SHUT_WR);
-  ::shutdown(sv[1], SHUT_RD);
-  return {Connection(UniqueFd(sv[0]), true, false), Connection(UniqueFd(sv[1]), false, true)};
+  UniqueFd a(sv[0]);
+  UniqueFd b(sv[1]);
+  // Small messages to a reader already waiting go through shared memory (pipe_mailbox.h).
+  auto [box_a, box_b] = detail::PipeMailbox::create_pair();
+  std::pair<Connection, Connection> ends;
+  if (duplex) {
+    ends = {Connection(std::move(a), true, true), Connection(std::move(b), true, true)};
+  } else {
+    ::shutdown(a.get(), SHUT_WR);
+    ::shutdown(b.get(), SHUT_RD);
+    ends = {Connection(std::move(a), true, false), Connection(std::move(b), false, true)};
+  }
+  ends.first.mailbox_ = std::move(box_a);
+  ends.second.mailbox_ = std::move(box_b);
+  return ends;
 }
 
 }  // namespace torchpar

@@ -4,14 +4,19 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
 
+#include <atomic>
+#include <future>
 #include <set>
 #include <thread>
 
+#include "ipc/pipe_mailbox.h"
 #include "serialize/fd_elision.h"
 #include "support/child.h"
 #include "support/run_tests.h"
@@ -627,6 +632,217 @@ TEST(Pipe, ASmallSendBufferMakesShorterRecords) {
   sender = std::thread([&, &a = a] { a.send_bytes(std::string(20000, 'q')); });
   EXPECT_EQ(b.recv_bytes(30s), std::string(20000, 'q'));
   sender.join();
+}
+
+// A Pipe's small messages to a reader that already waits in recv go through a shared slot
+// (src/ipc/pipe_mailbox.h), the rest over the socket. A child reads 3,000 messages while the
+// parent sends them: bytes of every size around the slot's 16 KiB, shared tensors (their
+// fds on the socket the first time), some through a copy of the end rebuilt from its fd
+// alone (no slot: it always writes the socket), some after pauses (the reader then waits,
+// so the next message goes through the slot), some in bursts (they queue on the socket).
+// Every message arrives once, in order, whole; then the same over an end that crossed a
+// Pipe (save/load carries the slot's fd).
+TEST(Pipe, SmallMessagesThroughTheMailboxKeepTheirOrderWithTheSocketsMessages) {
+  for (const bool passed : {false, true}) {
+    SCOPED_TRACE(passed ? "the reading end crossed a Pipe" : "the reading end by fork");
+    auto [mine, theirs] = tp::Pipe();
+    auto [carrier_in, carrier_out] = tp::Pipe();
+    at::Tensor shared = at::arange(1024, at::kFloat);
+    tp::share_memory_(shared);
+    constexpr int kMessages = 3000;
+    auto c = tp::testing::fork_child([&, theirs = theirs, carrier_in = carrier_in](int) mutable {
+      tp::Connection end = passed ? carrier_in.recv<tp::Connection>(30s) : theirs;
+      int bad = 0;
+      for (int i = 0; i < kMessages; ++i) {
+        if (i % 5 == 4) {
+          auto t = end.recv<std::tuple<int, at::Tensor>>(30s);
+          if (std::get<0>(t) != i || std::get<1>(t)[1023].item<float>() != 1023.0f) ++bad;
+          continue;
+        }
+        const std::string b = end.recv_bytes(30s);
+        const size_t len = static_cast<size_t>(i) * 37 % 20000;
+        if (b.size() != len + 4 || std::memcmp(b.data(), &i, 4) != 0 ||
+            b.find_first_not_of(static_cast<char>('a' + i % 26), 4) != std::string::npos)
+          ++bad;
+        if (i % 97 == 0) std::this_thread::sleep_for(2ms);  // a burst queues on the socket
+      }
+      end.send(bad);
+      return 0;
+    });
+    if (passed) carrier_out.send(theirs);
+    tp::Connection bare(tp::UniqueFd(::fcntl(mine.fileno(), F_DUPFD_CLOEXEC, 0)), true, true);
+    for (int i = 0; i < kMessages; ++i) {
+      if (i % 5 == 4) {
+        mine.send(std::tuple<int, at::Tensor>{i, shared});
+        continue;
+      }
+      std::string b(4 + static_cast<size_t>(i) * 37 % 20000, static_cast<char>('a' + i % 26));
+      std::memcpy(b.data(), &i, 4);
+      (i % 7 == 3 ? bare : mine).send_bytes(b);
+      if (i % 50 == 0) std::this_thread::sleep_for(1ms);  // the reader waits for the next
+    }
+    EXPECT_EQ(mine.recv<int>(60s), 0) << "messages lost, reordered or broken";
+    EXPECT_EQ(tp::testing::wait_child(c, 120s), 0);
+  }
+}
+
+namespace {
+
+// The control line of the direction `side` reads, mapped from the mailbox's fd: the state
+// word (mode in its low 3 bits: 0 idle, 1 a reader spins, 2 claimed, 3 published, 4 taking),
+// the length, the claimer's pid.
+struct MailboxView {
+  explicit MailboxView(int fd) {
+    base = static_cast<char*>(::mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  }
+  ~MailboxView() { ::munmap(base, kPage); }
+  std::atomic<uint64_t>& state(int side) {
+    return *reinterpret_cast<std::atomic<uint64_t>*>(base + 128 * side);
+  }
+  std::atomic<uint32_t>& length(int side) {
+    return *reinterpret_cast<std::atomic<uint32_t>*>(base + 128 * side + 8);
+  }
+  std::atomic<int32_t>& claimer(int side) {
+    return *reinterpret_cast<std::atomic<int32_t>*>(base + 128 * side + 12);
+  }
+  char* data(int side) { return base + 4096 + tp::detail::PipeMailbox::kBytes * side; }
+  static constexpr size_t kPage = 4096 + 2 * tp::detail::PipeMailbox::kBytes;
+  char* base = nullptr;
+};
+
+tp::detail::Deadline in(std::chrono::milliseconds d) { return tp::detail::SteadyClock::now() + d; }
+
+}  // namespace
+
+// The slot's protocol, one rule at a time: a sender delivers only to a reader that announced
+// itself; a message too long for the slot, a record already on the socket, a sender that
+// goes to the socket while the reader waits, and a write on the socket by an end without the
+// slot each send the reader to the socket; a claimer that died frees the slot; a reader
+// whose deadline passes while the claimer is stopped times out and the message, published
+// later, is seen by published() (Connection::poll) and taken by the next receive; a
+// corrupted length is refused and the slot freed.
+TEST(PipeMailbox, ARulePerCase) {
+  using tp::detail::PipeMailbox;
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+  tp::UniqueFd s0(sv[0]), s1(sv[1]);
+  auto [x, y] = PipeMailbox::create_pair();  // x writes what y reads (y: side 1)
+  MailboxView view(x->fd());
+  EXPECT_FALSE(x->try_deliver(s0.get(), "nobody waits"));
+  EXPECT_FALSE(y->published());
+
+  auto announced_receive = [&, &y = y](std::chrono::milliseconds spin) {
+    return std::async(std::launch::async, [&, spin] {
+      return y->receive(s1.get(), in(10s),
+                        std::chrono::duration_cast<std::chrono::microseconds>(spin));
+    });
+  };
+  auto wait_mode = [&](uint64_t mode) {
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while ((view.state(1).load() & 7) != mode && std::chrono::steady_clock::now() < until)
+      std::this_thread::yield();
+    return (view.state(1).load() & 7) == mode;
+  };
+
+  {  // delivered to the waiting reader, no system call on either side
+    auto got = announced_receive(5000ms);
+    ASSERT_TRUE(wait_mode(1));
+    EXPECT_FALSE(x->try_deliver(s0.get(), std::string(PipeMailbox::kBytes + 1, 'x'))) << "too long";
+    EXPECT_TRUE(x->try_deliver(s0.get(), "hello"));
+    auto r = got.get();
+    ASSERT_TRUE(r.bytes.has_value());
+    EXPECT_EQ(*r.bytes, "hello");
+    EXPECT_EQ(view.state(1).load() & 7, 0u);
+  }
+  {  // a record sent from the sender's socket still unread: no delivery (order), until read
+    uint64_t v = view.state(1).load();
+    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 1));
+    ASSERT_EQ(::send(s0.get(), "u", 1, 0), 1);
+    EXPECT_FALSE(x->try_deliver(s0.get(), "after u"));
+    char c = 0;
+    ASSERT_EQ(::recv(s1.get(), &c, 1, 0), 1);
+    EXPECT_TRUE(x->try_deliver(s0.get(), "after u"));
+    EXPECT_TRUE(y->published());
+    auto r = y->receive(s1.get(), in(1s), std::chrono::microseconds(50));
+    ASSERT_TRUE(r.bytes.has_value());
+    EXPECT_EQ(*r.bytes, "after u");
+  }
+  {  // a record on the socket: the reader does not announce
+    ASSERT_EQ(::send(s0.get(), "r", 1, 0), 1);
+    auto r = y->receive(s1.get(), in(10s), 5000ms);
+    EXPECT_FALSE(r.bytes.has_value());
+    EXPECT_TRUE(r.spin_on_socket);
+    EXPECT_EQ(view.state(1).load() & 7, 0u);
+    char c = 0;
+    ASSERT_EQ(::recv(s1.get(), &c, 1, 0), 1);
+  }
+  {  // a sender goes to the socket: the announced reader is sent there, at once
+    auto got = announced_receive(60000ms);
+    ASSERT_TRUE(wait_mode(1));
+    {
+      PipeMailbox::SocketSend on_socket(x.get());
+      EXPECT_FALSE(x->try_deliver(s0.get(), "late")) << "not while a send is on the socket";
+      ASSERT_EQ(::send(s0.get(), "s", 1, 0), 1);
+    }
+    ASSERT_EQ(got.wait_for(30s), std::future_status::ready) << "the reader waited out its spin";
+    auto r = got.get();
+    EXPECT_FALSE(r.bytes.has_value());
+    EXPECT_TRUE(r.spin_on_socket);
+    char c = 0;
+    ASSERT_EQ(::recv(s1.get(), &c, 1, 0), 1);
+  }
+  {  // an end without the slot writes the socket: the spinning reader's peek sees it
+    auto got = announced_receive(60000ms);
+    ASSERT_TRUE(wait_mode(1));
+    ASSERT_EQ(::send(s0.get(), "p", 1, 0), 1);
+    ASSERT_EQ(got.wait_for(30s), std::future_status::ready) << "the reader waited out its spin";
+    EXPECT_TRUE(got.get().spin_on_socket);
+    EXPECT_EQ(view.state(1).load() & 7, 0u) << "the reader withdrew";
+    char c = 0;
+    ASSERT_EQ(::recv(s1.get(), &c, 1, 0), 1);
+  }
+  {  // a claimer that died: the slot is freed, the reader goes to the socket
+    const pid_t dead = ::fork();
+    if (dead == 0) ::_exit(0);
+    ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+    auto got = announced_receive(5000ms);
+    ASSERT_TRUE(wait_mode(1));
+    uint64_t v = view.state(1).load();
+    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 2));
+    view.claimer(1).store(dead);
+    ASSERT_EQ(got.wait_for(30s), std::future_status::ready);
+    auto r = got.get();
+    EXPECT_FALSE(r.bytes.has_value());
+    EXPECT_EQ(view.state(1).load() & 7, 0u);
+  }
+  {  // the claimer is stopped past the reader's deadline: TimeoutError; published later, the
+     // message waits for the next receive, and published() says so
+    auto got = std::async(std::launch::async, [&, &y = y] {
+      return y->receive(s1.get(), in(300ms), std::chrono::microseconds(300000));
+    });
+    ASSERT_TRUE(wait_mode(1));
+    uint64_t v = view.state(1).load();
+    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 2));
+    view.claimer(1).store(::getpid());
+    EXPECT_THROW(got.get(), tp::TimeoutError);
+    std::memcpy(view.data(1), "later", 5);
+    view.length(1).store(5);
+    v = view.state(1).load();
+    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 3));
+    EXPECT_TRUE(y->published());
+    auto r = y->receive(s1.get(), in(0ms), std::chrono::microseconds(0));
+    ASSERT_TRUE(r.bytes.has_value());
+    EXPECT_EQ(*r.bytes, "later");
+    EXPECT_FALSE(y->published());
+  }
+  {  // a corrupted length is refused, the slot freed
+    view.length(1).store(PipeMailbox::kBytes + 1);
+    uint64_t v = view.state(1).load();
+    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 3));
+    EXPECT_THROW(y->receive(s1.get(), in(1s), std::chrono::microseconds(50)), tp::ProtocolError);
+    EXPECT_EQ(view.state(1).load() & 7, 0u);
+  }
+  EXPECT_THROW(PipeMailbox::open(tp::UniqueFd(::dup(x->fd())), 2), tp::SerializationError);
 }
 
 int main(int argc, char** argv) {

@@ -11,7 +11,12 @@
 ///     shared. A shared-memory segment's fd crosses once: while it is among the last 16
 ///     the sender passed, its tensors go as handles that the receiver resolves to the
 ///     segment it kept mapped (at most 16 segments of up to 4 MiB per sending process, until
-///     close(); docs/ipc.md), so they arrive even after their sender exited.
+///     close(); docs/ipc.md), so they arrive even after their sender exited. A message
+///     without fds of up to 16 KiB to a reader already waiting in recv skips the socket:
+///     the Pipe's ends share a small shared-memory mailbox (docs/ipc.md), used only when
+///     every earlier record of that end has been read, so order and a select on fileno()
+///     hold as on the socket (but for a message whose reader gave up while its sender was
+///     stopped mid-write: poll() sees it, a select does not).
 ///   - `Framing::kPython` (Listener::accept, Client; torchpar/ipc/listener.h): a TCP or
 ///     Unix stream socket to any process, on this host or another, possibly Python's own
 ///     multiprocessing.connection. Frames are Python's: a 4-byte big-endian signed length
@@ -37,6 +42,9 @@
 #include "torchpar/serialize/serialize.h"
 
 namespace torchpar {
+namespace detail {
+class PipeMailbox;
+}  // namespace detail
 
 /// Options of Connection::send.
 struct SendOptions {
@@ -142,6 +150,10 @@ class Connection {
   /// The segments whose fds crossed this connection lately, both ways (kPayload only;
   /// shared by the copies of this end in this process).
   std::shared_ptr<detail::FdElision> elision_;
+  /// A Pipe end's shared-memory slots for small messages to a reader that waits in recv
+  /// (null: every message on the socket, as for an end adopted from its fd alone).
+  std::shared_ptr<detail::PipeMailbox> mailbox_;
+  friend std::pair<Connection, Connection> Pipe(bool duplex);
 };
 
 /// A connected pair. duplex: both ends send and receive; otherwise the first end only
