@@ -173,20 +173,19 @@ Payload Connection::recv_payload_checked(Timeout timeout, size_t max_bytes) {
   try {
     constexpr auto kSpin = std::chrono::microseconds(50);
     if (records_ && mailbox_) {
-      // A message already in the slot, or the wait announced there first; the socket when
-      // the mailbox says so (a message or a sender there, or the spin over: then block).
-      auto got = mailbox_->receive(fileno(), deadline, kSpin);
-      if (got.bytes) {
-        if (got.bytes->size() > max_bytes) {
+      // The wait happens on the mailbox's word and the socket together: a message from the
+      // slot, or the socket holds something now (pipe_mailbox.h).
+      const int fd = fileno();
+      if (auto bytes = mailbox_->receive(fd, deadline, kSpin)) {
+        if (bytes->size() > max_bytes) {
           throw ProtocolError(
               fmt::format("recv_payload: bad message length: the frame holds {} bytes, at most "
                           "{} accepted",
-                          got.bytes->size(), max_bytes));
+                          bytes->size(), max_bytes));
         }
-        return Payload{std::move(*got.bytes), {}};
+        return Payload{std::move(*bytes), {}};
       }
-      const auto spin = got.spin_on_socket ? kSpin : std::chrono::microseconds(0);
-      return detail::recv_payload_records(fileno(), deadline.remaining(), max_bytes, spin);
+      return detail::recv_payload_records(fd, deadline.remaining(), max_bytes, kSpin);
     }
     if (records_) return detail::recv_payload_records(fileno(), timeout, max_bytes, kSpin);
     return detail::recv_payload_spinning(fileno(), timeout, max_bytes, kSpin);
@@ -213,7 +212,7 @@ bool Connection::poll(Timeout timeout) {
   struct pollfd pfd {
     fileno(), POLLIN, 0
   };
-  // A message left in the mailbox by a reader that gave up (see pipe_mailbox.h).
+  // A message left in the mailbox by a reader killed while it waited (pipe_mailbox.h).
   if (mailbox_ && mailbox_->published()) return true;
   const auto deadline = detail::deadline_after(timeout);
   for (;;) {

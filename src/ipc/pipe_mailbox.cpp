@@ -1,12 +1,14 @@
 #include "ipc/pipe_mailbox.h"
 
 #include <linux/sockios.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -21,51 +23,44 @@
 namespace torchpar::detail {
 namespace {
 
-// The state word of a direction: mode (3 bits), senders on the socket now (13 bits), sends
-// on the socket completed (48 bits, wrapping).
-constexpr uint64_t kModeMask = 7;
-constexpr uint64_t kIdle = 0;       // nobody announced
-constexpr uint64_t kSpinning = 1;   // a reader waits in recv for the slot
-constexpr uint64_t kClaimed = 2;    // a sender is writing the slot for that reader
-constexpr uint64_t kPublished = 3;  // the slot holds a message
-constexpr uint64_t kTaking = 4;     // a reader is copying it out
+using W = PipeMailbox::Word;
+constexpr uint64_t kModeMask = W::kModeMask;
 constexpr uint64_t kInflightOne = uint64_t{1} << 3;
-constexpr uint64_t kInflightMask = ((uint64_t{1} << 13) - 1) << 3;
-constexpr uint64_t kSentOne = uint64_t{1} << 16;
+constexpr uint64_t kInflightMask = uint64_t{0x1FF} << 3;
+constexpr int kSentShift = 34;
+constexpr uint64_t kSentOne = uint64_t{1} << kSentShift;
+constexpr int32_t kPidLimit = 1 << 22;
 
 constexpr size_t kControlStride = 128;  // a direction's control line, and one apart
 constexpr size_t kDataOffset = 4096;
 constexpr size_t kPageBytes = kDataOffset + 2 * PipeMailbox::kBytes;
 
 // Looks at the state word between two clock reads, between two yields of the core (so that a
-// sender sharing this core runs: more runnable processes than cores), and the time between
-// two peeks at the socket (a sender without the mailbox writes there).
+// sender sharing this core runs: more runnable processes than cores); the time between two
+// peeks at the socket while announced (a sender without the mailbox writes there) and while
+// not; the longest sleep in poll before the slot is looked at again.
 constexpr int kLooksPerClock = 16;
 constexpr int kLooksPerYield = 64;
-constexpr auto kPeekEvery = std::chrono::microseconds(2);
+constexpr auto kPeekAnnounced = std::chrono::microseconds(2);
+constexpr auto kPeekNotAnnounced = std::chrono::nanoseconds(500);
+constexpr int kSliceMs = 10;
 
 struct alignas(64) Control {
   std::atomic<uint64_t> state;
   std::atomic<uint32_t> length;
-  std::atomic<int32_t> claimer;  // pid of the sender that claimed the slot (0: not yet known)
 };
 static_assert(sizeof(Control) <= kControlStride);
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
 Control& ctl(void* p) { return *static_cast<Control*>(p); }
 uint64_t mode(uint64_t v) { return v & kModeMask; }
-uint64_t with_mode(uint64_t v, uint64_t m) { return (v & ~kModeMask) | m; }
+int32_t pid_of(uint64_t v) { return static_cast<int32_t>((v & W::kPidMask) >> W::kPidShift); }
+uint64_t sent_of(uint64_t v) { return v >> kSentShift; }
 
-// Moves the word from mode `from` to `to`, keeping its counters; false when it is not in
-// `from` (any more).
-bool move(Control& c, uint64_t from, uint64_t to) {
-  uint64_t v = c.state.load(std::memory_order_relaxed);
-  while (mode(v) == from) {
-    if (c.state.compare_exchange_weak(v, with_mode(v, to), std::memory_order_acq_rel,
-                                      std::memory_order_relaxed))
-      return true;
-  }
-  return false;
+// This process's pid when it fits the word (else the mailbox is not used by it).
+int32_t my_pid() {
+  const int32_t pid = cached_pid();
+  return pid > 0 && pid < kPidLimit ? pid : 0;
 }
 
 // True when the socket holds something for a read (a record, the end, an error): the socket
@@ -78,7 +73,7 @@ bool socket_has_data(int sock) {
 }
 
 // True when every record sent from `sock` (through any fd of it, in any process, with or
-// without a mailbox) has been read by the peer: SIOCOUTQ of a Unix socket counts the bytes
+// without a mailbox) has been read by the peer: SIOCOUTQ of a Unix socket counts the memory
 // of the records it sent that the receiver has not consumed yet.
 bool all_sent_read(int sock) {
   int queued = 0;
@@ -86,6 +81,26 @@ bool all_sent_read(int sock) {
 }
 
 bool process_dead(int32_t pid) { return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH; }
+
+// Clears the mark of a dead process from the word (`v` as last seen): a spinner, claimer,
+// taker or orphaned claimer that will never move it on. True when it did.
+bool clear_dead_mark(Control& c, uint64_t v) {
+  const uint64_t m = mode(v);
+  if (m == W::kIdle || m == W::kPublished || !process_dead(pid_of(v))) return false;
+  return c.state.compare_exchange_strong(v, W::make(v, W::kIdle, 0), std::memory_order_acq_rel,
+                                         std::memory_order_relaxed);
+}
+
+void nap(std::chrono::microseconds d) {
+  struct timespec ts {
+    0, static_cast<long>(std::chrono::nanoseconds(d).count())
+  };
+  ::nanosleep(&ts, nullptr);
+}
+
+[[noreturn]] void timed_out() {
+  throw TimeoutError("Connection::recv: no message before the deadline");
+}
 
 }  // namespace
 
@@ -115,27 +130,38 @@ int PipeMailbox::fd() const { return page_->fd(); }
 
 bool PipeMailbox::try_deliver(int sock, std::string_view bytes) {
   if (bytes.size() > kBytes) return false;
+  const int32_t me = my_pid();
   Control& c = ctl(write_ctl_);
   uint64_t v = c.state.load(std::memory_order_relaxed);
   // A record of an earlier send (this end's, or of a copy of it without the mailbox) still
   // unread: this message goes after it, on the socket.
-  if (mode(v) != kSpinning || !all_sent_read(sock)) return false;
-  while (mode(v) == kSpinning) {
-    if (!c.state.compare_exchange_weak(v, with_mode(v, kClaimed), std::memory_order_acquire,
-                                       std::memory_order_relaxed))
-      continue;
-    c.claimer.store(cached_pid(), std::memory_order_relaxed);
-    std::memcpy(write_data_, bytes.data(), bytes.size());
-    c.length.store(static_cast<uint32_t>(bytes.size()), std::memory_order_relaxed);
-    // Only this sender moves the word out of kClaimed (a reader frees it only once this
-    // process is dead); the counters may move meanwhile.
-    v = c.state.load(std::memory_order_relaxed);
-    while (!c.state.compare_exchange_weak(v, with_mode(v, kPublished), std::memory_order_release,
-                                          std::memory_order_relaxed)) {
-    }
-    return true;
+  if (me == 0 || mode(v) != W::kSpinning || !all_sent_read(sock)) return false;
+  for (;;) {
+    if (mode(v) != W::kSpinning) return false;
+    if (c.state.compare_exchange_weak(v, W::make(v, W::kClaimed, me), std::memory_order_acquire,
+                                      std::memory_order_relaxed))
+      break;
   }
-  return false;
+  std::memcpy(write_data_, bytes.data(), bytes.size());
+  c.length.store(static_cast<uint32_t>(bytes.size()), std::memory_order_relaxed);
+  // Publish our claim; the counters may move meanwhile. A claim the reader orphaned (its
+  // deadline passed) or cleared (it took this process for dead) publishes nothing: the
+  // message goes on the socket.
+  v = c.state.load(std::memory_order_relaxed);
+  for (;;) {
+    if (pid_of(v) != me) return false;
+    if (mode(v) == W::kClaimed) {
+      if (c.state.compare_exchange_weak(v, W::make(v, W::kPublished, me), std::memory_order_release,
+                                        std::memory_order_relaxed))
+        return true;
+    } else if (mode(v) == W::kOrphaned) {
+      if (c.state.compare_exchange_weak(v, W::make(v, W::kIdle, 0), std::memory_order_relaxed,
+                                        std::memory_order_relaxed))
+        return false;
+    } else {
+      return false;
+    }
+  }
 }
 
 PipeMailbox::SocketSend::SocketSend(PipeMailbox* box) : box_(box) {
@@ -143,35 +169,46 @@ PipeMailbox::SocketSend::SocketSend(PipeMailbox* box) : box_(box) {
   Control& c = ctl(box_->write_ctl_);
   uint64_t v = c.state.load(std::memory_order_relaxed);
   for (;;) {
+    if ((v & kInflightMask) == kInflightMask) return;  // 511 at once: this one goes uncounted
     uint64_t next = v + kInflightOne;
-    if (mode(v) == kSpinning) next = with_mode(next, kIdle);  // its reader goes to the socket
+    if (mode(v) == W::kSpinning) next = W::make(next, W::kIdle, 0);  // its reader: the socket
     if (c.state.compare_exchange_weak(v, next, std::memory_order_acq_rel,
-                                      std::memory_order_relaxed))
+                                      std::memory_order_relaxed)) {
+      counted_ = true;
       return;
+    }
   }
 }
 
 PipeMailbox::SocketSend::~SocketSend() {
   if (box_ == nullptr) return;
   // One sender fewer on the socket, one send more completed (the fields do not carry into
-  // each other: this sender is counted).
-  ctl(box_->write_ctl_).state.fetch_add(kSentOne - kInflightOne, std::memory_order_acq_rel);
+  // each other: this sender is counted; the completed count wraps off the top).
+  ctl(box_->write_ctl_)
+      .state.fetch_add(counted_ ? kSentOne - kInflightOne : kSentOne, std::memory_order_acq_rel);
 }
 
 bool PipeMailbox::published() const {
-  return mode(ctl(read_ctl_).state.load(std::memory_order_acquire)) == kPublished;
+  return mode(ctl(read_ctl_).state.load(std::memory_order_acquire)) == W::kPublished;
 }
 
-std::optional<std::string> PipeMailbox::take(uint64_t seen) {
+std::optional<std::string> PipeMailbox::take(uint64_t v) {
   Control& c = ctl(read_ctl_);
-  if (mode(seen) != kPublished ||
-      !c.state.compare_exchange_strong(seen, with_mode(seen, kTaking), std::memory_order_acquire,
-                                       std::memory_order_relaxed))
-    return std::nullopt;  // another reader took it
+  const int32_t me = my_pid();
+  for (;;) {
+    if (mode(v) != W::kPublished) return std::nullopt;  // another reader took it
+    if (c.state.compare_exchange_weak(v, W::make(v, W::kTaking, me), std::memory_order_acquire,
+                                      std::memory_order_relaxed))
+      break;
+  }
   const uint32_t n = c.length.load(std::memory_order_relaxed);
   std::optional<std::string> out;
   if (n <= kBytes) out.emplace(read_data_, n);
-  move(c, kTaking, kIdle);
+  v = c.state.load(std::memory_order_relaxed);
+  while (mode(v) == W::kTaking && pid_of(v) == me &&
+         !c.state.compare_exchange_weak(v, W::make(v, W::kIdle, 0), std::memory_order_release,
+                                        std::memory_order_relaxed)) {
+  }
   if (!out) {
     throw ProtocolError(fmt::format(
         "Connection: the Pipe's mailbox says its message holds {} bytes (at most {})", n, kBytes));
@@ -179,91 +216,140 @@ std::optional<std::string> PipeMailbox::take(uint64_t seen) {
   return out;
 }
 
-PipeMailbox::Received PipeMailbox::wait_claimed(const Deadline& deadline) {
-  // A sender is copying the bytes: microseconds, unless it was stopped or killed meanwhile.
+std::optional<std::string> PipeMailbox::wait_claimed(const Deadline& deadline) {
+  // A sender is copying the bytes for us: microseconds, unless it was stopped or killed.
   Control& c = ctl(read_ctl_);
-  auto nap = std::chrono::microseconds(20);
-  for (int looks = 0;; ++looks) {
-    const uint64_t v = c.state.load(std::memory_order_acquire);
-    if (mode(v) == kPublished) {
-      if (auto s = take(v)) return {std::move(s), false};
-      return {std::nullopt, true};
-    }
-    if (mode(v) != kClaimed) return {std::nullopt, true};
-    if (looks < 4096) {
-      cpu_relax();
-      if (looks % kLooksPerYield == kLooksPerYield - 1) ::sched_yield();
+  auto sleep = std::chrono::microseconds(20);
+  for (int looks = 1;; ++looks) {
+    uint64_t v = c.state.load(std::memory_order_acquire);
+    if (mode(v) == W::kPublished) return take(v);
+    if (mode(v) != W::kClaimed) return std::nullopt;  // cleared: wait on the socket
+    if (looks % kLooksPerYield == 0 && deadline.expired()) {
+      // Orphan the claim: its sender sends the message on the socket instead.
+      if (c.state.compare_exchange_strong(v, W::make(v, W::kOrphaned, pid_of(v)),
+                                          std::memory_order_acq_rel, std::memory_order_relaxed))
+        timed_out();
       continue;
     }
-    if (process_dead(c.claimer.load(std::memory_order_relaxed))) {
-      move(c, kClaimed, kIdle);  // its message never came; the socket is the channel again
-      return {std::nullopt, false};
+    if (looks < 4096) {
+      if (looks % kLooksPerYield == 0) {
+        ::sched_yield();
+      } else {
+        cpu_relax();
+      }
+      continue;
     }
-    if (deadline.expired()) {
-      throw TimeoutError(
-          "Connection::recv: the sender that took this message's way through shared memory "
-          "did not finish writing it within the timeout (the next recv gets it)");
-    }
-    struct timespec ts {
-      0, static_cast<long>(std::chrono::nanoseconds(nap).count())
-    };
-    ::nanosleep(&ts, nullptr);
-    nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    if (clear_dead_mark(c, v)) return std::nullopt;  // its message never comes
+    nap(sleep);
+    sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
   }
 }
 
-PipeMailbox::Received PipeMailbox::receive(int sock, const Deadline& deadline,
-                                           std::chrono::microseconds spin) {
+std::optional<std::string> PipeMailbox::sleep_on_socket(int sock, const Deadline& deadline) {
   Control& c = ctl(read_ctl_);
-  // Announce, unless a message or a sender is on the way through the socket.
   for (;;) {
-    uint64_t v = c.state.load(std::memory_order_acquire);
-    if (mode(v) == kPublished) {
-      if (auto s = take(v)) return {std::move(s), false};
+    const uint64_t v = c.state.load(std::memory_order_acquire);
+    if (mode(v) == W::kPublished) {
+      if (auto s = take(v)) return s;
       continue;
     }
-    // Another reader announced, or a sender is on the socket: read there.
-    if (mode(v) != kIdle || (v & kInflightMask) != 0) return {std::nullopt, true};
-    if (deadline.expired() || spin.count() <= 0) return {std::nullopt, true};
-    // Peek unless the socket was found empty since the last send through it of an end with
-    // the mailbox (the usual case in a ping-pong: a system call saved). Order does not depend
-    // on it (senders deliver only once the socket is empty), only how soon a record is read.
-    const bool peeked = (v >> 16) != last_empty_.load(std::memory_order_relaxed);
-    if (peeked && socket_has_data(sock)) return {std::nullopt, true};
-    if (c.state.compare_exchange_strong(v, with_mode(v, kSpinning), std::memory_order_acq_rel,
-                                        std::memory_order_relaxed)) {
-      if (peeked) last_empty_.store(v >> 16, std::memory_order_relaxed);
-      break;
+    clear_dead_mark(c, v);
+    int ms = kSliceMs;
+    if (deadline) {
+      if (deadline.expired()) timed_out();
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(*deadline - SteadyClock::now()).count();
+      ms = static_cast<int>(std::clamp<int64_t>(left, 0, kSliceMs));
+    }
+    struct pollfd pfd {
+      sock, POLLIN, 0
+    };
+    const int r = ::poll(&pfd, 1, ms);
+    if (r < 0 && errno != EINTR) return std::nullopt;  // the socket read reports it
+    if (r > 0) {
+      // A message in the slot is older than what the socket holds (or concurrent).
+      const uint64_t w = c.state.load(std::memory_order_acquire);
+      if (mode(w) == W::kPublished) {
+        if (auto s = take(w)) return s;
+      }
+      return std::nullopt;
     }
   }
+}
+
+std::optional<std::string> PipeMailbox::receive(int sock, const Deadline& deadline,
+                                                std::chrono::microseconds spin) {
+  Control& c = ctl(read_ctl_);
+  const int32_t me = my_pid();
   const auto start = SteadyClock::now();
   const auto until = std::min(start + spin, deadline.at());
-  auto next_peek = start + kPeekEvery;
-  for (int looks = 1;; ++looks) {
-    const uint64_t v = c.state.load(std::memory_order_acquire);
-    switch (mode(v)) {
-      case kSpinning:
-        break;
-      case kClaimed:
-        return wait_claimed(deadline);
-      case kPublished:
-        if (auto s = take(v)) return {std::move(s), false};
-        return {std::nullopt, true};
-      default:  // a sender went to the socket (kIdle), or another reader is taking
-        return {std::nullopt, true};
+  bool announced = false;
+  // The first peek: at once, unless the socket was found empty since the last completed
+  // send through it of an end with the mailbox (the usual case in a ping-pong: a system
+  // call saved). Order does not depend on it (senders deliver only once the socket is
+  // empty), only how soon a record is read.
+  const uint64_t v0 = c.state.load(std::memory_order_relaxed);
+  auto next_peek =
+      sent_of(v0) == last_empty_.load(std::memory_order_relaxed) && (v0 & kInflightMask) == 0
+          ? start + kPeekAnnounced
+          : start;
+  // Withdraws an announcement; false when a sender changed the word first (look again).
+  const auto withdraw = [&] {
+    uint64_t v = c.state.load(std::memory_order_relaxed);
+    while (mode(v) == W::kSpinning && pid_of(v) == me) {
+      if (c.state.compare_exchange_weak(v, W::make(v, W::kIdle, 0), std::memory_order_acq_rel,
+                                        std::memory_order_relaxed))
+        return true;
     }
+    return false;
+  };
+  for (int looks = 0;; ++looks) {
+    const uint64_t v = c.state.load(std::memory_order_acquire);
+    const uint64_t m = mode(v);
+    if (m == W::kPublished) {
+      if (auto s = take(v)) return s;
+      continue;
+    }
+    if (announced && m == W::kClaimed) {
+      if (auto s = wait_claimed(deadline)) return s;
+      return sleep_on_socket(sock, deadline);
+    }
+    if (announced && m != W::kSpinning) announced = false;  // a sender went to the socket
     if (looks % kLooksPerClock == 0) {
       const auto now = SteadyClock::now();
-      const bool over = now >= until;
-      const bool socket = !over && now >= next_peek && socket_has_data(sock);
-      if (now >= next_peek) next_peek = now + kPeekEvery;
-      if (over || socket) {
-        // Withdraw; a sender that claimed meanwhile is waited for (its message is first).
-        if (move(c, kSpinning, kIdle)) return {std::nullopt, socket};
+      if (now >= until) {
+        if (announced && !withdraw()) continue;  // claimed meanwhile: wait for it
+        return sleep_on_socket(sock, deadline);
+      }
+      if (now >= next_peek) {
+        next_peek =
+            now + (announced ? std::chrono::nanoseconds(kPeekAnnounced) : kPeekNotAnnounced);
+        if (socket_has_data(sock)) {
+          if (announced && !withdraw()) continue;  // claimed meanwhile: its message is first
+          return std::nullopt;
+        }
+        // Empty: announce now, unless a send on the socket is under way or another reader
+        // is announced (then keep peeking). The word unchanged since before the peek.
+        uint64_t expected = v;
+        if (!announced && me != 0 && m == W::kIdle && (v & kInflightMask) == 0 &&
+            c.state.compare_exchange_strong(expected, W::make(v, W::kSpinning, me),
+                                            std::memory_order_acq_rel, std::memory_order_relaxed)) {
+          announced = true;
+          last_empty_.store(sent_of(v), std::memory_order_relaxed);
+        }
         continue;
       }
     }
-    if (looks % kLooksPerYield == 0) {
+    if (!announced && me != 0 && m == W::kIdle && (v & kInflightMask) == 0 &&
+        sent_of(v) == last_empty_.load(std::memory_order_relaxed)) {
+      // Found empty since the last completed send: announce without a peek.
+      uint64_t expected = v;
+      if (c.state.compare_exchange_strong(expected, W::make(v, W::kSpinning, me),
+                                          std::memory_order_acq_rel, std::memory_order_relaxed))
+        announced = true;
+      continue;
+    }
+    if (looks % kLooksPerYield == kLooksPerYield - 1) {
       ::sched_yield();
     } else {
       cpu_relax();

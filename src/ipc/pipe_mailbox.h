@@ -13,22 +13,28 @@
 //   - Order: a sender delivers through the slot only when every record sent from its socket
 //     has been read (SIOCOUTQ is 0: this covers copies of the end without the mailbox, and
 //     other processes' copies), so a message never overtakes an earlier one sent through the
-//     same socket by the same thread. A sender that goes to the socket while a reader is
-//     announced takes the announcement back, and the reader returns to the socket at once.
-//     A reader peeks at the socket before it announces itself (unless it found the socket
-//     empty since the last completed send of an end with the mailbox: the state word counts
-//     them) and every 2 us while it spins, so that a record is not left waiting.
-//   - poll on fileno(): a message in the slot was claimed for a reader inside recv, which
-//     takes it; only when that reader gave up (its timeout passed while the sender was
-//     stopped between claim and publish, or it was killed) does a message wait in the slot,
-//     where Connection::poll and the next recv of any copy of the end find it, but a select
-//     on fileno() does not.
+//     same socket by the same thread; and a reader takes a message in the slot before it
+//     reads the socket (whatever is there came after it, or from a concurrent sender). A
+//     sender that goes to the socket while a reader is announced takes the announcement back,
+//     and the reader returns to the socket at once.
+//   - poll / select on fileno(): a message is put in the slot only for a reader inside recv
+//     that announced itself, and that reader takes it: if its timeout passes while the
+//     sender is between claim and publish, the claim is marked orphaned and the sender sends
+//     the message on the socket instead. Only a reader killed while announced can leave a
+//     message in the slot: Connection::poll and the next recv of any copy of the end find
+//     it (a reader that waits on the socket looks at the slot every 10 ms and frees a dead
+//     process's mark), a select on fileno() does not.
 //   - Ends without the mailbox (an end rebuilt from its fd alone, Python's reduction of a
 //     socket) still work: they never announce, so senders use the socket; and a reader with
 //     the mailbox peeks at the socket while it spins, so their messages are not held back.
-//   - Faults: a reader's wait on a claimed slot honours its deadline; a claimer found dead
-//     (kill(pid, 0): ESRCH) frees the slot; a reader or sender killed mid-way leaves the
-//     word in a state where later calls use the socket (degraded, not stuck).
+//   - Faults: every wait honours its deadline; the word names the process that set its mode
+//     (spinner, claimer, taker), and a mark of a dead process (kill(pid, 0): ESRCH) is
+//     cleared by the next reader that looks; a sender publishes only its own claim.
+//
+// The state word of a direction: mode (3 bits: idle, spinning, claimed, published, taking,
+// orphaned), senders on the socket now (9 bits), the pid of the process that set the mode
+// (22 bits: Linux's pid_max is at most 2^22), sends on the socket completed (30 bits,
+// wrapping; compared for equality only).
 //
 // Layout (one sealed memfd, 36 KiB): a control line per direction at offsets 0 and 128
 // (state word, length, claimer's pid), the slots' bytes at 4096 and 4096 + 16384. End `side`
@@ -40,6 +46,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -84,19 +91,29 @@ class PipeMailbox {
 
    private:
     PipeMailbox* box_;
+    bool counted_ = false;
   };
 
-  /// Reader: what receive found.
-  struct Received {
-    std::optional<std::string> bytes;  ///< a message from the slot
-    bool spin_on_socket = false;       ///< else: read the socket; spin first when true
+  /// Reader: waits until a message is in the slot (returned) or the socket `sock` holds
+  /// something, its end or an error (nullopt: read the socket now). Spins for up to `spin`
+  /// (announced on the word when it can, so that a sender delivers through the slot; else
+  /// peeking at the socket), then sleeps in poll on the socket, looking at the slot every
+  /// 10 ms. Errors: TimeoutError when `deadline` passes first (nothing consumed);
+  /// ProtocolError for a slot whose length is out of range (a corrupted mailbox; the slot
+  /// is freed).
+  std::optional<std::string> receive(int sock, const Deadline& deadline,
+                                     std::chrono::microseconds spin);
+
+  /// The state word's layout, for tests: mode values and field positions.
+  struct Word {
+    static constexpr uint64_t kIdle = 0, kSpinning = 1, kClaimed = 2, kPublished = 3, kTaking = 4,
+                              kOrphaned = 5, kModeMask = 7;
+    static constexpr int kPidShift = 12;
+    static constexpr uint64_t kPidMask = ((uint64_t{1} << 22) - 1) << kPidShift;
+    static constexpr uint64_t make(uint64_t v, uint64_t mode, int32_t pid) {
+      return (v & ~(kModeMask | kPidMask)) | mode | (static_cast<uint64_t>(pid) << kPidShift);
+    }
   };
-  /// Reader: takes a message waiting in the slot, or announces itself and spins until a
-  /// sender delivers one, `spin` passes, the socket `sock` holds something, or a sender
-  /// goes to the socket. Never past `deadline` (TimeoutError only when a sender claimed the
-  /// slot and did not publish in time: its message waits for the next recv).
-  /// Errors: ProtocolError for a slot whose length is out of range (a corrupted mailbox).
-  Received receive(int sock, const Deadline& deadline, std::chrono::microseconds spin);
 
   /// True when a message waits in the slot this side reads (Connection::poll).
   bool published() const;
@@ -104,7 +121,8 @@ class PipeMailbox {
  private:
   PipeMailbox(std::shared_ptr<SharedPage> page, int side);
   std::optional<std::string> take(uint64_t seen);
-  Received wait_claimed(const Deadline& deadline);
+  std::optional<std::string> wait_claimed(const Deadline& deadline);
+  std::optional<std::string> sleep_on_socket(int sock, const Deadline& deadline);
 
   std::shared_ptr<SharedPage> page_;
   int side_;
@@ -112,7 +130,7 @@ class PipeMailbox {
   void* write_ctl_;
   char* read_data_;
   char* write_data_;
-  /// The count of completed socket sends (the state word's top 48 bits) when this side last
+  /// The count of completed socket sends (the state word's top 30 bits) when this side last
   /// found its socket empty.
   std::atomic<uint64_t> last_empty_{~uint64_t{0}};
 };

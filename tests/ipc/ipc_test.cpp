@@ -688,9 +688,11 @@ TEST(Pipe, SmallMessagesThroughTheMailboxKeepTheirOrderWithTheSocketsMessages) {
 
 namespace {
 
+using W = tp::detail::PipeMailbox::Word;
+
 // The control line of the direction `side` reads, mapped from the mailbox's fd: the state
-// word (mode in its low 3 bits: 0 idle, 1 a reader spins, 2 claimed, 3 published, 4 taking),
-// the length, the claimer's pid.
+// word (PipeMailbox::Word: mode, senders on the socket, the pid that set the mode, completed
+// socket sends) and the length.
 struct MailboxView {
   explicit MailboxView(int fd) {
     base = static_cast<char*>(::mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
@@ -702,10 +704,17 @@ struct MailboxView {
   std::atomic<uint32_t>& length(int side) {
     return *reinterpret_cast<std::atomic<uint32_t>*>(base + 128 * side + 8);
   }
-  std::atomic<int32_t>& claimer(int side) {
-    return *reinterpret_cast<std::atomic<int32_t>*>(base + 128 * side + 12);
-  }
   char* data(int side) { return base + 4096 + tp::detail::PipeMailbox::kBytes * side; }
+  uint64_t mode(int side) { return state(side).load() & W::kModeMask; }
+  int32_t pid(int side) {
+    return static_cast<int32_t>((state(side).load() & W::kPidMask) >> W::kPidShift);
+  }
+  // Sets the mode and pid of `side`'s word, keeping its counters.
+  void set(int side, uint64_t mode, int32_t pid) {
+    uint64_t v = state(side).load();
+    while (!state(side).compare_exchange_weak(v, W::make(v, mode, pid))) {
+    }
+  }
   static constexpr size_t kPage = 4096 + 2 * tp::detail::PipeMailbox::kBytes;
   char* base = nullptr;
 };
@@ -714,13 +723,14 @@ tp::detail::Deadline in(std::chrono::milliseconds d) { return tp::detail::Steady
 
 }  // namespace
 
-// The slot's protocol, one rule at a time: a sender delivers only to a reader that announced
-// itself; a message too long for the slot, a record already on the socket, a sender that
-// goes to the socket while the reader waits, and a write on the socket by an end without the
-// slot each send the reader to the socket; a claimer that died frees the slot; a reader
-// whose deadline passes while the claimer is stopped times out and the message, published
-// later, is seen by published() (Connection::poll) and taken by the next receive; a
-// corrupted length is refused and the slot freed.
+// The slot's protocol, one rule at a time (src/ipc/pipe_mailbox.h): a sender delivers only to
+// a reader that announced itself, only when every record it sent was read, and a reader
+// takes the slot's message before the socket's; a message too long for the slot, a record
+// already on the socket, a sender that goes to the socket while the reader waits, and a
+// write on the socket by an end without the slot each send the reader to the socket; a
+// claimer that died, and a reader killed while announced, leave marks the next reader clears;
+// a reader whose deadline passes while its claimer is stopped times out and orphans the claim
+// (nothing waits in the slot); a corrupted length is refused and the slot freed.
 TEST(PipeMailbox, ARulePerCase) {
   using tp::detail::PipeMailbox;
   int sv[2];
@@ -728,119 +738,131 @@ TEST(PipeMailbox, ARulePerCase) {
   tp::UniqueFd s0(sv[0]), s1(sv[1]);
   auto [x, y] = PipeMailbox::create_pair();  // x writes what y reads (y: side 1)
   MailboxView view(x->fd());
+  const int32_t me = ::getpid();
   EXPECT_FALSE(x->try_deliver(s0.get(), "nobody waits"));
   EXPECT_FALSE(y->published());
 
-  auto announced_receive = [&, &y = y](std::chrono::milliseconds spin) {
-    return std::async(std::launch::async, [&, spin] {
-      return y->receive(s1.get(), in(10s),
+  auto receive_async = [&, &y = y](std::chrono::milliseconds deadline,
+                                   std::chrono::milliseconds spin) {
+    return std::async(std::launch::async, [&, deadline, spin] {
+      return y->receive(s1.get(), in(deadline),
                         std::chrono::duration_cast<std::chrono::microseconds>(spin));
     });
   };
   auto wait_mode = [&](uint64_t mode) {
     const auto until = std::chrono::steady_clock::now() + 10s;
-    while ((view.state(1).load() & 7) != mode && std::chrono::steady_clock::now() < until)
+    while (view.mode(1) != mode && std::chrono::steady_clock::now() < until)
       std::this_thread::yield();
-    return (view.state(1).load() & 7) == mode;
+    return view.mode(1) == mode;
+  };
+  auto read_byte = [&] {
+    char c = 0;
+    EXPECT_EQ(::recv(s1.get(), &c, 1, MSG_DONTWAIT), 1);
+    return c;
   };
 
-  {  // delivered to the waiting reader, no system call on either side
-    auto got = announced_receive(5000ms);
-    ASSERT_TRUE(wait_mode(1));
-    EXPECT_FALSE(x->try_deliver(s0.get(), std::string(PipeMailbox::kBytes + 1, 'x'))) << "too long";
+  {  // delivered to the waiting reader
+    auto got = receive_async(10000ms, 5000ms);
+    ASSERT_TRUE(wait_mode(W::kSpinning));
+    EXPECT_EQ(view.pid(1), me) << "the word names the spinner";
+    EXPECT_FALSE(x->try_deliver(s0.get(), std::string(PipeMailbox::kBytes + 1, 'x')));
     EXPECT_TRUE(x->try_deliver(s0.get(), "hello"));
-    auto r = got.get();
-    ASSERT_TRUE(r.bytes.has_value());
-    EXPECT_EQ(*r.bytes, "hello");
-    EXPECT_EQ(view.state(1).load() & 7, 0u);
+    EXPECT_EQ(got.get(), std::optional<std::string>("hello"));
+    EXPECT_EQ(view.mode(1), W::kIdle);
   }
-  {  // a record sent from the sender's socket still unread: no delivery (order), until read
-    uint64_t v = view.state(1).load();
-    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 1));
+  {  // a record sent from the sender's socket still unread: no delivery until it is read;
+     // then the slot's message comes before a record sent after it
+    view.set(1, W::kSpinning, me);
     ASSERT_EQ(::send(s0.get(), "u", 1, 0), 1);
     EXPECT_FALSE(x->try_deliver(s0.get(), "after u"));
-    char c = 0;
-    ASSERT_EQ(::recv(s1.get(), &c, 1, 0), 1);
+    EXPECT_EQ(read_byte(), 'u');
     EXPECT_TRUE(x->try_deliver(s0.get(), "after u"));
     EXPECT_TRUE(y->published());
-    auto r = y->receive(s1.get(), in(1s), std::chrono::microseconds(50));
-    ASSERT_TRUE(r.bytes.has_value());
-    EXPECT_EQ(*r.bytes, "after u");
+    {
+      PipeMailbox::SocketSend on_socket(x.get());  // moves the counters under the message
+      ASSERT_EQ(::send(s0.get(), "v", 1, 0), 1);
+    }
+    EXPECT_EQ(y->receive(s1.get(), in(1000ms), 50us), std::optional<std::string>("after u"));
+    EXPECT_EQ(y->receive(s1.get(), in(1000ms), 50us), std::nullopt) << "then the socket's";
+    EXPECT_EQ(read_byte(), 'v');
   }
-  {  // a record on the socket: the reader does not announce
+  {  // a record on the socket: the reader is sent there at once, not after its spin
     ASSERT_EQ(::send(s0.get(), "r", 1, 0), 1);
-    auto r = y->receive(s1.get(), in(10s), 5000ms);
-    EXPECT_FALSE(r.bytes.has_value());
-    EXPECT_TRUE(r.spin_on_socket);
-    EXPECT_EQ(view.state(1).load() & 7, 0u);
-    char c = 0;
-    ASSERT_EQ(::recv(s1.get(), &c, 1, 0), 1);
+    auto got = receive_async(60000ms, 60000ms);
+    ASSERT_EQ(got.wait_for(30s), std::future_status::ready);
+    EXPECT_EQ(got.get(), std::nullopt);
+    EXPECT_EQ(view.mode(1), W::kIdle);
+    EXPECT_EQ(read_byte(), 'r');
   }
   {  // a sender goes to the socket: the announced reader is sent there, at once
-    auto got = announced_receive(60000ms);
-    ASSERT_TRUE(wait_mode(1));
+    auto got = receive_async(60000ms, 60000ms);
+    ASSERT_TRUE(wait_mode(W::kSpinning));
     {
       PipeMailbox::SocketSend on_socket(x.get());
       EXPECT_FALSE(x->try_deliver(s0.get(), "late")) << "not while a send is on the socket";
       ASSERT_EQ(::send(s0.get(), "s", 1, 0), 1);
     }
     ASSERT_EQ(got.wait_for(30s), std::future_status::ready) << "the reader waited out its spin";
-    auto r = got.get();
-    EXPECT_FALSE(r.bytes.has_value());
-    EXPECT_TRUE(r.spin_on_socket);
-    char c = 0;
-    ASSERT_EQ(::recv(s1.get(), &c, 1, 0), 1);
+    EXPECT_EQ(got.get(), std::nullopt);
+    EXPECT_EQ(read_byte(), 's');
   }
   {  // an end without the slot writes the socket: the spinning reader's peek sees it
-    auto got = announced_receive(60000ms);
-    ASSERT_TRUE(wait_mode(1));
+    auto got = receive_async(60000ms, 60000ms);
+    ASSERT_TRUE(wait_mode(W::kSpinning));
     ASSERT_EQ(::send(s0.get(), "p", 1, 0), 1);
     ASSERT_EQ(got.wait_for(30s), std::future_status::ready) << "the reader waited out its spin";
-    EXPECT_TRUE(got.get().spin_on_socket);
-    EXPECT_EQ(view.state(1).load() & 7, 0u) << "the reader withdrew";
-    char c = 0;
-    ASSERT_EQ(::recv(s1.get(), &c, 1, 0), 1);
+    EXPECT_EQ(got.get(), std::nullopt);
+    EXPECT_EQ(view.mode(1), W::kIdle) << "the reader withdrew";
+    EXPECT_EQ(read_byte(), 'p');
   }
-  {  // a claimer that died: the slot is freed, the reader goes to the socket
-    const pid_t dead = ::fork();
-    if (dead == 0) ::_exit(0);
-    ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
-    auto got = announced_receive(5000ms);
-    ASSERT_TRUE(wait_mode(1));
-    uint64_t v = view.state(1).load();
-    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 2));
-    view.claimer(1).store(dead);
-    ASSERT_EQ(got.wait_for(30s), std::future_status::ready);
-    auto r = got.get();
-    EXPECT_FALSE(r.bytes.has_value());
-    EXPECT_EQ(view.state(1).load() & 7, 0u);
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+  {  // a claimer that died: the reader clears its mark and waits on the socket
+    auto got = receive_async(20000ms, 5000ms);
+    ASSERT_TRUE(wait_mode(W::kSpinning));
+    view.set(1, W::kClaimed, dead);
+    ASSERT_TRUE(wait_mode(W::kIdle)) << "the dead claimer's mark stays";
+    ASSERT_EQ(::send(s0.get(), "d", 1, 0), 1);
+    EXPECT_EQ(got.get(), std::nullopt);
+    EXPECT_EQ(read_byte(), 'd');
   }
-  {  // the claimer is stopped past the reader's deadline: TimeoutError; published later, the
-     // message waits for the next receive, and published() says so
-    auto got = std::async(std::launch::async, [&, &y = y] {
-      return y->receive(s1.get(), in(300ms), std::chrono::microseconds(300000));
+  {  // a reader killed while announced: a message delivered to it is the next reader's, and
+     // its mark alone is cleared by the next reader that sleeps
+    auto child = tp::testing::fork_child([&, &y = y](int) {
+      (void)y->receive(s1.get(), in(60000ms), 60000ms);
+      return 0;
     });
-    ASSERT_TRUE(wait_mode(1));
-    uint64_t v = view.state(1).load();
-    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 2));
-    view.claimer(1).store(::getpid());
+    ASSERT_TRUE(wait_mode(W::kSpinning));
+    EXPECT_EQ(view.pid(1), child.pid);
+    ::kill(child.pid, SIGKILL);
+    EXPECT_EQ(tp::testing::wait_child(child, 30s), -SIGKILL);
+    EXPECT_TRUE(x->try_deliver(s0.get(), "orphan's"));
+    EXPECT_EQ(y->receive(s1.get(), in(1000ms), 50us), std::optional<std::string>("orphan's"));
+    view.set(1, W::kSpinning, dead);
+    EXPECT_THROW(y->receive(s1.get(), in(100ms), 50us), tp::TimeoutError);
+    EXPECT_EQ(view.mode(1), W::kIdle) << "the dead spinner's mark stays";
+  }
+  {  // the claimer is stopped past the reader's deadline: TimeoutError, the claim orphaned
+     // (its sender sends on the socket instead: nothing waits in the slot unseen by select)
+    auto got = receive_async(300ms, 300ms);
+    ASSERT_TRUE(wait_mode(W::kSpinning));
+    view.set(1, W::kClaimed, me);  // a live claimer that does not publish
     EXPECT_THROW(got.get(), tp::TimeoutError);
-    std::memcpy(view.data(1), "later", 5);
-    view.length(1).store(5);
-    v = view.state(1).load();
-    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 3));
-    EXPECT_TRUE(y->published());
-    auto r = y->receive(s1.get(), in(0ms), std::chrono::microseconds(0));
-    ASSERT_TRUE(r.bytes.has_value());
-    EXPECT_EQ(*r.bytes, "later");
+    EXPECT_EQ(view.mode(1), W::kOrphaned);
+    EXPECT_EQ(view.pid(1), me) << "the claimer's pid stays, for it to find its claim";
     EXPECT_FALSE(y->published());
+    // The next receive does not wait for the orphaned claim: the socket's record comes.
+    ASSERT_EQ(::send(s0.get(), "o", 1, 0), 1);
+    EXPECT_EQ(y->receive(s1.get(), in(5000ms), 50us), std::nullopt);
+    EXPECT_EQ(read_byte(), 'o');
+    view.set(1, W::kIdle, 0);
   }
   {  // a corrupted length is refused, the slot freed
     view.length(1).store(PipeMailbox::kBytes + 1);
-    uint64_t v = view.state(1).load();
-    ASSERT_TRUE(view.state(1).compare_exchange_strong(v, (v & ~uint64_t{7}) | 3));
-    EXPECT_THROW(y->receive(s1.get(), in(1s), std::chrono::microseconds(50)), tp::ProtocolError);
-    EXPECT_EQ(view.state(1).load() & 7, 0u);
+    view.set(1, W::kPublished, me);
+    EXPECT_THROW(y->receive(s1.get(), in(1000ms), 50us), tp::ProtocolError);
+    EXPECT_EQ(view.mode(1), W::kIdle);
   }
   EXPECT_THROW(PipeMailbox::open(tp::UniqueFd(::dup(x->fd())), 2), tp::SerializationError);
 }

@@ -15,8 +15,8 @@
 ///     without fds of up to 16 KiB to a reader already waiting in recv skips the socket:
 ///     the Pipe's ends share a small shared-memory mailbox (docs/ipc.md), used only when
 ///     every earlier record of that end has been read, so order and a select on fileno()
-///     hold as on the socket (but for a message whose reader gave up while its sender was
-///     stopped mid-write: poll() sees it, a select does not).
+///     hold as on the socket (but for a message to a reader killed while it waited:
+///     poll() and the next recv see it, a select does not).
 ///   - `Framing::kPython` (Listener::accept, Client; torchpar/ipc/listener.h): a TCP or
 ///     Unix stream socket to any process, on this host or another, possibly Python's own
 ///     multiprocessing.connection. Frames are Python's: a 4-byte big-endian signed length
