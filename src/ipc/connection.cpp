@@ -209,11 +209,10 @@ std::string Connection::recv_bytes(Timeout timeout, std::optional<size_t> maxlen
 
 bool Connection::poll(Timeout timeout) {
   if (!readable_) throw Error("Connection is write-only: poll() needs a readable end");
+  if (mailbox_) return mailbox_->poll(fileno(), detail::deadline_after(timeout));
   struct pollfd pfd {
     fileno(), POLLIN, 0
   };
-  // A message left in the mailbox by a reader killed while it waited (pipe_mailbox.h).
-  if (mailbox_ && mailbox_->published()) return true;
   const auto deadline = detail::deadline_after(timeout);
   for (;;) {
     int ms = -1;  // no timeout: wait without a limit

@@ -16,8 +16,10 @@
 #include <fmt/format.h>
 
 #include "core/cpu_relax.h"
+#include "core/liveness.h"
 #include "shm/segment.h"
 #include "torchpar/core/error.h"
+#include "torchpar/core/syscall.h"
 #include "torchpar/ipc/detail/shared_page.h"
 
 namespace torchpar::detail {
@@ -80,7 +82,8 @@ bool all_sent_read(int sock) {
   return ::ioctl(sock, SIOCOUTQ, &queued) == 0 && queued == 0;
 }
 
-bool process_dead(int32_t pid) { return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH; }
+// Exited, a zombie included (its fds are closed, it will never move the word on).
+bool process_dead(int32_t pid) { return pid > 0 && !pid_alive(pid); }
 
 // Clears the mark of a dead process from the word (`v` as last seen): a spinner, claimer,
 // taker or orphaned claimer that will never move it on. True when it did.
@@ -90,6 +93,20 @@ bool clear_dead_mark(Control& c, uint64_t v) {
   return c.state.compare_exchange_strong(v, W::make(v, W::kIdle, 0), std::memory_order_acq_rel,
                                          std::memory_order_relaxed);
 }
+
+// Marks the claim in `v` orphaned (its reader stops waiting for it; its sender, finding it
+// so, sends the message on the socket). False when the claim is gone already.
+bool orphan(Control& c, uint64_t v) {
+  const int32_t claimer = pid_of(v);
+  while (mode(v) == W::kClaimed && pid_of(v) == claimer) {
+    if (c.state.compare_exchange_weak(v, W::make(v, W::kOrphaned, claimer),
+                                      std::memory_order_acq_rel, std::memory_order_relaxed))
+      return true;
+  }
+  return false;
+}
+
+std::atomic<uint64_t> g_deliveries{0};
 
 void nap(std::chrono::microseconds d) {
   struct timespec ts {
@@ -152,10 +169,13 @@ bool PipeMailbox::try_deliver(int sock, std::string_view bytes) {
     if (pid_of(v) != me) return false;
     if (mode(v) == W::kClaimed) {
       if (c.state.compare_exchange_weak(v, W::make(v, W::kPublished, me), std::memory_order_release,
-                                        std::memory_order_relaxed))
+                                        std::memory_order_relaxed)) {
+        g_deliveries.fetch_add(1, std::memory_order_relaxed);
         return true;
+      }
     } else if (mode(v) == W::kOrphaned) {
-      if (c.state.compare_exchange_weak(v, W::make(v, W::kIdle, 0), std::memory_order_relaxed,
+      // Release: the next claimer's writes of the slot come after ours.
+      if (c.state.compare_exchange_weak(v, W::make(v, W::kIdle, 0), std::memory_order_release,
                                         std::memory_order_relaxed))
         return false;
     } else {
@@ -216,22 +236,22 @@ std::optional<std::string> PipeMailbox::take(uint64_t v) {
   return out;
 }
 
-std::optional<std::string> PipeMailbox::wait_claimed(const Deadline& deadline) {
+uint64_t PipeMailbox::deliveries() { return g_deliveries.load(std::memory_order_relaxed); }
+
+std::optional<std::string> PipeMailbox::wait_claimed(int sock, const Deadline& deadline) {
   // A sender is copying the bytes for us: microseconds, unless it was stopped or killed.
   Control& c = ctl(read_ctl_);
   auto sleep = std::chrono::microseconds(20);
   for (int looks = 1;; ++looks) {
-    uint64_t v = c.state.load(std::memory_order_acquire);
+    const uint64_t v = c.state.load(std::memory_order_acquire);
     if (mode(v) == W::kPublished) return take(v);
     if (mode(v) != W::kClaimed) return std::nullopt;  // cleared: wait on the socket
-    if (looks % kLooksPerYield == 0 && deadline.expired()) {
-      // Orphan the claim: its sender sends the message on the socket instead.
-      if (c.state.compare_exchange_strong(v, W::make(v, W::kOrphaned, pid_of(v)),
-                                          std::memory_order_acq_rel, std::memory_order_relaxed))
-        timed_out();
+    const bool napping = looks >= 4096;
+    if ((napping || looks % kLooksPerYield == 0) && deadline.expired()) {
+      if (orphan(c, v)) timed_out();
       continue;
     }
-    if (looks < 4096) {
+    if (!napping) {
       if (looks % kLooksPerYield == 0) {
         ::sched_yield();
       } else {
@@ -240,6 +260,11 @@ std::optional<std::string> PipeMailbox::wait_claimed(const Deadline& deadline) {
       continue;
     }
     if (clear_dead_mark(c, v)) return std::nullopt;  // its message never comes
+    // Records of other senders, or the end: not held up behind a stopped claimer.
+    if (socket_has_data(sock)) {
+      if (orphan(c, v)) return std::nullopt;
+      continue;
+    }
     nap(sleep);
     sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
   }
@@ -256,7 +281,7 @@ std::optional<std::string> PipeMailbox::sleep_on_socket(int sock, const Deadline
     clear_dead_mark(c, v);
     int ms = kSliceMs;
     if (deadline) {
-      if (deadline.expired()) timed_out();
+      // Past the deadline: one look without waiting (a zero timeout tries once).
       const auto left =
           std::chrono::ceil<std::chrono::milliseconds>(*deadline - SteadyClock::now()).count();
       ms = static_cast<int>(std::clamp<int64_t>(left, 0, kSliceMs));
@@ -274,6 +299,35 @@ std::optional<std::string> PipeMailbox::sleep_on_socket(int sock, const Deadline
       }
       return std::nullopt;
     }
+    if (deadline.expired()) {
+      const uint64_t w = c.state.load(std::memory_order_acquire);
+      if (mode(w) == W::kPublished) {
+        if (auto s = take(w)) return s;
+      }
+      timed_out();
+    }
+  }
+}
+
+bool PipeMailbox::poll(int sock, const Deadline& deadline) {
+  Control& c = ctl(read_ctl_);
+  for (;;) {
+    const uint64_t v = c.state.load(std::memory_order_acquire);
+    if (mode(v) == W::kPublished) return true;
+    clear_dead_mark(c, v);
+    int ms = kSliceMs;
+    if (deadline) {
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(*deadline - SteadyClock::now()).count();
+      ms = static_cast<int>(std::clamp<int64_t>(left, 0, kSliceMs));
+    }
+    struct pollfd pfd {
+      sock, POLLIN, 0
+    };
+    const int r = ::poll(&pfd, 1, ms);
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) throw_system_error("poll", errno, "Connection");
+    if (deadline.expired()) return published();
   }
 }
 
@@ -311,10 +365,11 @@ std::optional<std::string> PipeMailbox::receive(int sock, const Deadline& deadli
       continue;
     }
     if (announced && m == W::kClaimed) {
-      if (auto s = wait_claimed(deadline)) return s;
+      if (auto s = wait_claimed(sock, deadline)) return s;
       return sleep_on_socket(sock, deadline);
     }
-    if (announced && m != W::kSpinning) announced = false;  // a sender went to the socket
+    // A sender went to the socket (or, two threads reading one end, the other withdrew us).
+    if (announced && !(m == W::kSpinning && pid_of(v) == me)) announced = false;
     if (looks % kLooksPerClock == 0) {
       const auto now = SteadyClock::now();
       if (now >= until) {
@@ -326,6 +381,13 @@ std::optional<std::string> PipeMailbox::receive(int sock, const Deadline& deadli
             now + (announced ? std::chrono::nanoseconds(kPeekAnnounced) : kPeekNotAnnounced);
         if (socket_has_data(sock)) {
           if (announced && !withdraw()) continue;  // claimed meanwhile: its message is first
+          // Not announced: a message put in the slot meanwhile (for a reader killed while
+          // announced) is older than the record; and such a reader's mark is cleared.
+          const uint64_t w = c.state.load(std::memory_order_acquire);
+          if (mode(w) == W::kPublished) {
+            if (auto s = take(w)) return s;
+          }
+          clear_dead_mark(c, w);
           return std::nullopt;
         }
         // Empty: announce now, unless a send on the socket is under way or another reader

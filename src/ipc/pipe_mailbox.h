@@ -28,8 +28,12 @@
 //     socket) still work: they never announce, so senders use the socket; and a reader with
 //     the mailbox peeks at the socket while it spins, so their messages are not held back.
 //   - Faults: every wait honours its deadline; the word names the process that set its mode
-//     (spinner, claimer, taker), and a mark of a dead process (kill(pid, 0): ESRCH) is
-//     cleared by the next reader that looks; a sender publishes only its own claim.
+//     (spinner, claimer, taker), and a mark of a dead process (exited or a zombie) is
+//     cleared by the next reader that looks; a sender publishes only its own claim; a reader
+//     waiting for a stopped claimer stops waiting when the socket has a record (the claim is
+//     orphaned). A sender killed inside its sendmsg leaves the count of senders on the socket
+//     raised for good: readers of that direction then never announce (the socket carries
+//     everything, as without the mailbox).
 //
 // The state word of a direction: mode (3 bits: idle, spinning, claimed, published, taking,
 // orphaned), senders on the socket now (9 bits), the pid of the process that set the mode
@@ -115,13 +119,19 @@ class PipeMailbox {
     }
   };
 
-  /// True when a message waits in the slot this side reads (Connection::poll).
+  /// True when a message waits in the slot this side reads.
   bool published() const;
+  /// Connection::poll: true when a message waits in the slot or the socket `sock` is
+  /// readable (data, its end, an error) before `deadline`; sleeps in poll in 10 ms slices,
+  /// looking at the slot between them. Errors: SystemError from poll.
+  bool poll(int sock, const Deadline& deadline);
+  /// Messages this process delivered through a mailbox (for tests).
+  static uint64_t deliveries();
 
  private:
   PipeMailbox(std::shared_ptr<SharedPage> page, int side);
   std::optional<std::string> take(uint64_t seen);
-  std::optional<std::string> wait_claimed(const Deadline& deadline);
+  std::optional<std::string> wait_claimed(int sock, const Deadline& deadline);
   std::optional<std::string> sleep_on_socket(int sock, const Deadline& deadline);
 
   std::shared_ptr<SharedPage> page_;

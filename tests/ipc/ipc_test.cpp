@@ -638,10 +638,11 @@ TEST(Pipe, ASmallSendBufferMakesShorterRecords) {
 // (src/ipc/pipe_mailbox.h), the rest over the socket. A child reads 3,000 messages while the
 // parent sends them: bytes of every size around the slot's 16 KiB, shared tensors (their
 // fds on the socket the first time), some through a copy of the end rebuilt from its fd
-// alone (no slot: it always writes the socket), some after pauses (the reader then waits,
-// so the next message goes through the slot), some in bursts (they queue on the socket).
-// Every message arrives once, in order, whole; then the same over an end that crossed a
-// Pipe (save/load carries the slot's fd).
+// alone (no slot: it always writes the socket), some right after the child's answer to the
+// one before (the child then waits in recv: they go through the slot), some in bursts while
+// the child sleeps (they queue on the socket). Every message arrives once, in order, whole,
+// and the slot was used; then the same over an end that crossed a Pipe (save/load carries
+// the slot's fd).
 TEST(Pipe, SmallMessagesThroughTheMailboxKeepTheirOrderWithTheSocketsMessages) {
   for (const bool passed : {false, true}) {
     SCOPED_TRACE(passed ? "the reading end crossed a Pipe" : "the reading end by fork");
@@ -657,6 +658,7 @@ TEST(Pipe, SmallMessagesThroughTheMailboxKeepTheirOrderWithTheSocketsMessages) {
         if (i % 5 == 4) {
           auto t = end.recv<std::tuple<int, at::Tensor>>(30s);
           if (std::get<0>(t) != i || std::get<1>(t)[1023].item<float>() != 1023.0f) ++bad;
+          if (i % 10 == 9) end.send(i);
           continue;
         }
         const std::string b = end.recv_bytes(30s);
@@ -665,23 +667,28 @@ TEST(Pipe, SmallMessagesThroughTheMailboxKeepTheirOrderWithTheSocketsMessages) {
             b.find_first_not_of(static_cast<char>('a' + i % 26), 4) != std::string::npos)
           ++bad;
         if (i % 97 == 0) std::this_thread::sleep_for(2ms);  // a burst queues on the socket
+        if (i % 10 == 9) end.send(i);  // then waits in recv for the next message
       }
       end.send(bad);
       return 0;
     });
     if (passed) carrier_out.send(theirs);
     tp::Connection bare(tp::UniqueFd(::fcntl(mine.fileno(), F_DUPFD_CLOEXEC, 0)), true, true);
+    const uint64_t slot0 = tp::detail::PipeMailbox::deliveries();
     for (int i = 0; i < kMessages; ++i) {
       if (i % 5 == 4) {
         mine.send(std::tuple<int, at::Tensor>{i, shared});
-        continue;
+      } else {
+        std::string b(4 + static_cast<size_t>(i) * 37 % 20000, static_cast<char>('a' + i % 26));
+        std::memcpy(b.data(), &i, 4);
+        (i % 7 == 3 ? bare : mine).send_bytes(b);
       }
-      std::string b(4 + static_cast<size_t>(i) * 37 % 20000, static_cast<char>('a' + i % 26));
-      std::memcpy(b.data(), &i, 4);
-      (i % 7 == 3 ? bare : mine).send_bytes(b);
-      if (i % 50 == 0) std::this_thread::sleep_for(1ms);  // the reader waits for the next
+      if (i % 10 == 9) ASSERT_EQ(mine.recv<int>(30s), i);  // the child waits for the next
     }
     EXPECT_EQ(mine.recv<int>(60s), 0) << "messages lost, reordered or broken";
+    // Both ways were taken: of the 300 messages sent right after an answer, those under 16
+    // KiB and not through the bare end mostly go through the slot (143-200 of them here).
+    EXPECT_GE(tp::detail::PipeMailbox::deliveries() - slot0, 20u) << "the slot was not used";
     EXPECT_EQ(tp::testing::wait_child(c, 120s), 0);
   }
 }
@@ -695,7 +702,9 @@ using W = tp::detail::PipeMailbox::Word;
 // socket sends) and the length.
 struct MailboxView {
   explicit MailboxView(int fd) {
-    base = static_cast<char*>(::mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    void* p = ::mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("mmap of the mailbox failed");
+    base = static_cast<char*>(p);
   }
   ~MailboxView() { ::munmap(base, kPage); }
   std::atomic<uint64_t>& state(int side) {
@@ -714,6 +723,14 @@ struct MailboxView {
     uint64_t v = state(side).load();
     while (!state(side).compare_exchange_weak(v, W::make(v, mode, pid))) {
     }
+  }
+  // Moves `side`'s word from mode `from` to `to` (pid `pid`); false when it was not in `from`.
+  bool move(int side, uint64_t from, uint64_t to, int32_t pid) {
+    uint64_t v = state(side).load();
+    while ((v & W::kModeMask) == from) {
+      if (state(side).compare_exchange_weak(v, W::make(v, to, pid))) return true;
+    }
+    return false;
   }
   static constexpr size_t kPage = 4096 + 2 * tp::detail::PipeMailbox::kBytes;
   char* base = nullptr;
@@ -786,6 +803,17 @@ TEST(PipeMailbox, ARulePerCase) {
     EXPECT_EQ(y->receive(s1.get(), in(1000ms), 50us), std::nullopt) << "then the socket's";
     EXPECT_EQ(read_byte(), 'v');
   }
+  {  // a zero timeout with a record queued: the record, not a TimeoutError
+    ASSERT_EQ(::send(s0.get(), "z", 1, 0), 1);
+    EXPECT_EQ(y->receive(s1.get(), in(0ms), 0us), std::nullopt);
+    EXPECT_EQ(y->receive(s1.get(), in(0ms), 50us), std::nullopt);
+    EXPECT_EQ(read_byte(), 'z');
+    EXPECT_THROW(y->receive(s1.get(), in(0ms), 50us), tp::TimeoutError) << "and none: a timeout";
+    EXPECT_FALSE(y->poll(s1.get(), in(0ms)));
+    ASSERT_EQ(::send(s0.get(), "q", 1, 0), 1);
+    EXPECT_TRUE(y->poll(s1.get(), in(0ms)));
+    EXPECT_EQ(read_byte(), 'q');
+  }
   {  // a record on the socket: the reader is sent there at once, not after its spin
     ASSERT_EQ(::send(s0.get(), "r", 1, 0), 1);
     auto got = receive_async(60000ms, 60000ms);
@@ -799,6 +827,7 @@ TEST(PipeMailbox, ARulePerCase) {
     ASSERT_TRUE(wait_mode(W::kSpinning));
     {
       PipeMailbox::SocketSend on_socket(x.get());
+      EXPECT_EQ(view.mode(1), W::kIdle) << "the announcement taken back";
       EXPECT_FALSE(x->try_deliver(s0.get(), "late")) << "not while a send is on the socket";
       ASSERT_EQ(::send(s0.get(), "s", 1, 0), 1);
     }
@@ -815,13 +844,15 @@ TEST(PipeMailbox, ARulePerCase) {
     EXPECT_EQ(view.mode(1), W::kIdle) << "the reader withdrew";
     EXPECT_EQ(read_byte(), 'p');
   }
+  // A zombie (exited, not reaped until the end): it still answers kill(pid, 0), and its pid
+  // cannot be reused meanwhile.
   const pid_t dead = ::fork();
   if (dead == 0) ::_exit(0);
-  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+  while (tp::testing::proc_state(dead) != 'Z') std::this_thread::sleep_for(1ms);
   {  // a claimer that died: the reader clears its mark and waits on the socket
     auto got = receive_async(20000ms, 5000ms);
     ASSERT_TRUE(wait_mode(W::kSpinning));
-    view.set(1, W::kClaimed, dead);
+    ASSERT_TRUE(view.move(1, W::kSpinning, W::kClaimed, dead));
     ASSERT_TRUE(wait_mode(W::kIdle)) << "the dead claimer's mark stays";
     ASSERT_EQ(::send(s0.get(), "d", 1, 0), 1);
     EXPECT_EQ(got.get(), std::nullopt);
@@ -839,15 +870,24 @@ TEST(PipeMailbox, ARulePerCase) {
     EXPECT_EQ(tp::testing::wait_child(child, 30s), -SIGKILL);
     EXPECT_TRUE(x->try_deliver(s0.get(), "orphan's"));
     EXPECT_EQ(y->receive(s1.get(), in(1000ms), 50us), std::optional<std::string>("orphan's"));
+    // Delivered to a dead reader's mark, then a record: the slot's message first, though
+    // the next reader finds the mark (it cannot announce) and the record at its first peek.
+    view.set(1, W::kSpinning, dead);
+    EXPECT_TRUE(x->try_deliver(s0.get(), "B"));
+    ASSERT_EQ(::send(s0.get(), "C", 1, 0), 1);
+    EXPECT_EQ(y->receive(s1.get(), in(1000ms), 50us), std::optional<std::string>("B"));
+    EXPECT_EQ(y->receive(s1.get(), in(1000ms), 50us), std::nullopt);
+    EXPECT_EQ(read_byte(), 'C');
     view.set(1, W::kSpinning, dead);
     EXPECT_THROW(y->receive(s1.get(), in(100ms), 50us), tp::TimeoutError);
     EXPECT_EQ(view.mode(1), W::kIdle) << "the dead spinner's mark stays";
   }
   {  // the claimer is stopped past the reader's deadline: TimeoutError, the claim orphaned
      // (its sender sends on the socket instead: nothing waits in the slot unseen by select)
-    auto got = receive_async(300ms, 300ms);
+    auto got = receive_async(1000ms, 1000ms);
     ASSERT_TRUE(wait_mode(W::kSpinning));
-    view.set(1, W::kClaimed, me);  // a live claimer that does not publish
+    // A live claimer that does not publish.
+    ASSERT_TRUE(view.move(1, W::kSpinning, W::kClaimed, me));
     EXPECT_THROW(got.get(), tp::TimeoutError);
     EXPECT_EQ(view.mode(1), W::kOrphaned);
     EXPECT_EQ(view.pid(1), me) << "the claimer's pid stays, for it to find its claim";
@@ -858,6 +898,17 @@ TEST(PipeMailbox, ARulePerCase) {
     EXPECT_EQ(read_byte(), 'o');
     view.set(1, W::kIdle, 0);
   }
+  {  // a stopped claimer does not hold up another sender's record: the claim is orphaned
+    auto got = receive_async(60000ms, 1000ms);
+    ASSERT_TRUE(wait_mode(W::kSpinning));
+    ASSERT_TRUE(view.move(1, W::kSpinning, W::kClaimed, me));
+    ASSERT_EQ(::send(s0.get(), "t", 1, 0), 1);
+    ASSERT_EQ(got.wait_for(30s), std::future_status::ready);
+    EXPECT_EQ(got.get(), std::nullopt);
+    EXPECT_EQ(view.mode(1), W::kOrphaned);
+    EXPECT_EQ(read_byte(), 't');
+    view.set(1, W::kIdle, 0);
+  }
   {  // a corrupted length is refused, the slot freed
     view.length(1).store(PipeMailbox::kBytes + 1);
     view.set(1, W::kPublished, me);
@@ -865,6 +916,7 @@ TEST(PipeMailbox, ARulePerCase) {
     EXPECT_EQ(view.mode(1), W::kIdle);
   }
   EXPECT_THROW(PipeMailbox::open(tp::UniqueFd(::dup(x->fd())), 2), tp::SerializationError);
+  EXPECT_EQ(::waitpid(dead, nullptr, 0), dead);
 }
 
 int main(int argc, char** argv) {
