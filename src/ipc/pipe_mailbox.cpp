@@ -115,6 +115,21 @@ void nap(std::chrono::microseconds d) {
   ::nanosleep(&ts, nullptr);
 }
 
+// One poll of `sock` for reading, for at most kSliceMs and never past `deadline` (0 once it
+// passed); poll's result.
+int poll_slice(int sock, const Deadline& deadline) {
+  int ms = kSliceMs;
+  if (deadline) {
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(*deadline - SteadyClock::now()).count();
+    ms = static_cast<int>(std::clamp<int64_t>(left, 0, kSliceMs));
+  }
+  struct pollfd pfd {
+    sock, POLLIN, 0
+  };
+  return ::poll(&pfd, 1, ms);
+}
+
 [[noreturn]] void timed_out() {
   throw TimeoutError("Connection::recv: no message before the deadline");
 }
@@ -279,17 +294,8 @@ std::optional<std::string> PipeMailbox::sleep_on_socket(int sock, const Deadline
       continue;
     }
     clear_dead_mark(c, v);
-    int ms = kSliceMs;
-    if (deadline) {
-      // Past the deadline: one look without waiting (a zero timeout tries once).
-      const auto left =
-          std::chrono::ceil<std::chrono::milliseconds>(*deadline - SteadyClock::now()).count();
-      ms = static_cast<int>(std::clamp<int64_t>(left, 0, kSliceMs));
-    }
-    struct pollfd pfd {
-      sock, POLLIN, 0
-    };
-    const int r = ::poll(&pfd, 1, ms);
+    // Past the deadline: one look without waiting (a zero timeout tries once).
+    const int r = poll_slice(sock, deadline);
     if (r < 0 && errno != EINTR) return std::nullopt;  // the socket read reports it
     if (r > 0) {
       // A message in the slot is older than what the socket holds (or concurrent).
@@ -315,16 +321,7 @@ bool PipeMailbox::poll(int sock, const Deadline& deadline) {
     const uint64_t v = c.state.load(std::memory_order_acquire);
     if (mode(v) == W::kPublished) return true;
     clear_dead_mark(c, v);
-    int ms = kSliceMs;
-    if (deadline) {
-      const auto left =
-          std::chrono::ceil<std::chrono::milliseconds>(*deadline - SteadyClock::now()).count();
-      ms = static_cast<int>(std::clamp<int64_t>(left, 0, kSliceMs));
-    }
-    struct pollfd pfd {
-      sock, POLLIN, 0
-    };
-    const int r = ::poll(&pfd, 1, ms);
+    const int r = poll_slice(sock, deadline);
     if (r > 0) return true;
     if (r < 0 && errno != EINTR) throw_system_error("poll", errno, "Connection");
     if (deadline.expired()) return published();
