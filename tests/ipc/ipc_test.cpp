@@ -683,7 +683,9 @@ TEST(Pipe, SmallMessagesThroughTheMailboxKeepTheirOrderWithTheSocketsMessages) {
         std::memcpy(b.data(), &i, 4);
         (i % 7 == 3 ? bare : mine).send_bytes(b);
       }
-      if (i % 10 == 9) ASSERT_EQ(mine.recv<int>(30s), i);  // the child waits for the next
+      if (i % 10 == 9) {
+        ASSERT_EQ(mine.recv<int>(30s), i);  // the child waits for the next
+      }
     }
     EXPECT_EQ(mine.recv<int>(60s), 0) << "messages lost, reordered or broken";
     // Both ways were taken: of the 300 messages sent right after an answer, those under 16
