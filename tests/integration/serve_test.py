@@ -305,6 +305,25 @@ def waits_or_runs(port):
                                                              or 0)
 
 
+def stopped_while_running(srv, fields, tries=5):
+    """Starts a streaming request with `fields`, waits for its first event and SIGSTOPs the
+    workers; under load the tiny model can finish all its tokens between the first event and
+    the SIGSTOP, so this retries (up to `tries`) until /metrics shows it running with the
+    workers stopped. Returns the stream's (thread, out); the workers are left stopped (the
+    caller SIGCONTs them), also when no try caught it (the caller's running() check fails)."""
+    for _ in range(tries):
+        first = threading.Event()
+        ta = in_thread(stream, srv.port, fields, first=first, timeout=120)
+        first.wait(60)
+        srv.signal_workers(signal.SIGSTOP)
+        if running(srv.port) == 1:
+            return ta
+        srv.signal_workers(signal.SIGCONT)
+        joined(*ta, 120)
+    srv.signal_workers(signal.SIGSTOP)
+    return ta
+
+
 # ---------------------------------------------------------------- processes
 def stat(pid):
     """(ppid, state, start time, process group) of `pid`, or None when it does not exist."""
@@ -768,11 +787,7 @@ def overload():
     srv = Server("overload", 1, "--max-batch", "1", "--max-queue", "1", "--max-new-tokens", "120")
     if not srv.ready():
         return
-    first = threading.Event()
-    ta = in_thread(stream, srv.port, {"prompt": "abc", "max_tokens": 120, "temperature": 0},
-                   first=first)
-    first.wait(60)
-    srv.signal_workers(signal.SIGSTOP)
+    ta = stopped_while_running(srv, {"prompt": "abc", "max_tokens": 120, "temperature": 0})
     try:
         check(running(srv.port) == 1, "[6] the first request runs (running 1, workers stopped)")
         tb = in_thread(complete, srv.port, {"prompt": "hello", "max_tokens": 100,
@@ -919,17 +934,7 @@ def drain(srv):
     fa = {"prompt": "Zz 3", "max_tokens": 110, "temperature": 0}
     fb = {"prompt": "Zz 4", "max_tokens": 110, "temperature": 0}
     refs = [text_of(complete(srv.port, f)[1]) for f in (fa, fb)]
-    # The tiny model may finish all 110 tokens between the first event and the SIGSTOP on a
-    # loaded machine: try again until the request is caught running (as case 8 does).
-    for attempt in range(5):
-        first = threading.Event()
-        ta = in_thread(stream, srv.port, fa, first=first, timeout=120)
-        first.wait(60)
-        srv.signal_workers(signal.SIGSTOP)
-        if running(srv.port) == 1:
-            break
-        srv.signal_workers(signal.SIGCONT)
-        joined(*ta, 120)
+    ta = stopped_while_running(srv, fa)
     try:
         check(running(srv.port) == 1, "[9] a streaming request runs (workers stopped)")
         # --max-batch 8: the second joins at the next step; with the workers stopped it waits.
@@ -999,12 +1004,9 @@ def no_queue():
         return
     status, body = complete(srv.port, {"prompt": "a", "max_tokens": 4, "temperature": 0})
     check(status == 200, f"[6b] --max-queue 0, empty batch: served ({status}: {short(body)})")
-    first = threading.Event()
-    ta = in_thread(stream, srv.port, {"prompt": "abc", "max_tokens": 120, "temperature": 0},
-                   first=first, timeout=120)
-    first.wait(60)
-    srv.signal_workers(signal.SIGSTOP)
+    ta = stopped_while_running(srv, {"prompt": "abc", "max_tokens": 120, "temperature": 0})
     try:
+        check(running(srv.port) == 1, "[6b] a request runs (running 1, workers stopped)")
         status, body = complete(srv.port, {"prompt": "b", "max_tokens": 4}, timeout=30)
         check(status == 503 and is_error(body, "overloaded_error"),
               f"[6b] --max-queue 0, the one slot taken: 503 overloaded_error ({status}: "
@@ -1067,5 +1069,7 @@ finally:
             print(f"--- {s.name} (pid {s.pid}) stderr, tail:\n{s.stderr_tail()}")
     shutil.rmtree(TMP, ignore_errors=True)
 
+for what in failures:  # again at the end: CI shows a log's head and tail
+    print("FAIL " + what)
 print(f"{len(failures)} failure(s)")
 sys.exit(1 if failures else 0)
