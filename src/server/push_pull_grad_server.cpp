@@ -96,6 +96,7 @@ struct PushPullGradServerImpl::State {
       throw ValueError(fmt::format("{}: member '{}' is not a secondary reducer", subject(), me));
     }
     if (grads.empty()) throw ValueError(fmt::format("{}: an empty gradient dict", subject()));
+    if (try_add_now(grads, level)) return;
     // Tensors in shared memory (a trainer's or a secondary's segment, sent as a handle) are
     // copied out before the reply, so the sender gets its segment back as soon as the push
     // returns and reuses it for the next one: each sender maps (and this member faults in)
@@ -133,15 +134,92 @@ struct PushPullGradServerImpl::State {
     cv.notify_all();
   }
 
-  // A batch being reduced at one level: the running sum of the entries taken from the queue
-  // so far. Each entry is added as soon as the reducer takes it and then let go; the sum in
-  // order is bit-identical to stack(batch).sum(0).
+  // A batch being reduced at one level: the running sum of the entries taken so far. Each
+  // entry is added as soon as it is taken and then let go; the sum in order is bit-identical
+  // to stack(batch).sum(0).
   struct Batch {
     StateDict sum;
     int64_t count = 0;
     Clock::time_point first;  // arrival of its oldest entry (flush_after counts from it)
   };
-  Batch batches[2];  // by level; the reducer thread's
+  // By level. batch_mu[level] guards batches[level]; it is taken before mu, never the other
+  // way round. The reducer thread pops a queue only while holding that level's batch_mu, and
+  // the service adds a push itself only when the queue is empty (try_add_now): arrival order
+  // is kept.
+  std::mutex batch_mu[2];
+  Batch batches[2];
+  // Under mu: each level's batch's count and first arrival (for the reducer's flush_after
+  // clock), and its full batches' results waiting for the reducer thread, oldest first.
+  int64_t pending[2] = {0, 0};
+  Clock::time_point pending_first[2];
+  std::deque<StateDict> results[2];
+
+  // Under batch_mu[level]: adds `grads` to the level's batch; a full batch is finished and
+  // handed to the reducer thread (step or forward).
+  void add_locked(int level, StateDict grads, Clock::time_point arrived) {
+    Batch& b = batches[level];
+    add_to_batch(b, level, std::move(grads), arrived);
+    std::optional<StateDict> full;
+    if (b.count >= opts.reduce_batch_size) full = finish(b);
+    std::lock_guard<std::mutex> g(mu);
+    pending[level] = b.count;
+    pending_first[level] = b.first;
+    if (full) results[level].push_back(std::move(*full));
+    // The reducer thread has a result to hand on, or a new batch's flush_after to time.
+    if (full || b.count == 1) cv.notify_all();
+  }
+
+  // The service's fast path: a push that finds its level's queue empty while the reducer
+  // runs is added to the batch right here, read straight from the sender's memory (a segment
+  // of a trainer on this host), instead of being copied out, queued and added later by the
+  // reducer thread: one pass over the gradients' bytes instead of two. The push's reply waits
+  // for the add (a copy-out's time and a bit), and for the adds of pushes that came first.
+  // Returns false when the push must queue: before start(), while entries wait or the
+  // reducer thread has two full batches to hand on, or when reductions run elsewhere than
+  // on the CPU. A
+  // push that does not fit the batch stops the reducer as it would in the reducer thread, and
+  // its sender gets the error.
+  bool try_add_now(const StateDict& grads, int32_t level) {
+    if (!opts.reduce_device.is_cpu()) return false;
+    std::unique_lock<std::mutex> bl(batch_mu[level]);
+    {
+      std::lock_guard<std::mutex> g(mu);
+      // The reducer thread behind (entries queued, or more than one full batch waiting for
+      // it): queue, so that a full queue drops its oldest entry as machin's does.
+      if (!started || stopping || error || !queues[level].empty() || results[level].size() > 1)
+        return false;
+      ++stats.received;
+    }
+    try {
+      add_locked(level, grads, Clock::now());
+    } catch (...) {
+      bl.unlock();
+      fail(std::current_exception());
+      throw;
+    }
+    return true;
+  }
+
+  // Stops the reducer at its first error: queued entries, batches and results are dropped.
+  void fail(std::exception_ptr e) {
+    std::scoped_lock both(batch_mu[0], batch_mu[1]);
+    std::lock_guard<std::mutex> g(mu);
+    if (!error) {
+      error = std::move(e);
+      fmt::print(stderr, "torchpar: {}: the reducer on '{}' stopped: {}\n", subject(), me,
+                 message_of(error));
+    }
+    clear_locked();
+    cv.notify_all();
+  }
+
+  // Under both batch_mu and mu.
+  void clear_locked() {
+    for (auto& q : queues) q.clear();
+    for (auto& b : batches) b = Batch{};
+    for (auto& r : results) r.clear();
+    pending[0] = pending[1] = 0;
+  }
 
   // Flat buffers (src/server/flat_buffer.h) reused once free, so that steady reduction
   // allocates and faults in nothing: of queued entries that came in shared memory (see
@@ -320,32 +398,35 @@ struct PushPullGradServerImpl::State {
     version = base + 1;
   }
 
-  // Takes entries one at a time, the primary queue first (machin), into its level's batch;
-  // a full batch is reduced (stepped or forwarded); a batch whose oldest entry waited
-  // flush_after is reduced short once its queue is empty.
+  // The reducer thread, the primary level first (machin): steps or forwards full batches'
+  // results, takes queued entries one at a time into their level's batch, and reduces a batch
+  // whose oldest entry waited flush_after short once its queue is empty.
+  enum class Job { kReduced, kTake, kFlush };
+
   void run() {
     std::unique_lock<std::mutex> lk(mu);
-    const auto bs = opts.reduce_batch_size;
-    while (!stopping) {
+    while (!stopping && !error) {
       const auto now = Clock::now();
       int level = -1;
-      std::optional<Entry> entry;
+      Job job = Job::kTake;
       std::optional<Clock::time_point> wake;
       for (int l : {kPrimaryLevel, kSecondaryLevel}) {
-        if (!queues[l].empty()) {
-          entry.emplace(std::move(queues[l].front()));
-          queues[l].pop_front();
-          level = l;
-          break;
-        }
-        if (batches[l].count > 0 && opts.flush_after) {
-          const auto due = batches[l].first + to_clock(*opts.flush_after);
-          if (due <= now) {
-            level = l;
-            break;
+        if (!results[l].empty()) {
+          job = Job::kReduced;
+        } else if (!queues[l].empty()) {
+          job = Job::kTake;
+        } else if (pending[l] > 0 && opts.flush_after) {
+          const auto due = pending_first[l] + to_clock(*opts.flush_after);
+          if (due > now) {
+            wake = wake ? std::min(*wake, due) : due;
+            continue;
           }
-          wake = wake ? std::min(*wake, due) : due;
+          job = Job::kFlush;
+        } else {
+          continue;
         }
+        level = l;
+        break;
       }
       if (level < 0) {
         if (wake) {
@@ -355,34 +436,56 @@ struct PushPullGradServerImpl::State {
         }
         continue;
       }
-      const bool flushed = !entry;
-      if (flushed) ++stats.flushes;
+      std::optional<StateDict> result;
+      if (job == Job::kReduced) {
+        result.emplace(std::move(results[level].front()));
+        results[level].pop_front();
+      }
       lk.unlock();
       try {
-        Batch& b = batches[level];
-        if (entry) {
-          add_to_batch(b, level, std::move(entry->grads), entry->arrived);
-          entry.reset();  // the sender's memory goes back now
-        }
-        if (flushed || b.count >= bs) {
-          auto reduced = finish(b);
+        if (result) {
           if (level == kPrimaryLevel) {
-            step(std::move(reduced));
+            step(std::move(*result));
           } else {
-            forward(std::move(reduced));
+            forward(std::move(*result));
           }
+        } else {
+          take(level, job == Job::kFlush);
         }
       } catch (...) {
-        lk.lock();
-        error = std::current_exception();
-        fmt::print(stderr, "torchpar: {}: the reducer on '{}' stopped: {}\n", subject(), me,
-                   message_of(error));
-        for (auto& q : queues) q.clear();
-        for (auto& b : batches) b = Batch{};
+        fail(std::current_exception());
         return;
       }
       lk.lock();
     }
+  }
+
+  // The reducer thread: under the level's batch_mu, adds the queue's oldest entry to the
+  // batch, or (flush) finishes a batch that is still due.
+  void take(int level, bool flush) {
+    std::lock_guard<std::mutex> bl(batch_mu[level]);
+    std::optional<Entry> entry;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (stopping || error) return;
+      if (!queues[level].empty()) {
+        entry.emplace(std::move(queues[level].front()));
+        queues[level].pop_front();
+      } else if (!flush || batches[level].count == 0) {
+        return;  // nothing left to do here
+      }
+    }
+    if (entry) {
+      add_locked(level, std::move(entry->grads), entry->arrived);
+      return;  // the sender's memory goes back with `entry`
+    }
+    Batch& b = batches[level];
+    if (Clock::now() < b.first + to_clock(*opts.flush_after)) return;
+    StateDict out = finish(b);
+    std::lock_guard<std::mutex> g(mu);
+    ++stats.flushes;
+    pending[level] = 0;
+    results[level].push_back(std::move(out));
   }
 
   void stop() noexcept {
@@ -393,7 +496,10 @@ struct PushPullGradServerImpl::State {
     }
     cv.notify_all();
     if (thread.joinable()) thread.join();
-    for (auto& b : batches) b = Batch{};  // the thread is gone: nobody else touches them
+    // The thread is gone; a service call adding now finishes before the batches go.
+    std::scoped_lock both(batch_mu[0], batch_mu[1]);
+    std::lock_guard<std::mutex> g(mu);
+    clear_locked();
   }
 
   // Undoes the constructor's registrations; the first error is returned.

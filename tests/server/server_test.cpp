@@ -629,6 +629,143 @@ TEST(PushPullGradServer, OneHostPushesReuseOneSegmentAndPullViewsShare) {
   expect_ok(run_ranks(2, 180, &one_host_rank, free_port()));
 }
 
+// A small module whose gradients the tests set by hand: fc (4 x 4), weights 0.
+struct Small : torch::nn::Module {
+  explicit Small(const std::string& name = "fc") {
+    fc = register_module(name, torch::nn::Linear(torch::nn::LinearOptions(4, 4).bias(false)));
+    torch::NoGradGuard no_grad;
+    fc->weight.zero_();
+  }
+  torch::nn::Linear fc{nullptr};
+};
+
+// Pushes from 2 processes x 3 threads at once, added to the batch by the service's threads
+// (one at a time) while the reducer thread forwards, adds the forwarded sums and steps: each
+// of the 120 pushes of gradient 1 is added exactly once, so with SGD at lr 1 every weight
+// ends at exactly -120.
+constexpr int kPushThreads = 3, kPushesPerThread = 20;
+void concurrent_rank(int rank, int port) {
+  auto w = make_world(rank, 3, port);
+  auto g = w.create_rpc_group("group", {"0", "1", "2"});
+  {
+    std::optional<tp::PushPullGradServerImpl> impl;
+    if (rank == 0) {
+      impl.emplace("server", g,
+                   tp::PushPullGradServerOptions{
+                       .primary_reducer = "0", .secondary_reducers = {"0"}, .flush_after = 0.1s});
+      auto managed = std::make_shared<Small>();
+      impl->manage_model(managed, std::make_shared<torch::optim::SGD>(
+                                      managed->parameters(), torch::optim::SGDOptions(1.0)));
+      impl->start();
+    }
+    g.barrier();
+    if (rank != 0) {
+      std::vector<std::thread> threads;
+      std::vector<std::string> errors(kPushThreads);
+      for (int t = 0; t < kPushThreads; ++t) {
+        threads.emplace_back([&, t] {
+          try {
+            auto server = tp::PushPullGradServer::connect(g, "server");
+            auto net = std::make_shared<Small>();
+            tp::VersionedModule vm(net);
+            for (int i = 0; i < kPushesPerThread; ++i) {
+              net->fc->weight.mutable_grad() = at::ones({4, 4});
+              server.push(vm);
+            }
+          } catch (const std::exception& e) {
+            errors[t] = e.what();
+          }
+        });
+      }
+      for (auto& th : threads) th.join();
+      for (const auto& e : errors) TORCHPAR_RCHECK(e.empty(), "a pushing thread: {}", e);
+    }
+    g.barrier();
+    if (rank == 1) {
+      constexpr double kWant = -2.0 * kPushThreads * kPushesPerThread;
+      auto server = tp::PushPullGradServer::connect(g, "server");
+      auto net = std::make_shared<Small>();
+      tp::VersionedModule vm(net);
+      const auto t0 = std::chrono::steady_clock::now();
+      while (!at::equal(net->fc->weight, at::full({4, 4}, kWant))) {
+        TORCHPAR_RCHECK(seconds_since(t0) < 30, "weights {} after 30 s, want {}",
+                        net->fc->weight[0][0].item<double>(), kWant);
+        std::this_thread::sleep_for(20ms);
+        server.pull(vm);
+      }
+    }
+    g.barrier();
+    if (rank == 0) {
+      impl->watch();
+      const auto st = impl->stats();
+      // The 120 pushes and the secondary sums forwarded to the primary level: 30 full
+      // batches, more when flush_after cut some short.
+      TORCHPAR_RCHECK(st.received == 120 + st.reductions && st.dropped == 0 &&
+                          st.reductions >= 30,
+                      "received {} dropped {} reductions {}", st.received, st.dropped,
+                      st.reductions);
+    }
+    g.barrier();
+  }
+  g.barrier();
+  g.destroy();
+}
+
+TEST(PushPullGradServer, ConcurrentPushesFromTwoProcessesAreEachAddedOnce) {
+  expect_ok(run_ranks(3, 180, &concurrent_rank, free_port()));
+}
+
+// A push whose gradients do not fit the running batch (another parameter's name), added by
+// the service itself (the queue is empty): its sender gets the error, the reducer stops
+// (watch() rethrows it) and later pushes are refused naming the member.
+void misfit_rank(int rank, int port) {
+  auto w = make_world(rank, 2, port);
+  auto g = w.create_rpc_group("group", {"0", "1"});
+  {
+    std::optional<tp::PushPullGradServerImpl> impl;
+    if (rank == 0) {
+      impl.emplace("server", g,
+                   tp::PushPullGradServerOptions{.primary_reducer = "0",
+                                                 .secondary_reducers = {"0"}});
+      auto managed = std::make_shared<Small>();
+      impl->manage_model(managed, std::make_shared<torch::optim::SGD>(
+                                      managed->parameters(), torch::optim::SGDOptions(1.0)));
+      impl->start();
+    }
+    g.barrier();
+    if (rank == 1) {
+      auto server = tp::PushPullGradServer::connect(g, "server");
+      auto net = std::make_shared<Small>();
+      auto other = std::make_shared<Small>("other");
+      tp::VersionedModule vm(net), vo(other);
+      net->fc->weight.mutable_grad() = at::ones({4, 4});
+      server.push(vm);  // starts a batch
+      other->fc->weight.mutable_grad() = at::ones({4, 4});
+      auto e = expect_throw<tp::Error>([&] { server.push(vo); }, "a push that does not fit");
+      TORCHPAR_RCHECK(std::string(e.what()).find("'other.weight' is missing") != std::string::npos,
+                      "the sender's error names the gradient: {}", e.what());
+      net->fc->weight.mutable_grad() = at::ones({4, 4});
+      e = expect_throw<tp::Error>([&] { server.push(vm); }, "a push after the reducer stopped");
+      TORCHPAR_RCHECK(std::string(e.what()).find("the reducer on member '0' stopped") !=
+                          std::string::npos,
+                      "a later push names the stopped member: {}", e.what());
+    }
+    g.barrier();
+    if (rank == 0) {
+      auto e = expect_throw<tp::ValueError>([&] { impl->watch(); }, "watch() after the misfit");
+      TORCHPAR_RCHECK(std::string(e.what()).find("other.weight") != std::string::npos,
+                      "watch() rethrows the reducer's error: {}", e.what());
+    }
+    g.barrier();
+  }
+  g.barrier();
+  g.destroy();
+}
+
+TEST(PushPullGradServer, APushThatDoesNotFitTheBatchFailsItsSenderAndStopsTheReducer) {
+  expect_ok(run_ranks(2, 180, &misfit_rank, free_port()));
+}
+
 // The member hosting the server (primary, only secondary and ordered server: "1") is
 // killed; the trainer's push and pull fail within their timeout, naming it. Member "0" hosts
 // the World's store and only waits.

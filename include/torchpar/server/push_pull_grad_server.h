@@ -83,7 +83,9 @@ struct GradServerStats {
 /// the lr scheduler), and pushes the new state dict to the ordered server as the next
 /// version. Pushes that arrive before start() wait in the queues.
 ///
-/// Threads: one reducer thread per member (start() to stop()); the service only queues.
+/// Threads: one reducer thread per member (start() to stop()) steps and forwards; a push
+///          that finds its queue empty while the thread runs is added to the batch by the
+///          service before it replies, others are queued (docs/servers.md).
 /// Errors:  ValueError for bad options (unknown members, a method other than sum/mean, sizes
 ///          < 1) or when this member is neither primary nor secondary; RpcKeyTakenError when
 ///          the server's names are taken. The reducer thread stops at its first error (a
