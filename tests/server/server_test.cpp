@@ -700,8 +700,7 @@ void concurrent_rank(int rank, int port) {
       const auto st = impl->stats();
       // The 120 pushes and the secondary sums forwarded to the primary level: 30 full
       // batches, more when flush_after cut some short.
-      TORCHPAR_RCHECK(st.received == 120 + st.reductions && st.dropped == 0 &&
-                          st.reductions >= 30,
+      TORCHPAR_RCHECK(st.received == 120 + st.reductions && st.dropped == 0 && st.reductions >= 30,
                       "received {} dropped {} reductions {}", st.received, st.dropped,
                       st.reductions);
     }
@@ -724,9 +723,9 @@ void misfit_rank(int rank, int port) {
   {
     std::optional<tp::PushPullGradServerImpl> impl;
     if (rank == 0) {
-      impl.emplace("server", g,
-                   tp::PushPullGradServerOptions{.primary_reducer = "0",
-                                                 .secondary_reducers = {"0"}});
+      impl.emplace(
+          "server", g,
+          tp::PushPullGradServerOptions{.primary_reducer = "0", .secondary_reducers = {"0"}});
       auto managed = std::make_shared<Small>();
       impl->manage_model(managed, std::make_shared<torch::optim::SGD>(
                                       managed->parameters(), torch::optim::SGDOptions(1.0)));
@@ -746,9 +745,9 @@ void misfit_rank(int rank, int port) {
                       "the sender's error names the gradient: {}", e.what());
       net->fc->weight.mutable_grad() = at::ones({4, 4});
       e = expect_throw<tp::Error>([&] { server.push(vm); }, "a push after the reducer stopped");
-      TORCHPAR_RCHECK(std::string(e.what()).find("the reducer on member '0' stopped") !=
-                          std::string::npos,
-                      "a later push names the stopped member: {}", e.what());
+      TORCHPAR_RCHECK(
+          std::string(e.what()).find("the reducer on member '0' stopped") != std::string::npos,
+          "a later push names the stopped member: {}", e.what());
     }
     g.barrier();
     if (rank == 0) {

@@ -211,6 +211,9 @@ struct GradServerInfo {
     ar(model_name, primary, secondary_reducers, o_server_name);
   }
 };
+/// machin's PushPullGradServerImpl.REDUCE_MASTER / REDUCE_SLAVE: the queue a push goes to.
+constexpr int32_t kPrimaryLevel = 0;
+constexpr int32_t kSecondaryLevel = 1;
 /// "<server_name>/<member>/_push_service": a reducer's queue.
 std::string grad_push_service(const std::string& server_name, const std::string& member);
 }  // namespace detail
