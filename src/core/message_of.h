@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <exception>
+#include <string>
 
 namespace torchpar::detail {
 
@@ -12,6 +13,17 @@ namespace torchpar::detail {
 inline const char* message_of(const std::exception& e) noexcept {
   if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
   return e.what();
+}
+
+/// The message of a stored exception ("a non-std::exception" for others). Never throws.
+inline std::string message_of(const std::exception_ptr& e) noexcept {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return message_of(x);
+  } catch (...) {
+    return "a non-std::exception";
+  }
 }
 
 }  // namespace torchpar::detail

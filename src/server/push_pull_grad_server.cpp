@@ -13,6 +13,7 @@
 #include <set>
 #include <thread>
 
+#include "core/message_of.h"
 #include "server/flat_buffer.h"
 #include "server/paired.h"
 
@@ -24,18 +25,9 @@ using Clock = std::chrono::steady_clock;
 
 using detail::kPrimaryLevel;
 using detail::kSecondaryLevel;
+using detail::message_of;
 // Drops are logged on the first and then once per this many.
 constexpr int64_t kDropLogEvery = 1000;
-
-std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "a non-std::exception";
-  }
-}
 
 Clock::duration to_clock(std::chrono::duration<double> d) {
   return std::chrono::duration_cast<Clock::duration>(d);
@@ -95,6 +87,18 @@ struct PushPullGradServerImpl::State {
     }
     if (grads.empty()) throw ValueError(fmt::format("{}: an empty gradient dict", subject()));
     if (try_add_now(grads, level)) return;
+    // This push decided to queue (try_add_now counted it in queuing): until it is queued, later
+    // pushes queue too, so that they are added after it.
+    struct Queuing {
+      State* s;
+      int32_t level;
+      bool counted = true;
+      ~Queuing() {  // the copy-out below threw
+        if (!counted) return;
+        std::lock_guard<std::mutex> g(s->mu);
+        --s->queuing[level];
+      }
+    } queuing_guard{this, level};
     // Tensors in shared memory (a trainer's or a secondary's segment, sent as a handle) are
     // copied out before the reply, so the sender gets its segment back as soon as the push
     // returns and reuses it for the next one: each sender maps (and this member faults in)
@@ -107,6 +111,8 @@ struct PushPullGradServerImpl::State {
           detail::copy_into_flat(entry_buffers.take(detail::flat_bytes(grads, own)), grads, own);
     }
     std::lock_guard<std::mutex> g(mu);
+    --queuing[level];
+    queuing_guard.counted = false;
     if (error) {
       throw Error(fmt::format("{}: the reducer on member '{}' stopped: {}", subject(), me,
                               message_of(error)));
@@ -150,15 +156,25 @@ struct PushPullGradServerImpl::State {
   // clock), and its full batches' results waiting for the reducer thread, oldest first.
   int64_t pending[2] = {0, 0};
   Clock::time_point pending_first[2];
+  int64_t queuing[2] = {0, 0};  // pushes between try_add_now's "queue it" and the queue
   std::deque<StateDict> results[2];
 
   // Under batch_mu[level]: adds `grads` to the level's batch; a full batch is finished and
   // handed to the reducer thread (step or forward).
+  // A failure stops the reducer before batch_mu[level] is let go: no push waiting for it
+  // adds to a batch the failed one may have left half done (a mean's finish).
   void add_locked(int level, StateDict grads, Clock::time_point arrived) {
     Batch& b = batches[level];
-    add_to_batch(b, level, std::move(grads), arrived);
     std::optional<StateDict> full;
-    if (b.count >= opts.reduce_batch_size) full = finish(b);
+    try {
+      add_to_batch(b, level, std::move(grads), arrived);
+      if (b.count >= opts.reduce_batch_size) full = finish(b);
+    } catch (...) {
+      b = Batch{};
+      std::lock_guard<std::mutex> g(mu);
+      set_error_locked(std::current_exception());
+      throw;
+    }
     std::lock_guard<std::mutex> g(mu);
     pending[level] = b.count;
     pending_first[level] = b.first;
@@ -170,22 +186,27 @@ struct PushPullGradServerImpl::State {
   // The service's fast path: a push that finds its level's queue empty while the reducer
   // runs is added to the batch right here, read straight from the sender's memory (a segment
   // of a trainer on this host), instead of being copied out, queued and added later by the
-  // reducer thread: one pass over the gradients' bytes instead of two. The push's reply waits
-  // for the add (a copy-out's time and a bit), and for the adds of pushes that came first.
-  // Returns false when the push must queue: before start(), while entries wait or the
-  // reducer thread has two full batches to hand on, or when reductions run elsewhere than
-  // on the CPU. A
-  // push that does not fit the batch stops the reducer as it would in the reducer thread, and
-  // its sender gets the error.
+  // reducer thread: one pass over the gradients' bytes instead of two. Its reply waits for
+  // the add and for the adds of pushes taken before it. Returns false (counted in queuing)
+  // when the push must queue: before start(), while others queue or the reducer thread has
+  // two full batches to hand on, or when reductions run off the CPU. A push that does not
+  // fit the batch stops the reducer as in the reducer thread, and its sender gets the error.
   bool try_add_now(const StateDict& grads, int32_t level) {
-    if (!opts.reduce_device.is_cpu()) return false;
+    if (!opts.reduce_device.is_cpu()) {
+      std::lock_guard<std::mutex> g(mu);
+      ++queuing[level];
+      return false;
+    }
     std::unique_lock<std::mutex> bl(batch_mu[level]);
     {
       std::lock_guard<std::mutex> g(mu);
       // The reducer thread behind (entries queued, or more than one full batch waiting for
       // it): queue, so that a full queue drops its oldest entry as machin's does.
-      if (!started || stopping || error || !queues[level].empty() || results[level].size() > 1)
+      if (!started || stopping || error || !queues[level].empty() || queuing[level] > 0 ||
+          results[level].size() > 1) {
+        ++queuing[level];  // accept's slow path lets it go when the push is queued or refused
         return false;
+      }
       ++stats.received;
     }
     try {
@@ -202,12 +223,17 @@ struct PushPullGradServerImpl::State {
   void fail(std::exception_ptr e) {
     std::scoped_lock both(batch_mu[0], batch_mu[1]);
     std::lock_guard<std::mutex> g(mu);
+    set_error_locked(std::move(e));
+    clear_locked();
+  }
+
+  // Under mu: the first error is kept (and logged); the reducer thread and the service see it.
+  void set_error_locked(std::exception_ptr e) {
     if (!error) {
       error = std::move(e);
       fmt::print(stderr, "torchpar: {}: the reducer on '{}' stopped: {}\n", subject(), me,
                  message_of(error));
     }
-    clear_locked();
     cv.notify_all();
   }
 
@@ -225,11 +251,12 @@ struct PushPullGradServerImpl::State {
   // the next step; a forwarded one lives until the primary took it). Sums forwarded to a
   // primary elsewhere are in shared memory, so they travel to one on this host as handles.
   // Capacities: the entries a few trainers have in flight while the reducer adds one; a
-  // sum being built beside the one still in use (the gradients, the forward).
+  // sum being built beside the one still in use (the gradients, the forward) and up to two
+  // full ones waiting for the reducer thread (try_add_now).
   detail::FlatBufferPool entry_buffers{4, detail::huge_page_bytes};
   detail::FlatBufferPool sum_buffers[2] = {
-      detail::FlatBufferPool{2, detail::huge_page_bytes},
-      detail::FlatBufferPool{2, [this](int64_t nbytes) {
+      detail::FlatBufferPool{4, detail::huge_page_bytes},
+      detail::FlatBufferPool{4, [this](int64_t nbytes) {
                                if (!is_primary) {
                                  try {
                                    return empty_shared({nbytes}, at::kByte);
@@ -278,21 +305,25 @@ struct PushPullGradServerImpl::State {
       throw ValueError(fmt::format("{}: gradient dicts of one batch differ: {} and {} entries",
                                    subject(), b.sum.size(), grads.size()));
     }
+    // Every entry is checked before the sum changes: a push that does not fit leaves the
+    // batch as it was.
     for (const auto& [key, t] : grads) {
       auto it = b.sum.find(key);
       if (it == b.sum.end()) {
         throw ValueError(fmt::format(
             "{}: gradient dicts of one batch differ: '{}' is missing from one", subject(), key));
       }
-      at::Tensor& sum = it->second;
       if (!t.defined())
         throw ValueError(fmt::format("{}: the pushed gradient '{}' is undefined", subject(), key));
-      if (t.sizes() != sum.sizes()) {
+      if (t.sizes() != it->second.sizes()) {
         throw ValueError(
             fmt::format("{}: gradient dicts of one batch differ: '{}' has shape {} "
                         "and {}",
-                        subject(), key, c10::str(sum.sizes()), c10::str(t.sizes())));
+                        subject(), key, c10::str(it->second.sizes()), c10::str(t.sizes())));
       }
+    }
+    for (const auto& [key, t] : grads) {
+      at::Tensor& sum = b.sum.at(key);
       // A wider type promotes the sum from here on (stack would have promoted the batch).
       const auto type = at::result_type(sum, t);
       if (type != sum.scalar_type()) sum = sum.to(type);

@@ -723,9 +723,11 @@ void misfit_rank(int rank, int port) {
   {
     std::optional<tp::PushPullGradServerImpl> impl;
     if (rank == 0) {
+      // No flush_after: the first push's batch waits for the second however slow the machine.
       impl.emplace(
           "server", g,
-          tp::PushPullGradServerOptions{.primary_reducer = "0", .secondary_reducers = {"0"}});
+          tp::PushPullGradServerOptions{
+              .primary_reducer = "0", .secondary_reducers = {"0"}, .flush_after = std::nullopt});
       auto managed = std::make_shared<Small>();
       impl->manage_model(managed, std::make_shared<torch::optim::SGD>(
                                       managed->parameters(), torch::optim::SGDOptions(1.0)));

@@ -96,7 +96,7 @@ struct GradServerStats {
 /// Lifetime: `group` must outlive it; the destructor stops the thread, deregisters and
 ///          unpairs (never throws); queued gradients are dropped. For reuse (no fresh
 ///          memory per push), it keeps the buffers it reduced in: up to 4 gradient dicts for
-///          pushes that came as shared-memory handles and 2 running sums per level, freed
+///          pushes that came as shared-memory handles and 4 sums per level, freed
 ///          with the object.
 /// Source:  machin PushPullGradServerImpl.
 class PushPullGradServerImpl {
