@@ -16,6 +16,14 @@
 #include "shape_text.h"
 #include "torchpar/core/error.h"
 
+// With LibTorch's OpenMP backend, the inline at::parallel_for is a `#pragma omp parallel`:
+// without -fopenmp (CMakeLists.txt sets it for this file) the decode kernel would run on one
+// thread whatever at::get_num_threads() says (it did until 2026-11-30: TP=1 decoded at 127
+// tokens/s on 2 threads, 205 since).
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#error "tensor_parallel_layers.cpp must be compiled with OpenMP (see CMakeLists.txt)"
+#endif
+
 namespace torchpar {
 namespace detail {
 namespace {
