@@ -92,7 +92,9 @@ class Server:
     """`torchpar manager` in its own session; .address is what it printed, parsed."""
 
     def __init__(self, workdir, address="127.0.0.1:0"):
-        self.authkey = secrets.token_bytes(32)
+        # Random bytes, but never a trailing CR or LF: `torchpar manager --authkey-file` drops
+        # those (a key file written by echo), so 1 key in 128 would differ.
+        self.authkey = secrets.token_bytes(31) + b"."
         key_path = os.path.join(workdir, f"key.{secrets.token_hex(4)}")
         self.key_path = key_path
         fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -132,7 +132,9 @@ class Server:
 
     def __init__(self, args, workdir, index):
         self.args = args
-        self.authkey = secrets.token_bytes(32)
+        # Random bytes, but never a trailing CR or LF: `torchpar manager --authkey-file` drops
+        # those (a key file written by echo), so 1 key in 128 would differ.
+        self.authkey = secrets.token_bytes(31) + b"."
         self.key_path = os.path.join(workdir, f"authkey.{index}")
         fd = os.open(self.key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
