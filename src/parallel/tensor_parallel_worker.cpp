@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Type.h>
 #include <fmt/format.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -334,6 +335,9 @@ void run_tensor_parallel_worker(int rank, const TpWorkerSpec& spec, Queue<TpRequ
     at::manual_seed(seed);
     gen = at::make_generator<at::CPUGeneratorImpl>(seed);
     model = build_model(spec, comm, factory);
+    // Building a shard leaves freed temporaries (the full initialisation of a checkpoint's
+    // tensors, the loader's buffers) in malloc's arenas: give those pages back, as below.
+    ::malloc_trim(0);
     TpResponse ready;
     ready.rank = rank;
     ready.ok = true;
@@ -375,6 +379,12 @@ void run_tensor_parallel_worker(int rank, const TpWorkerSpec& spec, Queue<TpRequ
         r.result = result;
         r.values = std::move(values);
       }
+      // A generate's (or forward's) KV cache and activations are freed by now, but glibc keeps
+      // them in its arenas (its mmap threshold rises to the largest freed block, up to 32 MiB):
+      // an idle worker would hold its last request's peak. Trimmed before the reply (well under
+      // a millisecond against a request's hundreds), so a worker that answered holds only its
+      // model; not after steps (serve's continuous batching), which come too often for it.
+      if (req.kind != static_cast<int32_t>(TpRequestKind::kStep)) ::malloc_trim(0);
       out.put(r, timeout);
     } catch (...) {
       report_failure(out, rank, req.id, spec.timeout_s);
