@@ -24,7 +24,8 @@ Benchmarks (names for --only), run in this order:
                model, 1 server + 1 trainer and 1 server + 3 trainers
   collectives  coll_bench (torchpar-shm, torchpar-gloo, c10d-gloo-cpp) vs
                peers/torch_dist_collectives.py and peers/mpi_collectives.c (Open MPI, compiled
-               with mpicc into <out>/raw/ when the benchmark starts)
+               with mpicc into <out>/raw/ when the benchmark starts); 4 B and 4 KiB also in
+               back-to-back pairs of torchpar-shm and Open MPI (COLL_SMALL_PAIRS per round)
   scale-out    scaleout_bench between two network namespaces joined by a veth pair (2 hosts x 2
                ranks, two_hosts.py): all_reduce with the hierarchical backend vs flat Gloo, on the
                bare link and on one shaped to 1 Gbit/s with tc (netem with 0.2 ms delay, else tbf);
@@ -1173,6 +1174,14 @@ COLL_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_a
 COLL_OPS_TORCH = ("all_reduce", "broadcast", "all_gather")
 # Issue 42: torchpar-shm against Open MPI at every size, median and p99
 COLL_MPI_TARGET_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+# The sizes a vCPU placement flip decides (a cache line's round trip between the two vCPUs, which
+# the hypervisor may change between two programs' launches or within one: 0.15 against 0.48 µs
+# at 4 B in one run): besides the full runs, torchpar-shm and Open MPI each run them again in
+# short back-to-back pairs, the pairs in alternating order (ours first, then Open MPI first, ...),
+# so both sample the same stretch of time; their figures at these sizes are the medians over
+# every run, the full runs' and the pairs' (COLL_SMALL_PAIRS + 1 per round each).
+COLL_SMALL_SIZES = (4, 4 * KiB)
+COLL_SMALL_PAIRS = 3
 
 
 def parse_coll(out):
@@ -1218,12 +1227,36 @@ def runners_collectives(cfg):
     # --oversubscribe: Open MPI counts cores and may refuse -np 2 where it sees fewer slots.
     mpi = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", exe or "mpi_collectives"] + flags
     timeout = cfg.pick(180, 900)
-    return [Runner("coll_bench", True, [cfg.bin / "coll_bench", "--systems", ",".join(COLL_OURS)] + flags,
-                   parse_coll, timeout),
-            Runner("torch_dist_collectives.py", False,
-                   [PY, PEERS / "torch_dist_collectives.py", "--ops", ",".join(COLL_OPS_TORCH)] + common,
-                   parse_coll, timeout),
-            Runner("mpi", False, mpi, parse_coll, timeout, skip=why)]
+    runners = [Runner("coll_bench", True, [cfg.bin / "coll_bench", "--systems", ",".join(COLL_OURS)] + flags,
+                      parse_coll, timeout),
+               Runner("torch_dist_collectives.py", False,
+                      [PY, PEERS / "torch_dist_collectives.py", "--ops", ",".join(COLL_OPS_TORCH)] + common,
+                      parse_coll, timeout),
+               Runner("mpi", False, mpi, parse_coll, timeout, skip=why)]
+    small = ["--ops", ",".join(COLL_OPS), "--sizes", ",".join(map(str, COLL_SMALL_SIZES)),
+             "--iters", iters, "--warmup", warmup]
+    for i in range(1, cfg.pick(1, COLL_SMALL_PAIRS) + 1):
+        pair = [Runner(f"coll_bench small {i}", True,
+                       [cfg.bin / "coll_bench", "--systems", "torchpar-shm"] + small, parse_coll, 120),
+                Runner(f"mpi small {i}", False, mpi[:mpi.index(exe or "mpi_collectives") + 1] + small,
+                       parse_coll, 120, skip=why)]
+        runners += pair if i % 2 == 1 else pair[::-1]
+    return runners
+
+
+def merge_small_pairs(runs):
+    """Folds the runs of "coll_bench small <i>" and "mpi small <i>" (COLL_SMALL_SIZES) into
+    coll_bench's and mpi's records: their values join the full runs', the medians are taken
+    again. A pair's record stays, emptied (merged_into names where its values went), so a
+    failed one is still reported."""
+    for name, rec in runs.items():
+        target = next((t for t in ("coll_bench", "mpi") if name.startswith(t + " small ")), None)
+        if target is None or target not in runs:
+            continue
+        runs[target]["values"].extend(rec["values"])
+        runs[target]["median"] = medians(runs[target]["values"])
+        rec.update(values=[], median={}, merged_into=target)
+    return runs
 
 
 def coll_medians(runs):
@@ -1272,7 +1305,14 @@ def report_collectives(runs, limits, cfg):
               "median over rounds of each round's nearest-rank 99th percentile of rank 0's calls "
               "(the slowest call when a round timed fewer than 100), \"worst round's median (µs)\" "
               "the largest of the rounds' medians, in bold when over 2x the smallest (a bimodal "
-              "row: one round ran much slower than another, which the median over rounds hides).")
+              "row: one round ran much slower than another, which the median over rounds hides). "
+              f"At {' and '.join(fmt_bytes(n) for n in COLL_SMALL_SIZES)}, where the vCPU placement "
+              "(a cache line's round trip between the two vCPUs) decides the figure and may change "
+              "between two programs' launches, torchpar-shm and Open MPI also run those sizes alone "
+              f"in {cfg.pick(1, COLL_SMALL_PAIRS)} back-to-back pair(s) per round, in alternating "
+              "order; their rows there are over every run, the full ones' and the pairs' "
+              f"({cfg.pick(1, COLL_SMALL_PAIRS) + 1} per round each; \"worst round's median\" then "
+              "is the worst run's).")
     for op in COLL_OPS:
         rows = []
         for n in sizes:
@@ -2889,6 +2929,8 @@ def main():
         # scale-out owns its setup (namespaces made and removed around its rounds)
         results[bench] = (run_scaleout(cfg) if bench == SCALE
                           else interleave(cfg, bench, RUNNERS[bench](cfg)))
+        if bench == "collectives":
+            merge_small_pairs(results[bench])
 
     limits = physical_limits(results)
     sections, summaries, notes = [], {}, []
