@@ -270,8 +270,11 @@ void ShmQueue::put(const std::string& bytes, Timeout timeout) {
         ring_write(ring_, ctl_->capacity, ctl_->tail, &len, 8);
         ring_write(ring_, ctl_->capacity, ctl_->tail + 8, &kind, 1);
         ring_write(ring_, ctl_->capacity, ctl_->tail + 9, msg->data(), msg->size());
-        word64(ctl_->tail).store(ctl_->tail + need);  // commit after the copy
-        word64(ctl_->count).store(ctl_->count + 1);
+        // Release, not seq_cst: the lock orders these for every reader but qsize(). A seq_cst
+        // store is a full fence on x86, which waited here for the ring's lines (last read by
+        // the getter) to come back before the seq_put bump below could start.
+        word64(ctl_->tail).store(ctl_->tail + need, std::memory_order_release);  // commit
+        word64(ctl_->count).store(ctl_->count + 1, std::memory_order_release);
         ++ctl_->unfinished;
         atomic_word(ctl_->seq_put).fetch_add(1);
         wake = atomic_word(ctl_->sleeping_getters).load() != 0;
@@ -321,8 +324,8 @@ std::string ShmQueue::get(Timeout timeout) {
           out.resize(len - 1);
           ring_read(ring_, ctl_->capacity, ctl_->head + 9, out.data(), len - 1);
         }
-        word64(ctl_->head).store(ctl_->head + 8 + len);
-        word64(ctl_->count).store(ctl_->count - 1);
+        word64(ctl_->head).store(ctl_->head + 8 + len, std::memory_order_release);  // as in put
+        word64(ctl_->count).store(ctl_->count - 1, std::memory_order_release);
         atomic_word(ctl_->seq_get).fetch_add(1);
         wake = atomic_word(ctl_->sleeping_putters).load() != 0;
         break;
