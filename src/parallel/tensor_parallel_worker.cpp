@@ -150,6 +150,8 @@ class StepBatch {
       seqs_[i] = std::move(seqs_.back());
       seqs_.pop_back();
     }
+    // Nothing left running: the batch's tensors (sized for the widest batch so far) go too.
+    if (seqs_.empty()) batch_.clear();
     const auto long_options = at::TensorOptions(at::kLong);
     std::vector<at::Tensor> logits;  // [rows, V] pieces, in the order of seqs_
     const size_t running = seqs_.size();
@@ -228,6 +230,9 @@ class StepBatch {
     }
     return pairs;
   }
+
+  /// No sequence running (none joined yet, or the last left).
+  bool idle() const { return seqs_.empty(); }
 
  private:
   struct Seq {
@@ -383,8 +388,9 @@ void run_tensor_parallel_worker(int rank, const TpWorkerSpec& spec, Queue<TpRequ
       // them in its arenas (its mmap threshold rises to the largest freed block, up to 32 MiB):
       // an idle worker would hold its last request's peak. Trimmed before the reply (well under
       // a millisecond against a request's hundreds), so a worker that answered holds only its
-      // model; not after steps (serve's continuous batching), which come too often for it.
-      if (req.kind != static_cast<int32_t>(TpRequestKind::kStep)) ::malloc_trim(0);
+      // model (and a forward's logits); steps (serve's continuous batching) come too often for
+      // it, so only the one that leaves the batch empty trims.
+      if (req.kind != static_cast<int32_t>(TpRequestKind::kStep) || steps.idle()) ::malloc_trim(0);
       out.put(r, timeout);
     } catch (...) {
       report_failure(out, rank, req.id, spec.timeout_s);
