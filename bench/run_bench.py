@@ -1225,7 +1225,8 @@ def runners_collectives(cfg):
     flags = ["--ops", ",".join(COLL_OPS)] + common
     exe, why = build_mpi(cfg)
     # --oversubscribe: Open MPI counts cores and may refuse -np 2 where it sees fewer slots.
-    mpi = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", exe or "mpi_collectives"] + flags
+    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", exe or "mpi_collectives"]
+    mpi = mpirun + flags
     timeout = cfg.pick(180, 900)
     runners = [Runner("coll_bench", True, [cfg.bin / "coll_bench", "--systems", ",".join(COLL_OURS)] + flags,
                       parse_coll, timeout),
@@ -1238,8 +1239,7 @@ def runners_collectives(cfg):
     for i in range(1, cfg.pick(1, COLL_SMALL_PAIRS) + 1):
         pair = [Runner(f"coll_bench small {i}", True,
                        [cfg.bin / "coll_bench", "--systems", "torchpar-shm"] + small, parse_coll, 120),
-                Runner(f"mpi small {i}", False, mpi[:mpi.index(exe or "mpi_collectives") + 1] + small,
-                       parse_coll, 120, skip=why)]
+                Runner(f"mpi small {i}", False, mpirun + small, parse_coll, 120, skip=why)]
         runners += pair if i % 2 == 1 else pair[::-1]
     return runners
 
